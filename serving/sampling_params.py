@@ -1,0 +1,126 @@
+"""Per-request generation parameters, with vLLM's names and semantics.
+
+`SamplingParams` is what `LLM.generate` takes and what the engine runs on. LMI/TGI names
+(`max_new_tokens`, `stop_sequences`, `do_sample`) are translated into it once, at the HTTP
+edge (`serving/protocol.py`), never here. Every check raises `ValueError` with a message that
+names the field, so the server can answer 400 without disturbing other requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping options for one request (vLLM field names).
+
+    Greedy decoding happens when `temperature` is below 1e-5 (vLLM's rule). `top_k` of 0 or
+    -1 disables top-k. `logprobs=k` returns the chosen token's logprob plus the top k.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalise list-ish inputs so the object stays hashable and immutable.
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        else:
+            stop = tuple(stop)
+        if not all(isinstance(s, str) for s in stop):
+            raise ValueError("stop must be a string or a list of strings")
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        object.__setattr__(self, "stop", stop)
+        ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.best_of is None:
+            object.__setattr__(self, "best_of", self.n)
+        self._validate()
+
+    def _validate(self) -> None:
+        def _int(name: str, lo: int | None = None) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if lo is not None and v < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {v}")
+
+        def _num(name: str) -> float:
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+                raise ValueError(f"{name} must be a number, got {v!r}")
+            return float(v)
+
+        _int("n", 1)
+        _int("best_of", 1)
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n, got best_of={self.best_of} n={self.n}")
+        if not -2.0 <= _num("presence_penalty") <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= _num("frequency_penalty") <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not _num("repetition_penalty") > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if _num("temperature") < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < _num("top_p") <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _int("top_k")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        if not 0.0 <= _num("min_p") <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _int("seed")
+        if self.max_tokens is not None:
+            _int("max_tokens", 1)
+        _int("min_tokens", 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be <= max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _int(name, 0)
+                if getattr(self, name) > 20:
+                    raise ValueError(f"{name} must be <= 20, got {getattr(self, name)}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature ~ 0)."""
+        return self.temperature < _GREEDY_EPS
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields changed (validated again)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if "n" in changes and "best_of" not in changes:
+            values["best_of"] = None
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,81 @@
+"""Per-sample request state: token ids, progress counters, block table, status.
+
+A request with `n` samples becomes `n` `Sequence`s sharing `request_id` (index 0..n-1). The
+scheduler works on counters (`num_computed_tokens` vs `num_tokens`), never on phases: a prefill
+is just a sequence with many uncomputed tokens, a decode one with exactly one.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from serving.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sample ended, in LMI's vocabulary (mapped to OpenAI names at the edge)."""
+
+    LENGTH = "length"
+    EOS = "eos_token"  # EOS or one of stop_token_ids
+    STOP = "stop_sequence"  # a stop string matched
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample being generated. `token_ids` = prompt ids followed by output ids."""
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt, served by the prefix cache (last admission)
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
