@@ -1,17 +1,115 @@
 """Public kernel ops. One place picks the implementation: Triton on CUDA tensors, else torch.
 
 Callers use `kernels.write_kv_cache(...)` etc.; each op dispatches on the device of its first
-tensor argument, so the CPU path is always the pure-torch reference in `kernels/reference.py`.
+tensor argument: CUDA tensors go to the Triton launchers (imported lazily, on first use), CPU
+tensors to the pure-torch reference in `kernels/reference.py`. `OPEN_LMI_KERNELS=reference`
+(read once, at import) forces the reference everywhere, e.g. to bisect a numerical issue.
 """
 
-from kernels.reference import (
-    paged_decode_attention,
-    prefill_attention,
-    rms_norm,
-    rotary_embedding,
-    silu_and_mul,
-    write_kv_cache,
-)
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+
+_FORCE_REFERENCE = os.environ.get("OPEN_LMI_KERNELS", "").strip().lower() == "reference"
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@functools.cache
+def _mod(name: str) -> ModuleType:
+    return importlib.import_module(f"kernels.{name}")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when `t` lives on a CUDA device, Triton imports, and no override forces torch."""
+    return t.is_cuda and not _FORCE_REFERENCE and _triton_available()
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Store each token's K/V row at its slot; rows with slot -1 are skipped."""
+    impl = _mod("cache_ops").write_kv_cache if use_triton(key) else reference.write_kv_cache
+    impl(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
+    if use_triton(query):
+        impl = _mod("paged_decode_attention").paged_decode_attention
+    else:
+        impl = reference.paged_decode_attention
+    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: total K/V length incl. this chunk
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix + itself."""
+    impl = _mod("prefill_attention").prefill_attention if use_triton(query) else reference.prefill_attention
+    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm; with `residual`, first x = x + residual and return (normed, x)."""
+    impl = _mod("rms_norm").rms_norm if use_triton(x) else reference.rms_norm
+    return impl(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads * head_dim] (or [T, H, D]), rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] (or [T, KVH, D]), in place
+    cos_sin_cache: torch.Tensor,  # [max_position, rot_dim]: cos in the first half, sin second
+    head_dim: int,
+) -> None:
+    """Neox-style (rotate-half) RoPE on the first rot_dim dims of each head, in place."""
+    impl = _mod("rotary").rotary_embedding if use_triton(query) else reference.rotary_embedding
+    impl(positions, query, key, cos_sin_cache, head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: x = [gate | up] along the last dim -> silu(gate) * up."""
+    impl = _mod("activation").silu_and_mul if use_triton(x) else reference.silu_and_mul
+    return impl(x)
+
 
 __all__ = [
     "paged_decode_attention",
@@ -19,5 +117,6 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "use_triton",
     "write_kv_cache",
 ]

@@ -1,0 +1,238 @@
+"""Triton paged decode attention: split-KV flash-decoding over block tables, GQA-aware.
+
+In: one query token per sequence `[num_seqs, H, D]`, the paged K/V cache of one layer, block
+tables and sequence lengths. Out: `[num_seqs, H, D]`. Stage 1 runs one program per
+(sequence, KV head, split): it serves all `H // KVH` query heads of that KV head with one pass
+over its slice of the context (a `tl.dot` on a head tile padded to 16 rows), writing a partial
+output and its log-sum-exp. Stage 2 merges the splits. Every launch parameter is derived from
+tensor shapes, never from tensor values, so the op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Each split covers a whole number of BLOCK_N tiles.
+    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    return tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _paged_decode_stage1_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    mid_o_ptr,  # [S, H, NUM_SPLITS, HEAD_DIM] fp32
+    mid_lse_ptr,  # [S, H, NUM_SPLITS] fp32 (log2 domain)
+    qk_scale,  # softmax scale * log2(e)
+    stride_q_seq,
+    stride_q_head,
+    stride_c_block,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start >= end:  # empty split: stage 2 skips it by the same arithmetic
+        return
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h  # [BLOCK_H] query heads served by this KV head
+
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+
+    for n_start in range(start, end, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        kv_offs = page * stride_c_block + (offs_n % PAGE_SIZE) * stride_c_tok + kv_head * stride_c_head
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * NUM_SPLITS + split  # [BLOCK_H]
+    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _paged_decode_stage2_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_o_seq,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid = (offs_s < NUM_SPLITS) & (offs_s * split_len < seq_len)
+    row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + offs_s  # [BLOCK_S]
+    lse = tl.load(mid_lse_ptr + row, mask=valid, other=float("-inf"))
+    m = tl.maximum(tl.max(lse, 0), -1e30)  # finite even when no split is valid (seq_len 0)
+    w = tl.where(valid, tl.exp2(lse - m), 0.0)  # [BLOCK_S]
+    o = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)  # seq_len 0 (padding) -> zeros
+    out_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_num_splits(query: torch.Tensor, num_kv_heads: int, max_context: int, block_n: int) -> int:
+    # Enough (seq, kv_head, split) programs to cover the SMs about twice; splits that fall past a
+    # sequence's length exit at once, so over-splitting short contexts costs little.
+    num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 4
+    programs = query.shape[0] * num_kv_heads
+    want = triton.cdiv(2 * num_sms, max(programs, 1))
+    return max(1, min(want, triton.cdiv(max_context, block_n), 32))
+
+
+def paged_decode_attention_impl(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`paged_decode_attention` with the tile and split count exposed (tests pin them)."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query.stride(2) == 1, "query rows must be contiguous over head_dim"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert query.dtype == k_cache.dtype == v_cache.dtype, (query.dtype, k_cache.dtype)
+    assert block_tables.dim() == 2 and block_tables.shape[0] >= num_seqs and block_tables.stride(1) == 1
+    assert block_tables.dtype in (torch.int32, torch.int64) and seq_lens.dtype in (torch.int32, torch.int64)
+    assert seq_lens.shape[0] >= num_seqs and seq_lens.is_contiguous()
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    if block_n is None:
+        block_n = 64 if query.is_cuda else 16
+    if num_splits is None:
+        num_splits = _default_num_splits(query, num_kv_heads, block_tables.shape[1] * page_size, block_n)
+    block_d = triton.next_power_of_2(head_dim)
+    mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    _paged_decode_stage1_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        DOT_PRECISION=precision,
+        num_warps=4,
+        num_stages=2,
+    )
+    _paged_decode_stage2_kernel[(num_seqs, num_heads)](
+        mid_o,
+        mid_lse,
+        seq_lens,
+        out,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending to its whole cached context -> [num_seqs, H, D].
+
+    Shapes: query [S, H, D] (unit stride over D); caches [NB, BS, KVH, D] with H % KVH == 0;
+    block_tables [>=S, max_blocks]; seq_lens [>=S]. A row with seq_len 0 (graph padding)
+    yields zeros. Head dims that are not powers of two are padded to BLOCK_D and masked.
+    """
+    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, scale)

@@ -1,0 +1,83 @@
+"""Triton RMSNorm, optionally fused with the residual add that precedes it in each layer.
+
+In: `x[num_tokens, hidden]`, `weight[hidden]` (and `residual[num_tokens, hidden]`). Out: the
+normed rows (and the new residual `x + residual`), one program per row, fp32 statistics.
+Rounding follows the reference: the sum is rounded to the input dtype before it is normed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * N + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    var = tl.sum(x * x, 0) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm; with `residual`, first x = x + residual and return (normed, x).
+
+    Shapes: x [T, N] with unit stride over N (row stride free); weight [N] of x's dtype;
+    residual [T, N]. Outputs are new contiguous tensors; inputs are not modified.
+    """
+    assert x.dim() == 2 and x.stride(1) == 1, x.stride()
+    num_tokens, hidden = x.shape
+    assert weight.shape == (hidden,) and weight.is_contiguous()
+    assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    residual_out = out
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
+        residual_out = torch.empty_like(out)
+    if num_tokens > 0:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(num_tokens,)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            residual_out,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            eps,
+            N=hidden,
+            BLOCK=block,
+            HAS_RESIDUAL=residual is not None,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    if residual is not None:
+        return out, residual_out
+    return out

@@ -1,0 +1,104 @@
+"""Triton rotary embedding, neox style (rotate-half), applied to q and k in place.
+
+In: `positions[num_tokens]`, q `[T, H*D]` or `[T, H, D]`, k likewise with KV heads, and a
+`cos_sin_cache[max_position, rot_dim]` (cos first half, sin second; any Llama-3 frequency
+scaling is baked into the cache by its builder). One program per token rotates all its heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(base_ptr, cos, sin, offs_h, offs_r, mask, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    ptrs = base_ptr + offs_h[:, None] * HEAD_DIM + offs_r[None, :]  # [BLOCK_HEADS, BLOCK_HALF]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(ptrs, o1.to(base_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, o2.to(base_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    stride_q_tok,
+    stride_k_tok,
+    stride_cache,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_K_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_HALF)
+    mask_r = offs_r < HALF
+    cos = tl.load(cache_ptr + pos * stride_cache + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+    offs_qh = tl.arange(0, BLOCK_Q_HEADS)
+    _rotate_heads(q_ptr + tok * stride_q_tok, cos, sin, offs_qh, offs_r,
+                  (offs_qh[:, None] < NUM_Q_HEADS) & mask_r[None, :], HEAD_DIM, HALF)
+    offs_kh = tl.arange(0, BLOCK_K_HEADS)
+    _rotate_heads(k_ptr + tok * stride_k_tok, cos, sin, offs_kh, offs_r,
+                  (offs_kh[:, None] < NUM_K_HEADS) & mask_r[None, :], HEAD_DIM, HALF)
+
+
+def _num_heads(t: torch.Tensor, head_dim: int) -> int:
+    # Each token's heads must be packed: [T, H*D] with unit stride, or [T, H, D] with stride D.
+    if t.dim() == 2:
+        assert t.stride(1) == 1 and t.shape[1] % head_dim == 0, (t.shape, t.stride())
+        return t.shape[1] // head_dim
+    assert t.dim() == 3 and t.shape[2] == head_dim and t.stride(2) == 1 and t.stride(1) == head_dim
+    return t.shape[1]
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads * head_dim] (or [T, H, D]), rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] (or [T, KVH, D]), in place
+    cos_sin_cache: torch.Tensor,  # [max_position, rot_dim]: cos in the first half, sin second
+    head_dim: int,
+) -> None:
+    """Neox-style (rotate-half) RoPE on the first rot_dim dims of each head, in place.
+
+    Shapes: positions [T]; query/key with packed heads per token (row stride free, so views of a
+    fused qkv tensor work); cos_sin_cache [P, rot_dim] with unit stride, rot_dim <= head_dim.
+    """
+    num_tokens = positions.shape[0]
+    assert query.shape[0] == num_tokens and key.shape[0] == num_tokens
+    assert query.dtype == key.dtype, (query.dtype, key.dtype)
+    num_q_heads = _num_heads(query, head_dim)
+    num_k_heads = _num_heads(key, head_dim)
+    rot_dim = cos_sin_cache.shape[1]
+    assert rot_dim % 2 == 0 and rot_dim <= head_dim and cos_sin_cache.stride(1) == 1
+    if num_tokens == 0:
+        return
+    half = rot_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        positions,
+        query,
+        key,
+        cos_sin_cache,
+        query.stride(0),
+        key.stride(0),
+        cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_K_HEADS=num_k_heads,
+        HEAD_DIM=head_dim,
+        HALF=half,
+        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads),
+        BLOCK_K_HEADS=triton.next_power_of_2(num_k_heads),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=4,
+    )

@@ -1,0 +1,36 @@
+"""Kernel tests run the Triton kernels on CUDA when present, else in Triton's CPU interpreter.
+
+`triton.jit` reads TRITON_INTERPRET when a kernel is decorated (module import), so it is set
+here, before the test modules import `kernels.*` launchers; any launcher module imported
+earlier in the same run is reloaded so its kernels are re-decorated as interpreted. Only the
+Triton launcher modules are touched: the reference path and other test folders are unaffected.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+_TRITON_MODULES = (
+    "kernels.cache_ops",
+    "kernels.paged_decode_attention",
+    "kernels.prefill_attention",
+    "kernels.rms_norm",
+    "kernels.rotary",
+    "kernels.activation",
+)
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in _TRITON_MODULES:
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
