@@ -1,0 +1,163 @@
+"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Phi-3) for identity tests vs transformers.
+
+Each dir is written by transformers itself (`save_pretrained`, >= 2 safetensors shards plus
+`model.safetensors.index.json`) and carries the default model's tokenizer, so the vocab
+(49152) matches real text. Weights are random but deterministic; norm weights and biases are
+perturbed away from HF's 1/0 init so a swapped or skipped tensor shows up in the logits.
+
+Use from a test module (tests/ is on sys.path through tests/conftest.py):
+
+    from model_fixtures import tiny_models  # noqa: F401  (session fixture)
+
+    def test_x(tiny_models):
+        path = tiny_models("llama")  # built once per session, cached
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "phi3")
+# NOTE: one head dim per arch so 64/80/96/128 are all exercised.
+HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "phi3": 128}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+
+
+def tiny_config(arch: str):
+    """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        num_hidden_layers=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        # Larger than HF's 0.02 so greedy argmax margins are wide (no near-ties between
+        # implementations that differ in the last fp32 bits).
+        initializer_range=0.08,
+        rms_norm_eps=1e-5,
+    )
+    if arch == "llama":
+        return LlamaConfig(
+            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
+            tie_word_embeddings=False,
+            # Small original_max_position_embeddings so llama3 smoothing touches mid frequencies.
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            },
+            **common,
+        )
+    if arch == "mistral":
+        return MistralConfig(
+            hidden_size=160, num_attention_heads=2, num_key_value_heads=1, intermediate_size=320,
+            head_dim=80, sliding_window=None, tie_word_embeddings=False, **common,
+        )
+    if arch == "qwen2":
+        return Qwen2Config(
+            hidden_size=192, num_attention_heads=2, num_key_value_heads=1, intermediate_size=384,
+            tie_word_embeddings=True, use_sliding_window=False, **common,
+        )
+    if arch == "phi3":
+        return Phi3Config(
+            hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=384,
+            tie_word_embeddings=False, sliding_window=None, original_max_position_embeddings=2048,
+            resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **common,
+        )
+    raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
+
+
+def _to_legacy_rope_keys(config_path: Path) -> None:
+    """Rewrite a 5.x `rope_parameters` config.json as 4.x `rope_scaling` + `rope_theta`."""
+    d = json.loads(config_path.read_text())
+    rp = dict(d.pop("rope_parameters"))
+    d["rope_theta"] = rp.pop("rope_theta")
+    if rp.get("rope_type", "default") != "default":
+        d["rope_scaling"] = rp
+    config_path.write_text(json.dumps(d, indent=2))
+
+
+def build_tiny_model(
+    arch: str,
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    tokenizer_dir: Path | None = None,
+    max_shard_size: str = "8MB",
+    legacy_rope_keys: bool | None = None,
+) -> Path:
+    """Write a random tiny `arch` model as an HF dir at `out_dir` and return it.
+
+    Args:
+        tokenizer_dir: where to copy tokenizer files from (default: the converted SmolLM2 dir).
+        legacy_rope_keys: write `rope_scaling`/`rope_theta` (transformers 4.x style) instead of
+            `rope_parameters`; default True for llama so both config styles are covered.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = tiny_config(arch)
+    config.head_dim = HEAD_DIMS[arch]
+    assert config.hidden_size == config.num_attention_heads * HEAD_DIMS[arch]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), max_shard_size=max_shard_size)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2, do_sample=False).save_pretrained(str(out_dir))
+    if legacy_rope_keys is None:
+        legacy_rope_keys = arch == "llama"
+    if legacy_rope_keys:
+        _to_legacy_rope_keys(out_dir / "config.json")
+    if tokenizer_dir is None:
+        from serving.default_model import default_model_path
+
+        tokenizer_dir = default_model_path()
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
+    shards = sorted(out_dir.glob("*.safetensors"))
+    assert len(shards) >= 2 and (out_dir / "model.safetensors.index.json").is_file(), shards
+    return out_dir
+
+
+class TinyModels:
+    """Builds each tiny arch once under `root` and returns its dir on later calls."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._built: dict[str, Path] = {}
+
+    def __call__(self, arch: str) -> Path:
+        if arch not in self._built:
+            self._built[arch] = build_tiny_model(arch, self.root / arch)
+        return self._built[arch]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Session-wide builder: `tiny_models("phi3") -> Path` of a cached tiny HF dir."""
+    return TinyModels(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The converted default model dir (converted on first use, ~30 s once per machine)."""
+    from serving.default_model import default_model_path
+
+    return default_model_path()
