@@ -1,0 +1,257 @@
+"""Rolling-batch scheduler: decides which tokens of which sequences run each step.
+
+It schedules by counters, not phases: a sequence needs `num_tokens - num_computed_tokens`
+more tokens computed; a prefill is just a large number (chunked by the token budget), a decode
+is one. In: sequences (`add_sequences`), runner results (`update`). Out: a `SchedulerOutput`
+per step, and the sequences that got new tokens / finished. Blocks come from `BlockManager`;
+when they run out the latest-arrived running sequence is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from serving.block_manager import BlockManager
+from serving.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
+from serving.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class Scheduler:
+    """FCFS admission under a per-step token budget and sequence cap, with preemption.
+
+    Args:
+        block_manager: owns the KV blocks.
+        max_num_seqs: most sequences running at once (LMI `max_rolling_batch_size`).
+        max_num_batched_tokens: most tokens computed in one step (LMI
+            `max_rolling_batch_prefill_tokens`); decodes and prefill chunks share it.
+        max_model_len: most tokens (prompt + output) of one sequence.
+        eos_token_ids: ids that end a sample unless `ignore_eos`.
+        enable_chunked_prefill: when False a prompt is only admitted whole.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            # Otherwise the decodes at the back of the running list could starve forever.
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Sequence] = []  # FCFS; preempted sequences go back to the front
+        self.running: list[Sequence] = []  # sorted by seq_id (= arrival order)
+        self._groups: dict[str, list[Sequence]] = {}  # request_id -> its n samples
+        self.num_preemptions = 0
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def max_tokens(self, seq: Sequence) -> int:
+        """Most output tokens `seq` may produce (max_tokens, else up to max_model_len)."""
+        if seq.params.max_tokens is None:
+            return self.max_model_len - seq.num_prompt_tokens
+        return seq.params.max_tokens
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise ValueError when a request could never be scheduled."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty; at least one token is needed")
+        total = num_prompt_tokens + (max_tokens if max_tokens is not None else 0)
+        if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+                f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if max_tokens is None:
+            total = self.max_model_len
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {total} tokens "
+                f"of KV cache but the whole cache holds {capacity} tokens; lower max_tokens or "
+                f"give the KV cache more memory"
+            )
+        if not self.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} and chunked prefill is disabled"
+            )
+
+    def add_sequences(self, seqs: list[Sequence]) -> None:
+        """Queue the samples of one request (validated first; raises ValueError, queues nothing)."""
+        assert seqs and len({s.request_id for s in seqs}) == 1
+        for seq in seqs:
+            self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
+        request_id = seqs[0].request_id
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._groups[request_id] = list(seqs)
+        for seq in seqs:
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop its K/V, put it at the head of the waiting queue."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, seq)
+
+    def _leader(self, seq: Sequence) -> Sequence | None:
+        """The index-0 sample of `seq`'s request, if `seq` is another sample of it."""
+        if seq.index == 0:
+            return None
+        group = self._groups.get(seq.request_id)
+        return group[0] if group else None
+
+    def _waits_for_leader(self, seq: Sequence, leader: Sequence | None) -> bool:
+        """A sibling sample waits until its leader's prompt K/V exist, so it can share them."""
+        if leader is None or leader.is_finished:
+            return False
+        if (seq.num_prompt_tokens - 1) // self.block_manager.block_size == 0:
+            return False  # no full prompt block to share
+        return leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running sequences first (preempting if needed), then FCFS admissions."""
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+
+        # Running sequences in arrival order; victims are taken from the back, so a sequence
+        # already scheduled this step is never preempted.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
+            while not bm.can_append(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: it was the last running sequence
+            bm.append_slots(seq, num_new)
+            scheduled.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens))
+            budget -= num_new
+            i += 1
+
+        # Admit waiting sequences FCFS, unless this step had to preempt (no room to grow).
+        j = 0
+        while not preempted and j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[j]
+            leader = self._leader(seq)
+            if self._waits_for_leader(seq, leader):
+                j += 1
+                continue
+            donor = leader if leader is not None and not leader.is_finished else None
+            num_cached = bm.num_cached_tokens(seq, donor)
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.enable_chunked_prefill and num_new < seq.num_tokens - num_cached:
+                break
+            if not bm.can_allocate(seq, num_new, donor):
+                break
+            num_cached = bm.allocate(seq, num_new, donor)
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            del self.waiting[j]
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            scheduled.append(ScheduledSequence(seq, num_new, num_cached + num_new == seq.num_tokens))
+            budget -= num_new
+
+        # Decodes (one query token) first, as AttentionMetadata expects; stable otherwise.
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        others = [s for s in scheduled if s.num_tokens != 1]
+        return SchedulerOutput(scheduled=decodes + others, num_decodes=len(decodes), preempted=preempted)
+
+    def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[tuple[Sequence, SampledToken]]:
+        """Advance counters, append sampled tokens, finish sequences that hit EOS / length.
+
+        Returns:
+            (sequence, sampled token) for every sequence that got a token this step, in
+            schedule order; finished ones have status FINISHED and their blocks freed.
+        """
+        samples = iter(runner_out.sampled)
+        results: list[tuple[Sequence, SampledToken]] = []
+        for item in sched_out.scheduled:
+            seq = item.seq
+            sampled = next(samples) if item.sample else None
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_computed_blocks(seq)
+            if sampled is None:
+                continue
+            seq.append_token(sampled.token_id)
+            results.append((seq, sampled))
+            reason, stop = self._check_stop(seq, sampled.token_id)
+            if reason is not None:
+                self.finish(seq, reason, stop)
+        assert next(samples, None) is None, "runner returned more samples than scheduled"
+        return results
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return FinishReason.EOS, token_id
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return FinishReason.EOS, None
+        if seq.num_output_tokens >= self.max_tokens(seq) or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # ---- ending --------------------------------------------------------------------------
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End one sample now (EOS, length, stop string, abort): frees its blocks at once."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        group = self._groups.get(seq.request_id)
+        if group is not None and all(s.is_finished for s in group):
+            del self._groups[seq.request_id]
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sample of a request with ABORT; returns the ones it ended."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return []
+        ended = [s for s in group if not s.is_finished]
+        for seq in ended:
+            self.finish(seq, FinishReason.ABORT)
+        return ended
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)

@@ -1,0 +1,225 @@
+"""Scheduler: chunked prefill, decode-first batches, FCFS admission, preemption order, stops."""
+
+from __future__ import annotations
+
+import pytest
+from core_factories import FakeRunner, make_sequence
+
+from serving.block_manager import BlockManager
+from serving.scheduler import Scheduler
+from serving.sequence import FinishReason, SequenceStatus
+
+
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=8, max_model_len=64, eos=(), **kw):
+    bm = BlockManager(num_blocks, block_size, kw.pop("enable_prefix_caching", True))
+    return Scheduler(bm, max_num_seqs, budget, max_model_len, eos, **kw), FakeRunner()
+
+
+def step(sched: Scheduler, runner: FakeRunner):
+    out = sched.schedule()
+    return out, sched.update(out, runner.execute(out))
+
+
+def run_to_end(sched: Scheduler, runner: FakeRunner, limit: int = 200) -> None:
+    for _ in range(limit):
+        if not sched.has_unfinished():
+            return
+        step(sched, runner)
+    raise AssertionError("scheduler did not finish (deadlock?)")
+
+
+def test_chunked_prefill_then_mixed_decode_first() -> None:
+    sched, runner = make_scheduler(budget=8)
+    s0 = make_sequence(0, list(range(10)), max_tokens=3)
+    s1 = make_sequence(1, list(range(100, 103)), max_tokens=3)
+    s2 = make_sequence(2, list(range(200, 212)), max_tokens=2)
+    sched.add_sequences([s0])
+    sched.add_sequences([s1])
+    out, _ = step(sched, runner)
+    assert runner.steps[-1] == [(0, 8, False)] and out.num_decodes == 0
+    assert s0.block_table == [0, 1] and s0.num_computed_tokens == 8 and s0.num_output_tokens == 0
+    out, got = step(sched, runner)
+    assert runner.steps[-1] == [(0, 2, True), (1, 3, True)]
+    assert [(s.seq_id, t.token_id) for s, t in got] == [(0, 1000), (1, 1001)]
+    assert s0.block_table == [0, 1, 2] and s1.block_table == [3]
+    sched.add_sequences([s2])
+    out, _ = step(sched, runner)
+    # Two decodes, then a 6-token chunk of the new prompt within the 8-token budget.
+    assert runner.steps[-1] == [(0, 1, True), (1, 1, True), (2, 6, False)] and out.num_decodes == 2
+    assert s1.block_table == [3] and s2.block_table == [4, 5]
+    out, _ = step(sched, runner)
+    assert runner.steps[-1] == [(0, 1, True), (1, 1, True), (2, 6, True)]
+    assert s0.is_finished and s1.is_finished and s0.finish_reason is FinishReason.LENGTH
+    assert s0.output_token_ids == [1000] * 3
+    run_to_end(sched, runner)
+    assert s2.output_token_ids == [1002, 1002]
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_decodes_ordered_before_a_running_prefill() -> None:
+    # A preempted, earlier sequence re-prefills while a later one decodes: decodes go first.
+    sched, runner = make_scheduler(num_blocks=4, budget=16, max_model_len=16, enable_prefix_caching=False)
+    s0 = make_sequence(0, [1, 2, 3], max_tokens=9)
+    s1 = make_sequence(1, [4, 5, 6], max_tokens=2)
+    sched.add_sequences([s0])
+    sched.add_sequences([s1])
+    step(sched, runner)
+    sched.running.remove(s0)  # simulate s0 coming back: a 4-token prefill, running before s1
+    sched.block_manager.free(s0)
+    s0.num_computed_tokens = 0
+    sched.block_manager.allocate(s0, 4)
+    sched.running.insert(0, s0)
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_tokens) for s in out.scheduled] == [(1, 1), (0, 4)] and out.num_decodes == 1
+
+
+def test_preempts_latest_arrival_and_recomputes() -> None:
+    sched, runner = make_scheduler(num_blocks=6, budget=64, max_num_seqs=8, max_model_len=24)
+    seqs = [make_sequence(i, [10 * i + k for k in range(4)], max_tokens=8) for i in range(3)]
+    for s in seqs:
+        sched.add_sequences([s])
+    for _ in range(5):
+        out, _ = step(sched, runner)
+        assert out.preempted == []
+    assert [s.block_table for s in seqs] == [[0, 3], [1, 4], [2, 5]]
+    out, _ = step(sched, runner)  # everyone needs a 3rd block; only by preempting seq 2
+    assert out.preempted == [seqs[2]] and [s.seq.seq_id for s in out.scheduled] == [0, 1]
+    assert sched.waiting == [seqs[2]] and seqs[2].status is SequenceStatus.WAITING
+    assert seqs[2].num_computed_tokens == 0 and seqs[2].block_table == [] and seqs[2].num_preemptions == 1
+    # seq 2's computed full blocks (2, 5) were cached; evicted LRU-first for seq 0, then seq 1.
+    assert seqs[0].block_table == [0, 3, 5] and seqs[1].block_table == [1, 4, 2]
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 1, True), (1, 1, True)]  # no room yet to re-admit seq 2
+    step(sched, runner)
+    assert seqs[0].is_finished and seqs[1].is_finished
+    step(sched, runner)  # seq 2 recomputes prompt + its 5 outputs in one chunk
+    assert runner.steps[-1] == [(2, 9, True)]
+    run_to_end(sched, runner)
+    assert seqs[2].output_token_ids == [1002] * 8 and seqs[2].finish_reason is FinishReason.LENGTH
+    assert sched.block_manager.num_free_blocks == 6 and sched.num_preemptions == 1
+
+
+def test_two_victims_in_one_step_keep_arrival_order() -> None:
+    sched, runner = make_scheduler(num_blocks=5, budget=64, max_num_seqs=8, max_model_len=20)
+    seqs = [make_sequence(i, [10 * i + k for k in range(3)], max_tokens=6) for i in range(4)]
+    for s in seqs:
+        sched.add_sequences([s])
+    step(sched, runner)
+    step(sched, runner)
+    assert [s.block_table for s in seqs] == [[0], [1], [2], [3]]
+    out, _ = step(sched, runner)  # all need a 2nd block, one is free
+    assert out.preempted == [seqs[3], seqs[2]]  # latest first
+    assert sched.waiting == [seqs[2], seqs[3]]  # but re-queued in arrival order
+    assert [s.seq.seq_id for s in out.scheduled] == [0, 1]
+    assert seqs[0].block_table == [0, 4] and seqs[1].block_table == [1, 3]
+    run_to_end(sched, runner)
+    assert all(s.output_token_ids == [1000 + s.seq_id] * 6 for s in seqs)
+    assert sched.block_manager.num_free_blocks == 5
+
+
+def test_single_sequence_that_fits_never_deadlocks() -> None:
+    sched, runner = make_scheduler(num_blocks=4, budget=4, max_num_seqs=2, max_model_len=16)
+    s0 = make_sequence(0, list(range(10)), max_tokens=6)
+    sched.add_sequences([s0])
+    run_to_end(sched, runner)
+    assert s0.num_output_tokens == 6 and sched.block_manager.num_free_blocks == 4
+
+
+def test_admission_rejects_requests_that_can_never_fit() -> None:
+    sched, _ = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        sched.add_sequences([make_sequence(0, list(range(30)), max_tokens=5)])
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.add_sequences([make_sequence(1, list(range(10)), max_tokens=10)])
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_sequences([make_sequence(2, [], max_tokens=1)])
+    assert not sched.has_unfinished()
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_scheduler(max_num_seqs=16, budget=8)
+
+
+def test_max_num_seqs_cap_and_fcfs() -> None:
+    sched, runner = make_scheduler(max_num_seqs=2, budget=64)
+    seqs = [make_sequence(i, [i, i + 1], max_tokens=2) for i in range(3)]
+    for s in seqs:
+        sched.add_sequences([s])
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 2, True), (1, 2, True)] and sched.waiting == [seqs[2]]
+    step(sched, runner)
+    step(sched, runner)
+    assert runner.steps[-1] == [(2, 2, True)]
+
+
+def test_stop_conditions() -> None:
+    outputs = {0: [5, 7], 1: [7, 7, 7], 2: [7, 7, 7, 9], 3: [3, 4, 8, 1]}
+    runner = FakeRunner(lambda seq: outputs[seq.seq_id][seq.num_output_tokens])
+    sched, _ = make_scheduler(eos=[7], budget=16)
+    s0 = make_sequence(0, [1, 2], max_tokens=4)
+    s1 = make_sequence(1, [1, 2], max_tokens=3, ignore_eos=True)
+    s2 = make_sequence(2, [1, 2], max_tokens=4, min_tokens=3, stop_token_ids=[9])
+    s3 = make_sequence(3, [1, 2], max_tokens=4, stop_token_ids=[8])
+    for s in (s0, s1, s2, s3):
+        sched.add_sequences([s])
+    run_to_end(sched, runner)
+    assert (s0.output_token_ids, s0.finish_reason, s0.stop_reason) == ([5, 7], FinishReason.EOS, None)
+    assert (s1.output_token_ids, s1.finish_reason) == ([7, 7, 7], FinishReason.LENGTH)
+    assert (s2.output_token_ids, s2.finish_reason) == ([7, 7, 7], FinishReason.EOS)  # eos counts from 3
+    assert (s3.output_token_ids, s3.finish_reason, s3.stop_reason) == ([3, 4, 8], FinishReason.EOS, 8)
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    sched, runner = make_scheduler()
+    a = make_sequence(0, list(range(9)), request_id="a")
+    b = make_sequence(1, list(range(50, 53)), request_id="b")
+    sched.add_sequences([a])
+    sched.add_sequences([b])
+    step(sched, runner)
+    assert a.block_table == [0, 1]
+    assert sched.abort_request("a") == [a]
+    assert a.finish_reason is FinishReason.ABORT and a.block_table == [] and sched.running == []
+    assert sched.abort_request("a") == []
+    assert sched.abort_request("b") == [b] and b.finish_reason is FinishReason.ABORT
+    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 16
+
+
+def test_n_samples_share_the_leaders_prompt_blocks() -> None:
+    for caching in (True, False):
+        sched, runner = make_scheduler(budget=16, enable_prefix_caching=caching)
+        group = [make_sequence(i, list(range(10)), request_id="r", index=i, max_tokens=3) for i in range(2)]
+        sched.add_sequences(group)
+        step(sched, runner)
+        assert runner.steps[-1] == [(0, 10, True)]  # the sibling waits for the prompt's K/V
+        step(sched, runner)
+        assert runner.steps[-1] == [(0, 1, True), (1, 2, True)]
+        assert group[0].block_table == [0, 1, 2] and group[1].block_table == [0, 1, 3]
+        assert group[1].num_cached_tokens == 8
+        assert [b.ref_count for b in sched.block_manager.blocks[:4]] == [2, 2, 1, 1]
+        run_to_end(sched, runner)
+        assert sched.block_manager.num_free_blocks == 16
+
+
+def test_prefix_cache_hit_across_requests() -> None:
+    sched, runner = make_scheduler(budget=16)
+    a = make_sequence(0, list(range(12)), max_tokens=1)
+    sched.add_sequences([a])
+    run_to_end(sched, runner)
+    b = make_sequence(1, list(range(8)) + [99, 98], max_tokens=2)
+    sched.add_sequences([b])
+    step(sched, runner)
+    assert runner.steps[-1] == [(1, 2, True)] and b.num_cached_tokens == 8
+    assert b.block_table[:2] == [0, 1]
+
+
+def test_chunked_prefill_disabled_admits_whole_prompts_only() -> None:
+    sched, runner = make_scheduler(budget=8, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="chunked prefill is disabled"):
+        sched.add_sequences([make_sequence(0, list(range(9)))])
+    a = make_sequence(1, list(range(5)), max_tokens=2)
+    b = make_sequence(2, list(range(50, 55)), max_tokens=2)
+    sched.add_sequences([a])
+    sched.add_sequences([b])
+    step(sched, runner)
+    assert runner.steps[-1] == [(1, 5, True)]  # b does not fit in the 3 tokens left
+    step(sched, runner)
+    assert runner.steps[-1] == [(1, 1, True), (2, 5, True)]
