@@ -1,0 +1,317 @@
+"""The container's configuration: LMI env vars + serving.properties -> one frozen `ServingConfig`.
+
+`load_config(environ, properties_paths)` is the only reader of the environment (it is passed in;
+nothing else in `serving/` reads `os.environ`). Precedence is LMI's: defaults < environment
+(`OPTION_FOO` -> `option.foo`, `SERVING_FOO` -> `foo`, `HF_MODEL_ID`, `TENSOR_PARALLEL_DEGREE`,
+TGI aliases) < `serving.properties` (the file wins). Keys, parsers and targets live in the table
+in `serving/config_keys.py`; each resolved value remembers where it came from for the start log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from serving.config_keys import IGNORED_KEYS, KEYS, ROLLING_BATCH_MEANING, TGI_ALIASES, ConfigError, Key
+from serving.engine_config import EngineConfig
+
+logger = logging.getLogger("serving.config")
+
+OPT_ML_MODEL = "/opt/ml/model"
+PROPERTIES_NAME = "serving.properties"
+# Env vars the LMI image / SageMaker set or that we read elsewhere by name: never "unknown".
+_ENV_DIRECT = {
+    "HF_MODEL_ID": "option.model_id",
+    "HF_REVISION": "option.revision",
+    "HF_MODEL_REVISION": "option.revision",  # TGI's name; LMI reads HF_REVISION only
+    "TENSOR_PARALLEL_DEGREE": "option.tensor_parallel_degree",
+    "PREDICT_TIMEOUT": "option.predict_timeout",
+    "MODEL_LOADING_TIMEOUT": "option.model_loading_timeout",
+    "SAGEMAKER_BIND_TO_PORT": "port",
+    "AWS_ENDPOINT_URL_S3": "option.s3_endpoint_url",
+    "HF_TOKEN": "hf_token",
+}
+# Lower number wins when two env names map to the same key (HF_MODEL_ID beats OPTION_MODEL_ID,
+# as in DJL where HF_MODEL_ID writes the synthetic serving.properties).
+_ENV_RANK = {"HF_MODEL_ID": 0, "HF_REVISION": 0, "TENSOR_PARALLEL_DEGREE": 0, "HF_MODEL_REVISION": 2}
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Everything the container needs, resolved once at start (engine options use vLLM names).
+
+    `engine.model` is None for the embedded default model and otherwise the *source* string
+    (hub id, s3:// URI or local path); `serving/model_source.py` turns it into a local dir.
+    """
+
+    engine: EngineConfig
+    model_id: str | None = None
+    revision: str | None = None
+    hf_token: str | None = field(default=None, repr=False)
+    port: int = 8080
+    rolling_batch: str = "auto"
+    job_queue_size: int = 1000
+    predict_timeout: float = 240.0
+    model_loading_timeout: float = 1200.0
+    chunked_read_timeout: float = 60.0
+    max_request_size: int = 6 * 1024 * 1024  # SageMaker's InvokeEndpoint body limit
+    output_formatter: str | None = None
+    tgi_compat: bool = False
+    chat_template: str | None = None
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    enable_streaming: str = "false"
+    trust_remote_code: bool = False
+    s3_endpoint_url: str | None = None
+    download_dir: str = "/tmp/open-lmi/download"
+    compat_200_errors: bool = False
+    fail_fast: bool = False
+    threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
+    graceful_timeout: float = 25.0
+    properties_path: str | None = None
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def gunicorn_threads(self) -> int:
+        """Threads for the one gthread worker: every open stream holds one, /ping needs spare."""
+        return self.threads or min(self.job_queue_size + 16, 1024)
+
+
+def default_properties_paths(environ: Mapping[str, str], cwd: str | Path = ".") -> list[Path]:
+    """Where LMI looks for serving.properties: the local model dir, /opt/ml/model, the cwd."""
+    paths: list[Path] = []
+    for name in ("HF_MODEL_ID", "OPTION_MODEL_ID"):
+        value = environ.get(name, "").strip()
+        if value and not value.startswith("s3://") and Path(value).is_dir():
+            paths.append(Path(value) / PROPERTIES_NAME)
+    paths.append(Path(OPT_ML_MODEL) / PROPERTIES_NAME)
+    paths.append(Path(cwd) / PROPERTIES_NAME)
+    return paths
+
+
+def read_properties(path: Path) -> dict[str, str]:
+    """Parse a Java .properties file (key=value | key: value | key value, # and ! comments)."""
+    out: dict[str, str] = {}
+    pending = ""
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = pending + raw.strip() if pending else raw.strip()
+        pending = ""
+        if not line or line[0] in "#!":
+            continue
+        if line.endswith("\\") and not line.endswith("\\\\"):
+            pending = line[:-1]
+            continue
+        m = re.match(r"([^=:\s]+)\s*[=:\s]\s*(.*)$", line)
+        if m is None:
+            out[line] = ""
+        else:
+            out[m.group(1)] = m.group(2).strip()
+    if pending:
+        key, _, value = pending.partition("=")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _env_to_key(name: str) -> str | None:
+    """DJL's mapping: OPTION_FOO -> option.foo, OPTION_ENGINE -> engine, SERVING_FOO -> foo."""
+    if name in _ENV_DIRECT:
+        return _ENV_DIRECT[name]
+    for prefix, target in (("OPTION_", "option."), ("SERVING_", "")):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            suffix = name[len(prefix):]
+            if name == "OPTION_ENGINE":
+                return "engine"
+            if name == "OPTION_ENTRYPOINT":
+                return "option.entryPoint"
+            if re.fullmatch(r"[A-Z_\d]+", suffix):
+                suffix = suffix.lower()
+            return target + suffix
+    return None
+
+
+def _collect_env(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """env -> {key: (raw value, source)} with LMI's entrypoint TGI translations applied."""
+    env = {k: v for k, v in environ.items() if isinstance(v, str) and v.strip() != ""}
+    labelled: dict[str, tuple[str, str]] = {}
+    for tgi_name, (lmi_name, transform) in TGI_ALIASES.items():
+        if tgi_name in env and lmi_name not in env:
+            labelled[lmi_name] = (transform(env[tgi_name]), f"env {tgi_name} (TGI alias of {lmi_name})")
+    for name, value in env.items():
+        if name not in TGI_ALIASES:
+            labelled[name] = (value, f"env {name}")
+    out: dict[str, tuple[str, str]] = {}
+    ranks: dict[str, int] = {}
+    for name, (value, source) in sorted(labelled.items()):
+        key = _env_to_key(name)
+        if key is None:
+            continue
+        rank = _ENV_RANK.get(name, 1)
+        if key in out and ranks[key] <= rank:
+            continue
+        out[key] = (value.strip(), source)
+        ranks[key] = rank
+    return out
+
+
+def _lookup(raw: Mapping[str, tuple[str, str]], key: Key) -> tuple[str, str] | None:
+    for name in (key.name, *key.aliases):
+        if name in raw:
+            return raw[name]
+    return None
+
+
+def _count_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch / no driver: CPU
+        return 0
+
+
+def load_config(
+    environ: Mapping[str, str],
+    properties_paths: Iterable[str | Path] | None = None,
+    *,
+    gpu_count: Callable[[], int] = _count_gpus,
+) -> ServingConfig:
+    """Resolve the container configuration once; raise ConfigError naming the bad variable.
+
+    Args:
+        environ: the process environment (pass `os.environ`; tests pass a dict).
+        properties_paths: candidate serving.properties files; the first that exists is read.
+            None -> `default_properties_paths(environ)`.
+        gpu_count: how `TENSOR_PARALLEL_DEGREE=max` learns the number of GPUs.
+    """
+    raw = _collect_env(environ)
+    paths = default_properties_paths(environ) if properties_paths is None else [Path(p) for p in properties_paths]
+    props_path = next((p for p in paths if p.is_file()), None)
+    if props_path is not None:
+        for key, value in read_properties(props_path).items():
+            raw[key] = (value, f"{props_path}")  # the file wins over the environment
+
+    known = {n for k in KEYS for n in (k.name, *k.aliases)}
+    for key, (_, source) in sorted(raw.items()):
+        if key in known or key in IGNORED_KEYS:
+            continue
+        if source.startswith("env SERVING_") and not key.startswith("option."):
+            logger.info("ignoring global setting %s (%s): not used by this server", key, source)
+        else:
+            logger.warning("unknown setting %s (%s): ignored", key, source)
+    for key, reason in IGNORED_KEYS.items():
+        if key in raw:
+            logger.info("%s=%s (%s) accepted; %s", key, raw[key][0], raw[key][1], reason)
+
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    for key in KEYS:
+        hit = _lookup(raw, key)
+        if hit is None:
+            values[key.target] = key.default
+            sources[key.target] = "default"
+            continue
+        text, source = hit
+        try:
+            value = key.parse(text)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(_invalid_message(key, text, source, exc)) from None
+        values[key.target] = value
+        sources[key.target] = source
+    return _build(values, sources, props_path, gpu_count)
+
+
+def _build(values: dict[str, object], sources: dict[str, str], props_path: Path | None,
+           gpu_count: Callable[[], int]) -> ServingConfig:
+    engine_kwargs = {k.removeprefix("engine."): v for k, v in values.items() if k.startswith("engine.")}
+    tp = engine_kwargs["tensor_parallel_size"]
+    if tp == "max":
+        engine_kwargs["tensor_parallel_size"] = max(1, gpu_count())
+    if values["quantize"] not in (None, "none"):
+        raise ConfigError(
+            f"{_src(sources, 'quantize')}: option.quantize={values['quantize']!r} is not supported: this "
+            "engine runs unquantized float32/float16/bfloat16 weights only (accepts: unset or none)")
+    model_id = values["model_id"]
+    engine_kwargs["model"] = model_id
+    engine_kwargs["revision"] = values["revision"]
+    engine_kwargs["trust_remote_code"] = values["trust_remote_code"]
+    try:
+        engine = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ConfigError(f"invalid engine option: {exc}") from None
+    served = values["served_model_name"] or _default_served_name(model_id)  # type: ignore[arg-type]
+    sources.setdefault("served_model_name", "default")
+    if values["served_model_name"] is None:
+        sources["served_model_name"] = "derived from option.model_id" if model_id else "default"
+    server = {f.name: values[f.name] for f in dataclasses.fields(ServingConfig)
+              if f.name in values and f.name not in ("engine", "served_model_name")}
+    return ServingConfig(engine=engine, served_model_name=served,
+                         properties_path=str(props_path) if props_path else None,
+                         sources=MappingProxyType(dict(sources)), **server)  # type: ignore[arg-type]
+
+
+def _invalid_message(key: Key, text: str, source: str, exc: Exception) -> str:
+    """E.g. "OPTION_DTYPE='fp8' is invalid: accepts auto|fp32|..." (names the variable or file)."""
+    if source.startswith("env "):
+        name, _, note = source.removeprefix("env ").partition(" ")
+        label = f"{name}={text!r}" + (f" {note}" if note else "")
+    else:
+        label = f"{key.name}={text!r} in {source}"
+    detail = str(exc)
+    if detail.startswith(("invalid literal", "could not convert")) or not detail:
+        detail = ""
+    return f"{label} is invalid: accepts {key.accepts}" + (f" ({detail})" if detail else "")
+
+
+def _src(sources: Mapping[str, str], target: str) -> str:
+    return sources.get(target, "default")
+
+
+def _default_served_name(model_id: str | None) -> str:
+    """vLLM serves a model under the id it was given; a local dir or s3 prefix under its name."""
+    if not model_id:
+        return "SmolLM2-135M-Instruct"
+    if model_id.startswith("s3://") or model_id.startswith("/") or model_id.startswith("."):
+        return Path(model_id.rstrip("/")).name or model_id
+    return model_id
+
+
+def describe(config: ServingConfig) -> list[tuple[str, str, str]]:
+    """Rows (setting, value, source) of the resolved configuration, secrets masked."""
+    rows: list[tuple[str, str, str]] = []
+    for key in KEYS:
+        target = key.target
+        if target.startswith("engine."):
+            value = getattr(config.engine, target.removeprefix("engine."))
+        else:
+            value = getattr(config, target, None)
+        if target == "hf_token" and value:
+            value = "***"
+        if target == "chat_template" and isinstance(value, str) and len(value) > 40:
+            value = value[:37].replace("\n", " ") + "..."
+        rows.append((key.name, str(value), config.sources.get(target, "default")))
+    return rows
+
+
+def log_config(config: ServingConfig, log: logging.Logger = logger) -> None:
+    """Log the resolved settings as a table, and what the rolling_batch choice means here."""
+    rows = describe(config)
+    w1 = max(len(r[0]) for r in rows)
+    w2 = min(max(len(r[1]) for r in rows), 48)
+    lines = [f"{'setting':<{w1}}  {'value':<{w2}}  source", f"{'-' * w1}  {'-' * w2}  {'-' * 6}"]
+    lines += [f"{a:<{w1}}  {b:<{w2}}  {c}" for a, b, c in rows]
+    log.info("resolved configuration (%s):\n%s",
+             config.properties_path or "no serving.properties", "\n".join(lines))
+    log.info("option.rolling_batch=%s: %s", config.rolling_batch, ROLLING_BATCH_MEANING[config.rolling_batch])
+    if config.trust_remote_code:
+        log.warning("option.trust_remote_code=true accepted, but this server never executes model "
+                    "repository code: models run on its own implementations, and a model that needs "
+                    "custom code is refused at load")
+    if config.enable_streaming != "false":
+        log.info("option.enable_streaming=%s has no effect: requests stream with \"stream\": true, or "
+                 "for every request with option.output_formatter=jsonlines", config.enable_streaming)
+    if config.output_formatter == "json":
+        log.info("option.output_formatter=json: per-request \"stream\": true is ignored (LMI behaviour)")

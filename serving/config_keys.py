@@ -1,0 +1,214 @@
+"""The table of configuration keys the container understands (LMI names -> our settings).
+
+One row per key: its serving.properties name (env `OPTION_FOO` maps to `option.foo`), vLLM-name
+aliases, the `ServingConfig` / `EngineConfig` field it sets, a parser that raises `ValueError`,
+and the "accepts" text used in start-up error messages. `serving/config.py` applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from serving.engine_config import normalize_dtype
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the variable and what it accepts."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: where it is read from, how it is parsed, what it sets."""
+
+    name: str
+    target: str  # ServingConfig field, or "engine.<EngineConfig field>"
+    parse: Callable[[str], object]
+    accepts: str
+    default: object = None
+    aliases: tuple[str, ...] = ()
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("")
+
+
+def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text.strip())
+        if value < lo or (hi is not None and value > hi):
+            raise ValueError("")
+        return value
+    return parse
+
+
+def _float(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text.strip())
+        if value != value or value < lo or value > hi or (lo_open and value == lo):
+            raise ValueError("")
+        return value
+    return parse
+
+
+def _choice(*options: str, lower: bool = True) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower() if lower else text.strip()
+        if value not in options:
+            raise ValueError("")
+        return value
+    return parse
+
+
+def _str(text: str) -> str:
+    return text.strip()
+
+
+def _tp(text: str) -> int | str:
+    value = text.strip().lower()
+    if value == "max":
+        return "max"
+    return _int(1)(value)
+
+
+def _optional_int(lo: int) -> Callable[[str], int | None]:
+    def parse(text: str) -> int | None:
+        return None if text.strip().lower() in ("none", "auto") else _int(lo)(text)
+    return parse
+
+
+def _chat_template(text: str) -> str:
+    """A path to a Jinja file (read now), or an inline Jinja template."""
+    value = text.strip()
+    path = Path(value)
+    if len(value) < 4096 and "\n" not in value and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"{value!r} is neither a readable file nor a Jinja template")
+
+
+def _load_format(text: str) -> str:
+    value = _choice("auto", "dummy", "safetensors", "pt")(text)
+    return "dummy" if value == "dummy" else "auto"
+
+
+KEYS: tuple[Key, ...] = (
+    Key("option.model_id", "model_id", _str, "a hub id (org/name), s3://bucket/prefix or a local directory"),
+    Key("option.revision", "revision", _str, "a hub branch, tag or commit"),
+    Key("hf_token", "hf_token", _str, "a Hugging Face access token"),
+    Key("port", "port", _int(1, 65535), "an integer port 1..65535", 8080),
+    Key("option.tensor_parallel_degree", "engine.tensor_parallel_size", _tp, "a positive integer or max", 1,
+        ("option.tensor_parallel_size",)),
+    Key("option.rolling_batch", "rolling_batch",
+        _choice("auto", "vllm", "lmi-dist", "scheduler", "disable", "deepspeed", "trtllm", "tnx"),
+        "auto|vllm|lmi-dist|scheduler|disable|deepspeed|trtllm|tnx", "auto"),
+    Key("option.max_rolling_batch_size", "engine.max_num_seqs", _int(1), "a positive integer", 256,
+        ("option.max_num_seqs",)),
+    Key("option.max_rolling_batch_prefill_tokens", "engine.max_num_batched_tokens", _optional_int(1),
+        "a positive integer", None, ("option.max_num_batched_tokens",)),
+    Key("option.dtype", "engine.dtype", normalize_dtype, "auto|fp32|fp16|bf16 (or float32|float16|bfloat16)",
+        "auto"),
+    Key("option.max_model_len", "engine.max_model_len", _optional_int(1), "a positive integer", None),
+    Key("option.gpu_memory_utilization", "engine.gpu_memory_utilization", _float(0.0, 1.0, lo_open=True),
+        "a number in (0, 1]", 0.9),
+    Key("option.enforce_eager", "engine.enforce_eager", _bool, "true|false", False),
+    Key("option.enable_prefix_caching", "engine.enable_prefix_caching", _bool, "true|false", True),
+    Key("option.enable_chunked_prefill", "engine.enable_chunked_prefill", _bool, "true|false", True),
+    Key("option.block_size", "engine.block_size", _int(1, 1024), "a positive integer <= 1024", 16),
+    Key("option.kv_cache_memory_gb", "engine.kv_cache_memory_gb", _float(0.0, 1e6, lo_open=True),
+        "a positive number of GB (CPU KV cache budget)", 2.0),
+    Key("option.num_gpu_blocks_override", "engine.num_gpu_blocks_override", _optional_int(1),
+        "a positive integer", None),
+    Key("option.device", "engine.device", _choice("auto", "cpu", "cuda"), "auto|cpu|cuda", "auto"),
+    Key("option.seed", "engine.seed", _int(0), "a non-negative integer", 0),
+    Key("option.load_format", "engine.load_format", _load_format, "auto|safetensors|pt|dummy", "auto"),
+    Key("option.max_logprobs", "engine.max_logprobs", _int(0, 100), "an integer 0..100", 20),
+    Key("option.tokenizer", "engine.tokenizer", _str, "a tokenizer id or path"),
+    Key("option.trust_remote_code", "trust_remote_code", _bool, "true|false", False),
+    Key("option.quantize", "quantize", _choice("none"), "unset or none (quantized models are not supported)"),
+    Key("option.enable_streaming", "enable_streaming", _choice("true", "false", "huggingface"),
+        "true|false|huggingface", "false"),
+    Key("option.output_formatter", "output_formatter",
+        _choice("json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "none"),
+        "json|jsonlines|sse|json_chat|jsonlines_chat|none"),
+    Key("option.tgi_compat", "tgi_compat", _bool, "true|false", False),
+    Key("option.chat_template", "chat_template", _chat_template, "a path to a Jinja file or an inline template"),
+    Key("option.served_model_name", "served_model_name", _str, "a model name for the /v1 routes"),
+    Key("option.model_loading_timeout", "model_loading_timeout", _float(1.0, 1e7), "seconds (a positive number)",
+        1200.0),
+    Key("option.predict_timeout", "predict_timeout", _float(1.0, 1e7), "seconds (a positive number)", 240.0),
+    Key("job_queue_size", "job_queue_size", _int(1, 100000), "an integer 1..100000", 1000),
+    Key("chunked_read_timeout", "chunked_read_timeout", _float(1.0, 1e7), "seconds (a positive number)", 60.0),
+    Key("max_request_size", "max_request_size", _int(1), "a positive number of bytes", 6 * 1024 * 1024),
+    Key("option.s3_endpoint_url", "s3_endpoint_url", _str, "an http(s) URL of an S3 API"),
+    Key("download_dir", "download_dir", _str, "a directory for downloaded models", "/tmp/open-lmi/download"),
+    Key("compat_200_errors", "compat_200_errors", _bool, "true|false", False),
+    Key("fail_fast", "fail_fast", _bool, "true|false", False),
+    Key("threads", "threads", _int(0, 4096), "an integer 0..4096 (0 = automatic)", 0),
+    Key("graceful_timeout", "graceful_timeout", _float(0.0, 30.0), "seconds in [0, 30]", 25.0),
+)
+
+# TGI / SageMaker names that LMI's entrypoint translates, each only when the LMI name is unset.
+TGI_ALIASES: dict[str, tuple[str, Callable[[str], str]]] = {
+    "HF_MODEL_QUANTIZE": ("OPTION_QUANTIZE", str),
+    "HF_MODEL_TRUST_REMOTE_CODE": ("OPTION_TRUST_REMOTE_CODE", str),
+    "SM_NUM_GPUS": ("TENSOR_PARALLEL_DEGREE", str),
+    "MAX_CONCURRENT_REQUESTS": ("SERVING_JOB_QUEUE_SIZE", str),
+    "MAX_BATCH_PREFILL_TOKENS": ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", str),
+    "MAX_BATCH_SIZE": ("OPTION_MAX_ROLLING_BATCH_SIZE", str),
+    "ENABLE_CUDA_GRAPHS": ("OPTION_ENFORCE_EAGER", lambda v: "false" if v.strip().lower() == "true" else "true"),
+    "CUDA_MEMORY_FRACTION": ("OPTION_GPU_MEMORY_UTILIZATION", str),
+}
+
+# LMI keys that are valid there but change nothing here: accepted and logged, never "unknown".
+IGNORED_KEYS: dict[str, str] = {
+    "engine": "one engine serves every model here (no Python/MPI choice)",
+    "option.mpi_mode": "no MPI: tensor parallelism is in-process",
+    "option.entryPoint": "custom handlers (model.py) are not executed",
+    "option.task": "only text generation is served",
+    "option.parallel_loading": "weights load once, in the engine thread",
+    "option.enable_lora": "LoRA adapters are not supported yet",
+    "option.max_loras": "LoRA adapters are not supported yet",
+    "option.max_lora_rank": "LoRA adapters are not supported yet",
+    "option.lora_extra_vocab_size": "LoRA adapters are not supported yet",
+    "option.max_cpu_loras": "LoRA adapters are not supported yet",
+    "option.speculative_draft_model": "speculative decoding is not supported",
+    "option.speculative_length": "speculative decoding is not supported",
+    "option.draft_model_tp_size": "speculative decoding is not supported",
+    "features": "set by the LMI image; not used",
+    "load_models": "one model is served: set HF_MODEL_ID / option.model_id",
+    "model_store": "the model comes from option.model_id or /opt/ml/model",
+    "inference_address": "the port comes from SAGEMAKER_BIND_TO_PORT (default 8080)",
+    "management_address": "there is no separate management API",
+    "wait_model_loading": "/ping answers 503 until the model is ready",
+    "retry_threshold": "the engine is not restarted; /ping fails once it is dead",
+    "min_workers": "one worker process owns the accelerator",
+    "max_workers": "one worker process owns the accelerator",
+    "minWorkers": "one worker process owns the accelerator",
+    "maxWorkers": "one worker process owns the accelerator",
+    "batch_size": "requests are batched continuously by the engine",
+    "max_batch_delay": "requests are batched continuously by the engine",
+    "max_idle_time": "requests are batched continuously by the engine",
+    "allow_multi_status": "/ping is 503 / 200 / 500 only",
+    "health_check_override": "/ping always reflects the engine state",
+    "backport_for_non_streaming_http_error_codes": "HTTP error codes are the default here",
+}
+
+ROLLING_BATCH_MEANING: dict[str, str] = {
+    "auto": "continuous batching on this server's paged-attention engine (LMI would pick lmi-dist)",
+    "vllm": "served by this server's engine, which follows vLLM's options and sampling semantics",
+    "lmi-dist": "treated as vllm: served by this server's engine (no MPI)",
+    "scheduler": "served by this server's continuous-batching engine",
+    "disable": "LMI's dynamic batching; here requests still share this engine's continuous batch, "
+               "and list inputs are answered as lists",
+    "deepspeed": "not available (removed in LMI 0.28); served by this server's engine",
+    "trtllm": "TensorRT-LLM is not in this image; served by this server's engine",
+    "tnx": "transformers-neuronx is not in this image; served by this server's engine",
+}

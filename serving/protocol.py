@@ -1,0 +1,394 @@
+"""Wire requests -> engine requests: the one place LMI / TGI / OpenAI request names are translated.
+
+In: the JSON body of `POST /invocations` (`{"inputs","parameters","stream"}` or a chat body with
+`messages`), `/v1/completions` or `/v1/chat/completions`. Out: a frozen `GenerateRequest` holding
+vLLM-named `SamplingParams`, the prompts, and how to answer (wire format, details, ...). Every
+problem raises `ValueError` naming the field, which the app answers with 400. The response side
+(the same names in the other direction) is `serving/formatters.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+from serving.sampling_params import SamplingParams
+
+logger = logging.getLogger("serving.protocol")
+
+Route = Literal["invocations", "completions", "chat"]
+LMI_DEFAULT_MAX_NEW_TOKENS = 30  # LMI 0.28: a missing max_new_tokens becomes 30
+OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM /v1/completions default
+STREAMING_FORMATS = frozenset({"jsonlines", "sse", "tgi_sse", "jsonlines_chat", "chat_sse", "completion_sse"})
+LMI_FORMATTERS = ("json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "none")
+# Parameters LMI 0.28 drops with a warning (not vLLM SamplingParams fields), and ones we drop too.
+_DROPPED = {"truncate", "typical_p", "watermark", "top_n_tokens", "grammar", "adapter_id", "num_beams",
+            "use_beam_search", "length_penalty", "early_stopping", "logit_bias", "user", "suffix",
+            "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice"}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One parsed HTTP request (http -> engine), ready once prompts are tokenized.
+
+    Exactly one of `prompts` (text per input), `prompt_token_ids` (OpenAI token prompts) or
+    `messages` (chat, rendered with the tokenizer's template) is set. `batch` means the client
+    sent a list and gets a list back. `fmt` is the wire format (see `serving/formatters.py`).
+    """
+
+    route: Route
+    params: SamplingParams
+    fmt: str
+    prompts: tuple[str, ...] = ()
+    prompt_token_ids: tuple[tuple[int, ...], ...] = ()
+    messages: tuple[dict, ...] = ()
+    batch: bool = False
+    details: bool = False
+    decoder_input_details: bool = False
+    return_full_text: bool = False
+    echo: bool = False
+    top_logprobs: int | None = None  # OpenAI logprobs: None = not asked
+    include_usage: bool = False
+    add_generation_prompt: bool = True
+    model: str | None = None
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def stream(self) -> bool:
+        return self.fmt in STREAMING_FORMATS
+
+
+def loads_body(raw: bytes) -> dict:
+    """Decode a JSON object body, or raise ValueError ('malformed JSON ...')."""
+    try:
+        body = json.loads(raw.decode("utf-8")) if raw.strip() else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    return body
+
+
+# ---- small typed getters: wrong types -> ValueError naming the field -------------------------
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _get_bool(d: dict, key: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{key} must be a boolean, got {v!r}")
+    return v
+
+
+def _get_int(d: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise ValueError(f"{key} must be an integer, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{key} must be {bounds}, got {v}")
+    return v
+
+
+def _get_num(d: dict, key: str, lo: float | None = None, hi: float | None = None) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+        raise ValueError(f"{key} must be a number, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{key} must be in [{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _get_stop(d: dict, *keys: str) -> tuple[str, ...]:
+    for key in keys:
+        v = d.get(key)
+        if v is None:
+            continue
+        if isinstance(v, str):
+            return (v,) if v else ()
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return tuple(s for s in v if s)
+        raise ValueError(f"{key} must be a string or a list of strings, got {v!r}")
+    return ()
+
+
+def _get_ids(d: dict, key: str) -> tuple[int, ...]:
+    v = d.get(key)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+        raise ValueError(f"{key} must be a list of non-negative integers, got {v!r}")
+    return tuple(v)
+
+
+def _common_sampling(d: dict) -> dict:
+    """vLLM-named options shared by every route (penalties, top-k/p, seed, stop ids ...)."""
+    out: dict = {}
+    for key, lo, hi in (("top_p", None, None), ("repetition_penalty", None, None), ("min_p", None, None),
+                        ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+        v = _get_num(d, key, lo, hi)
+        if v is not None:
+            out[key] = v
+    for key, lo in (("top_k", -1), ("min_tokens", 0)):
+        v = _get_int(d, key, lo)
+        if v is not None:
+            out[key] = v
+    seed = d.get("seed")
+    if isinstance(seed, str) and seed.strip().lstrip("-").isdigit():
+        seed = int(seed)  # LMI converts the seed with int()
+    if seed is not None:
+        out["seed"] = _get_int({"seed": seed}, "seed", 0)
+    ids = _get_ids(d, "stop_token_ids")
+    if ids:
+        out["stop_token_ids"] = ids
+    for key in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                "ignore_eos"):
+        if key in d and d[key] is not None:
+            out[key] = _get_bool(d, key, False)
+    return out
+
+
+def _warn_unknown(d: dict, known: set[str], where: str) -> tuple[str, ...]:
+    unknown = sorted(k for k in d if k not in known)
+    if unknown:
+        msg = f"dropped unsupported {where}: {', '.join(unknown)}"
+        logger.warning(msg)
+        return (msg,)
+    return ()
+
+
+def _sampling(**kwargs: object) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    except TypeError as exc:  # a wrong type reached a comparison
+        raise ValueError(str(exc)) from None
+
+
+# ---- LMI /invocations --------------------------------------------------------------------------
+
+_LMI_KNOWN = {"max_new_tokens", "max_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty",
+              "presence_penalty", "frequency_penalty", "min_p", "seed", "stop_sequences", "stop", "stop_token_ids",
+              "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+              "ignore_eos_token", "ignore_eos", "details", "return_full_text", "decoder_input_details",
+              "logprobs", "n", "best_of", "min_tokens", "output_formatter"}
+
+
+def lmi_sampling_params(parameters: dict) -> tuple[SamplingParams, tuple[str, ...]]:
+    """LMI `parameters` -> SamplingParams with LMI 0.28 semantics (30 tokens, greedy unless do_sample)."""
+    if not isinstance(parameters, dict):
+        raise ValueError(f"parameters must be a JSON object, got {parameters!r}")
+    warnings = _warn_unknown(parameters, _LMI_KNOWN, "parameters")
+    for key in ("n", "best_of"):
+        if (_get_int(parameters, key, 1) or 1) > 1:
+            warnings += (f"{key} > 1 is ignored on /invocations: LMI returns one sequence",)
+    kw = _common_sampling(parameters)
+    max_new = _get_int(parameters, "max_new_tokens", 1)
+    if max_new is None:
+        max_new = _get_int(parameters, "max_tokens", 1)
+    kw["max_tokens"] = LMI_DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+    do_sample = _get_bool(parameters, "do_sample", False)
+    temperature = _get_num(parameters, "temperature", 0.0)
+    # NOTE: LMI forces greedy when do_sample is false, even if a temperature is given.
+    kw["temperature"] = (1.0 if temperature is None else temperature) if do_sample else 0.0
+    kw["stop"] = _get_stop(parameters, "stop_sequences", "stop")
+    if "ignore_eos_token" in parameters:
+        kw["ignore_eos"] = _get_bool(parameters, "ignore_eos_token", False)
+    logprobs = _get_int(parameters, "logprobs", 0, 20)
+    kw["logprobs"] = logprobs or 0  # LMI always fills token.log_prob
+    if _get_bool(parameters, "decoder_input_details", False):
+        kw["prompt_logprobs"] = 0
+    return _sampling(**kw), warnings
+
+
+def _lmi_format(stream: bool, chat: bool, tgi_compat: bool, configured: str | None, override: object) -> str:
+    """LMI 0.28 `get_output_formatter`: request override > config > json / jsonlines / sse."""
+    if chat:
+        return "jsonlines_chat" if stream else "json_chat"
+    name = configured
+    if override is not None:
+        if override not in LMI_FORMATTERS:
+            raise ValueError(f"output_formatter must be one of {'|'.join(LMI_FORMATTERS)}, got {override!r}")
+        name = override  # type: ignore[assignment]
+    if name is None:
+        if tgi_compat:
+            return "tgi_sse" if stream else "tgi_json"
+        return "jsonlines" if stream else "json"
+    name = {"json_chat": "json", "jsonlines_chat": "jsonlines"}.get(name, name)
+    if tgi_compat:
+        return {"json": "tgi_json", "sse": "tgi_sse", "jsonlines": "tgi_sse"}.get(name, name)
+    return name
+
+
+def parse_invocations(body: dict, *, tgi_compat: bool = False, output_formatter: str | None = None
+                      ) -> GenerateRequest:
+    """Parse a `POST /invocations` body (LMI schema, or chat when it has `messages`)."""
+    stream = _get_bool(body, "stream", False)
+    if "messages" in body:
+        return parse_chat(body, route="invocations")
+    inputs = body.get("inputs", None)
+    if inputs is None:
+        if "prompt" in body:  # TGI's SageMaker route also takes completion requests
+            return parse_completions(body)
+        raise ValueError("inputs is required: {\"inputs\": \"...\", \"parameters\": {...}}")
+    if isinstance(inputs, str):
+        prompts, batch = (inputs,), False
+    elif isinstance(inputs, list) and inputs and all(isinstance(p, str) for p in inputs):
+        prompts, batch = tuple(inputs), True
+    else:
+        raise ValueError("inputs must be a string or a non-empty list of strings")
+    parameters = body.get("parameters")
+    parameters = {} if parameters is None else parameters
+    params, warnings = lmi_sampling_params(parameters)
+    fmt = _lmi_format(stream, False, tgi_compat, output_formatter, parameters.get("output_formatter"))
+    if batch and fmt in STREAMING_FORMATS:
+        raise ValueError("streaming needs a single string in inputs, not a list")
+    warnings += _warn_unknown(body, {"inputs", "parameters", "stream", "adapters", "cached_prompt"}, "fields")
+    return GenerateRequest(
+        route="invocations", params=params, fmt=fmt, prompts=prompts, batch=batch,
+        details=tgi_compat or _get_bool(parameters, "details", False),
+        decoder_input_details=_get_bool(parameters, "decoder_input_details", False),
+        return_full_text=_get_bool(parameters, "return_full_text", False), warnings=warnings)
+
+
+# ---- OpenAI chat / completions -----------------------------------------------------------------
+
+_OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+                  "presence_penalty", "frequency_penalty", "user", "logit_bias", "top_k", "min_p",
+                  "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
+                  "include_stop_str_in_output", "spaces_between_special_tokens", "best_of"}
+_CHAT_KNOWN = _OPENAI_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
+                                "add_generation_prompt", "parallel_tool_calls"}
+_COMPLETIONS_KNOWN = _OPENAI_COMMON | {"prompt", "echo", "logprobs", "suffix"}
+
+
+def _openai_params(body: dict, max_tokens: int | None, top_logprobs: int | None,
+                   lmi_route: bool) -> SamplingParams:
+    kw = _common_sampling(body)
+    kw["max_tokens"] = max_tokens
+    temperature = _get_num(body, "temperature", 0.0, 2.0)
+    kw["temperature"] = 1.0 if temperature is None else temperature
+    kw["stop"] = _get_stop(body, "stop")
+    if not lmi_route:
+        n = _get_int(body, "n", 1, 16) or 1
+        best_of = _get_int(body, "best_of", 1, 16)
+        kw["n"] = n
+        if best_of is not None:
+            if best_of < n:
+                raise ValueError(f"best_of must be >= n, got best_of={best_of} n={n}")
+            if best_of != n:
+                raise ValueError("best_of != n is not supported")
+            kw["best_of"] = best_of
+    if top_logprobs is not None:
+        kw["logprobs"] = top_logprobs
+    return _sampling(**kw)
+
+
+def _stream_usage(body: dict) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise ValueError("stream_options must be an object")
+    return _get_bool(opts, "include_usage", False)
+
+
+def _messages(body: dict) -> tuple[dict, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string role")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: only text is supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({"role": m["role"], "content": content})
+    return tuple(out)
+
+
+def parse_chat(body: dict, route: Route = "chat") -> GenerateRequest:
+    """An OpenAI chat-completions body, on /v1/chat/completions or (route='invocations') /invocations."""
+    for key in ("tools", "tool_choice", "functions", "response_format"):
+        if body.get(key) not in (None, [], "none", {"type": "text"}):
+            raise ValueError(f"{key} is not supported by this server")
+    messages = _messages(body)
+    lmi_route = route == "invocations"
+    stream = _get_bool(body, "stream", False)
+    max_tokens = _get_int(body, "max_completion_tokens", 1) or _get_int(body, "max_tokens", 1)
+    want_logprobs = _get_bool(body, "logprobs", False)
+    top = _get_int(body, "top_logprobs", 0, 20)
+    top_logprobs = (top or 0) if want_logprobs else None
+    params = _openai_params(body, max_tokens or LMI_DEFAULT_MAX_NEW_TOKENS, top_logprobs, lmi_route)
+    if lmi_route:
+        fmt = "jsonlines_chat" if stream else "json_chat"
+    else:
+        fmt = "chat_sse" if stream else "chat"
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"model must be a string, got {model!r}")
+    ignored = {"tools", "tool_choice", "functions", "response_format"}
+    return GenerateRequest(
+        route=route, params=params, fmt=fmt, messages=messages, details=True, top_logprobs=top_logprobs,
+        include_usage=_stream_usage(body), model=model,
+        add_generation_prompt=_get_bool(body, "add_generation_prompt", True),
+        warnings=_warn_unknown(body, _CHAT_KNOWN | ignored, "chat fields"))
+
+
+def parse_completions(body: dict) -> GenerateRequest:
+    """An OpenAI `/v1/completions` body (prompt: str | [str] | [int] | [[int]])."""
+    prompt = body.get("prompt")
+    prompts: tuple[str, ...] = ()
+    ids: tuple[tuple[int, ...], ...] = ()
+    if isinstance(prompt, str):
+        prompts = (prompt,)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = tuple(prompt)
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        ids = (tuple(prompt),)
+    elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt)
+          and all(_is_int(t) and t >= 0 for p in prompt for t in p)):
+        ids = tuple(tuple(p) for p in prompt)
+    else:
+        raise ValueError("prompt must be a string, a list of strings, or token ids")
+    logprobs = _get_int(body, "logprobs", 0, 20)
+    stream = _get_bool(body, "stream", False)
+    max_tokens = _get_int(body, "max_tokens", 1)
+    params = _openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, False)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"model must be a string, got {model!r}")
+    return GenerateRequest(
+        route="completions", params=params, fmt="completion_sse" if stream else "completion",
+        prompts=prompts, prompt_token_ids=ids, batch=len(prompts) + len(ids) > 1, details=True,
+        echo=_get_bool(body, "echo", False), top_logprobs=logprobs, include_usage=_stream_usage(body),
+        model=model, warnings=_warn_unknown(body, _COMPLETIONS_KNOWN, "completion fields"))
+
+
+def parse_custom_attributes(header: str | None) -> dict[str, str]:
+    """`X-Amzn-SageMaker-Custom-Attributes: k=v; k2=v2` -> dict (DJL's RequestParser rules)."""
+    out: dict[str, str] = {}
+    for item in (header or "").split(";"):
+        key, sep, value = item.partition("=")
+        if key.strip():
+            out[key.strip()] = value.strip() if sep else ""
+    return out
