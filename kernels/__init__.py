@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 from types import ModuleType
 
 import torch
@@ -110,6 +111,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     impl = _mod("activation").silu_and_mul if use_triton(x) else reference.silu_and_mul
     return impl(x)
 
+
+_OPS = frozenset(
+    ("paged_decode_attention", "prefill_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache")
+)
+
+
+class _KernelsPackage(ModuleType):
+    """Keeps each public op bound to its dispatcher.
+
+    Importing the launcher module `kernels.rms_norm` makes Python set the package attribute
+    `rms_norm` to that module, which would shadow the op of the same name; such assignments are
+    dropped here. (So use `from kernels.rms_norm import rms_norm`, not `import kernels.rms_norm as m`.)
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _OPS and isinstance(value, ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _KernelsPackage
 
 __all__ = [
     "paged_decode_attention",
