@@ -1,0 +1,73 @@
+"""Architecture registry: HF `architectures[0]` -> our model class, and `build_model`.
+
+Every supported architecture is a Llama-family decoder; the differences are options in
+`ModelArgs`. An unknown architecture, or a config that points at remote code (`auto_map`),
+raises `UnsupportedModelError` naming what was found and what is supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from serving.models.llama import LlamaForCausalLM
+from serving.models.model_args import ModelArgs
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one we implement."""
+
+
+def check_supported(config: dict) -> None:
+    """Raise UnsupportedModelError unless config.json describes an architecture we run."""
+    archs = config.get("architectures") or []
+    known = ", ".join(sorted(MODEL_REGISTRY))
+    if any(a in MODEL_REGISTRY for a in archs):
+        return
+    if config.get("auto_map"):
+        raise UnsupportedModelError(
+            f"model architecture {archs or config.get('model_type')!r} needs remote code (auto_map in config.json); "
+            f"open-lmi does not run remote code. Supported architectures: {known}"
+        )
+    if not archs and config.get("model_type") in ("llama", "mistral", "qwen2", "phi3"):
+        return
+    raise UnsupportedModelError(
+        f"model architecture {archs or config.get('model_type')!r} is not supported; supported: {known}"
+    )
+
+
+def get_model_class(args: ModelArgs) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[args.architecture]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"model architecture {args.architecture!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def build_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_position: int | None = None) -> nn.Module:
+    """Instantiate the model with uninitialised parameters of `dtype` directly on `device`."""
+    cls = get_model_class(args)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(args, max_position=max_position)
+    return model.eval()

@@ -1,0 +1,152 @@
+"""`ModelArgs`: the architecture numbers our models need, read from an HF config.json dict.
+
+We parse the raw dict ourselves (not `AutoConfig`) so both transformers 4.x spellings
+(`rope_theta` + `rope_scaling`) and 5.x spellings (`rope_parameters`) work whatever
+transformers is installed, and so unknown fields never matter. Defaults follow transformers'
+config classes for the fields that older hub configs omit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# model_type -> (default rms_norm_eps, q/k/v projections carry a bias)
+_ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
+    "llama": (1e-6, False),
+    "mistral": (1e-6, False),
+    "qwen2": (1e-6, True),
+    "phi3": (1e-5, False),
+}
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """RoPE base and scaling. `scaling_type` is 'default' when there is no scaling."""
+
+    theta: float
+    scaling_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shapes and options of a Llama-family decoder (HF field meanings)."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope: RopeArgs
+    sliding_window: int | None
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelArgs:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model dir")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
+        """Normalise a config.json dict; raises ValueError for what we cannot run."""
+        if "text_config" in d and "hidden_size" not in d:
+            raise ValueError("multimodal configs (text_config) are not supported")
+        archs = d.get("architectures") or []
+        model_type = str(d.get("model_type", ""))
+        arch = archs[0] if archs else _default_arch(model_type)
+        eps_default, qkv_bias_default = _ARCH_DEFAULTS.get(model_type, (1e-6, False))
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = d.get("head_dim") or hidden // heads
+        act = d.get("hidden_act", d.get("hidden_activation", "silu"))
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
+        attention_bias = bool(d.get("attention_bias", False))
+        qkv_bias = qkv_bias_default or attention_bias
+        sliding = d.get("sliding_window")
+        if model_type == "qwen2" and not d.get("use_sliding_window", False):
+            sliding = None  # Qwen2 configs carry a window that is off unless use_sliding_window
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", eps_default)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            rope=_rope_args(d),
+            sliding_window=int(sliding) if sliding else None,
+            torch_dtype=d.get("dtype") or d.get("torch_dtype"),
+            eos_token_ids=eos_ids,
+            bos_token_id=d.get("bos_token_id"),
+        )
+
+
+def _default_arch(model_type: str) -> str:
+    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "phi3": "Phi3ForCausalLM"}
+    return names.get(model_type, f"<model_type {model_type!r}>")
+
+
+def _rope_args(d: dict[str, Any]) -> RopeArgs:
+    """RoPE settings from either `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x)."""
+    params = dict(d.get("rope_parameters") or {})
+    scaling = d.get("rope_scaling") or {}
+    merged = {**scaling, **params}  # 5.x dicts win where both exist
+    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    partial = merged.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
+    orig = merged.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    if rope_type not in ("default", "llama3", "linear", "dynamic"):
+        raise ValueError(
+            f"rope scaling type {rope_type!r} is not supported (supported: default, llama3, linear, dynamic)"
+        )
+    return RopeArgs(
+        theta=float(theta),
+        scaling_type=str(rope_type),
+        factor=float(merged.get("factor", 1.0) or 1.0),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(orig) if orig else None,
+        partial_rotary_factor=float(partial),
+    )

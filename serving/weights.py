@@ -1,0 +1,124 @@
+"""Weight loading: safetensors checkpoints (single or sharded) -> our model's parameters.
+
+HF names map to ours one-to-one except packed projections, which go through each parameter's
+`weight_loader` with a shard id (q_proj -> qkv_proj["q"], gate_proj -> gate_up_proj["0"], ...;
+the model's `packed_modules_mapping`). Every parameter (every shard of a packed one) must be
+filled, or loading fails naming what is missing. `load_format="dummy"` fills random weights
+of the right shapes on the device instead (benchmarks without a checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint tensors we never need (buffers some exporters save).
+_SKIP_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: from the index if sharded, else model.safetensors."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [d / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
+        return files
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    files = sorted(d.glob("*.safetensors"))
+    if files:
+        return files
+    raise FileNotFoundError(
+        f"no safetensors weights in {d} (expected model.safetensors or model.safetensors.index.json); "
+        "PyTorch .bin checkpoints are not supported"
+    )
+
+
+def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, CPU tensor) for every tensor of the checkpoint, shard by shard."""
+    from safetensors import safe_open
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill `model`'s parameters from the checkpoint in `model_dir` (dtype cast on copy)."""
+    t0 = time.monotonic()
+    params = dict(model.named_parameters())
+    mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model, "lm_head", None) is None
+    filled: dict[str, set[str | None]] = {}
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, tensor in iterate_weights(model_dir):
+            if name.endswith(_SKIP_SUFFIXES) or (tied and name.startswith("lm_head.")):
+                continue
+            target, shard = name, None
+            for hf_piece, (ours, shard_id) in mapping.items():
+                if f".{hf_piece}." in name:
+                    target, shard = name.replace(f".{hf_piece}.", f".{ours}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            try:
+                param.weight_loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
+            filled.setdefault(target, set()).add(shard)
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors the model does not expect: {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''}")
+    missing = [n for n in params if not _complete(model, n, filled.get(n))]
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    logger.info("loaded %d tensors from %s in %.2f s", len(params), model_dir, time.monotonic() - t0)
+
+
+def _complete(model: nn.Module, name: str, shards: set[str | None] | None) -> bool:
+    if not shards:
+        return False
+    if None in shards:
+        return True
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    return set(getattr(module, "shard_offsets", {})) <= shards
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights of the right shapes, made on the parameters' device, deterministic by seed.
+
+    Norm weights are ones and biases zeros, as a freshly initialised HF model has them.
+    """
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" in name:
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
+                param.normal_(0.0, std, generator=gen)
+
+
+def _stable_hash(name: str) -> int:
+    # Python's hash() is salted per process; seeds must not depend on it.
+    h = 0
+    for ch in name.encode():
+        h = (h * 131 + ch) % (2**31)
+    return h
