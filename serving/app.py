@@ -1,0 +1,185 @@
+"""The HTTP surface: `create_app(engine_loop, config)` -> Flask app (thin; no engine state here).
+
+Routes: `GET /ping`, `POST /invocations` (LMI, TGI-compat and chat bodies), `GET /v1/models`,
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /metrics`. Parsing is in
+`serving/protocol.py`, output bytes in `serving/formatters.py`, engine interaction in
+`serving/request_runner.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+
+from serving.config import ServingConfig
+from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from serving.metrics import Metrics
+from serving.protocol import (
+    GenerateRequest,
+    loads_body,
+    parse_chat,
+    parse_completions,
+    parse_custom_attributes,
+    parse_invocations,
+)
+from serving.request_runner import HTTPError, RequestRunner
+
+logger = logging.getLogger("serving.app")
+_NO_CACHE = {"Cache-Control": "no-cache, no-store, must-revalidate, private", "Pragma": "no-cache"}
+
+
+def _engine_state(engine_loop: object) -> str:
+    state = getattr(engine_loop, "state", "ready")
+    return getattr(state, "value", state)
+
+
+def _stats(engine_loop: object) -> dict:
+    stats = getattr(engine_loop, "stats", None)
+    try:
+        return stats() if callable(stats) else {}
+    except Exception:  # noqa: BLE001 - never fail a scrape
+        return {}
+
+
+def create_app(engine_loop: object, config: ServingConfig) -> Flask:
+    """Build the Flask app around a running (or loading) EngineLoop.
+
+    Args:
+        engine_loop: exposes `state` ('loading'|'ready'|'dead'), `error`, `tokenizer`,
+            `max_model_len`, `add_request(request_id, prompt_token_ids, params) -> stream`
+            (stream: `get(timeout)` -> StreamDelta, `close()` aborts) and `stats() -> dict`.
+        config: the resolved container configuration.
+    """
+    app = Flask("serving")
+    app.config["MAX_CONTENT_LENGTH"] = None  # we answer 400 ourselves (LMI error schema)
+    runner: RequestRunner | None = None
+    metrics = Metrics(lambda: _stats(engine_loop), lambda: runner.inflight if runner else 0)
+    runner = RequestRunner(engine_loop, config, metrics)
+    app.extensions["runner"] = runner
+
+    def error(status: int, message: str, route: str) -> Response:
+        metrics.observe_request(route, status)
+        if config.compat_200_errors and status in (400, 424, 500):
+            # LMI 0.28 default for rolling batch: HTTP 200 with {"code": 424, "error": ...}
+            return Response(json.dumps({"code": 424, "error": message}), 200, mimetype="application/json")
+        headers = {"Connection": "close"} if status >= 400 else {}
+        return Response(json.dumps({"error": message, "code": status}), status, mimetype="application/json",
+                        headers=headers)
+
+    def not_ready(route: str) -> Response | None:
+        state = _engine_state(engine_loop)
+        if state == "ready":
+            return None
+        if state == "dead":
+            return error(500, f"the engine is dead: {getattr(engine_loop, 'error', None)}", route)
+        return error(503, "the model is loading", route)
+
+    def read_body(route: str) -> dict | Response:
+        length = request.content_length
+        limit = config.max_request_size
+        if length is not None and length > limit:
+            return error(400, f"the request body is {length} bytes; the limit is {limit}", route)
+        raw = request.stream.read(limit + 1)
+        if len(raw) > limit:
+            return error(400, f"the request body is over the limit of {limit} bytes", route)
+        try:
+            return loads_body(raw)
+        except ValueError as exc:
+            return error(400, str(exc), route)
+
+    def generate(route: str, parse: Callable[[dict], GenerateRequest]) -> Response:
+        busy = not_ready(route)
+        if busy is not None:
+            return busy
+        body = read_body(route)
+        if isinstance(body, Response):
+            return body
+        attrs = parse_custom_attributes(request.headers.get("X-Amzn-SageMaker-Custom-Attributes"))
+        if attrs.get("adapter"):
+            return error(400, f"unknown adapter {attrs['adapter']!r}: LoRA adapters are not supported", route)
+        request_id = uuid.uuid4().hex
+        headers = {"x-request-id": request_id, **_NO_CACHE}
+        try:
+            req = parse(body)
+            if req.stream:
+                records = runner.run_stream(req, request_id)
+                metrics.observe_request(route, 200)
+                fmt_type = runner.formatter(req, request_id).content_type
+                return Response(_flushing(records), 200, content_type=fmt_type,
+                                headers={**headers, "X-Accel-Buffering": "no"}, direct_passthrough=True)
+            status, payload = runner.run_plain(req, request_id)
+            metrics.observe_request(route, status)
+            return Response(payload, status, content_type=runner.formatter(req, request_id).content_type,
+                            headers=headers)
+        except ValueError as exc:
+            return error(400, str(exc), route)
+        except HTTPError as exc:
+            return error(exc.status, exc.message, route)
+
+    @app.get("/ping")
+    def ping() -> Response:
+        state = _engine_state(engine_loop)
+        status = {"ready": 200, "loading": 503}.get(state, 500)
+        body: dict = {"status": {"ready": "Healthy", "loading": "Loading"}.get(state, "Unhealthy")}
+        if state == "dead":
+            body["error"] = str(getattr(engine_loop, "error", "") or "")
+        return Response(json.dumps(body), status, mimetype="application/json")
+
+    @app.post("/invocations")
+    def invocations() -> Response:
+        return generate("/invocations", lambda b: parse_invocations(
+            b, tgi_compat=config.tgi_compat, output_formatter=config.output_formatter))
+
+    @app.post("/v1/completions")
+    def completions() -> Response:
+        return generate("/v1/completions", parse_completions)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions() -> Response:
+        return generate("/v1/chat/completions", parse_chat)
+
+    @app.get("/v1/models")
+    def models() -> Response:
+        card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "open-lmi", "root": config.engine.model or config.served_model_name, "parent": None,
+                "max_model_len": getattr(engine_loop, "max_model_len", None), "permission": []}
+        return Response(json.dumps({"object": "list", "data": [card]}), 200, mimetype="application/json")
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.render(), 200, content_type=METRICS_CONTENT_TYPE)
+
+    @app.errorhandler(404)
+    def not_found(_exc: Exception) -> Response:
+        return error(404, f"no route {request.path}", request.path)
+
+    @app.errorhandler(405)
+    def bad_method(_exc: Exception) -> Response:
+        return error(405, f"{request.method} is not allowed on {request.path}", request.path)
+
+    @app.errorhandler(Exception)
+    def internal(exc: Exception) -> Response:
+        if isinstance(exc, HTTPException):
+            return error(exc.code or 500, exc.description or exc.name, request.path)
+        logger.exception("unhandled error on %s", request.path)
+        return error(500, f"internal error: {exc}", request.path)
+
+    return app
+
+
+def _flushing(records: Iterator[bytes]) -> Iterator[bytes]:
+    """Yield each record as its own chunk; closing this closes `records` (aborts on disconnect)."""
+    try:
+        for rec in records:
+            if rec:
+                yield rec
+    finally:
+        close = getattr(records, "close", None)
+        if close is not None:
+            close()

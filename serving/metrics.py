@@ -1,0 +1,59 @@
+"""Prometheus metrics of the HTTP server (`GET /metrics`), one registry per app.
+
+Counters and histograms are fed by the request path (`serving/request_runner.py`); queue depth,
+running sequences and KV block usage are read from the engine loop's stats at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector:
+    """Reads engine stats (a dict) when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], dict], inflight: Callable[[], int]) -> None:
+        self._stats = stats
+        self._inflight = inflight
+
+    def collect(self):  # noqa: ANN201 - prometheus collector protocol
+        stats = self._stats() or {}
+        rows = (
+            ("lmi_requests_in_flight", "requests admitted and not finished (waiting + running)", self._inflight()),
+            ("lmi_queue_depth", "sequences waiting to be scheduled", stats.get("num_waiting", 0)),
+            ("lmi_running_sequences", "sequences in the running batch", stats.get("num_running", 0)),
+            ("lmi_kv_blocks_used", "KV cache blocks in use", stats.get("num_used_blocks", 0)),
+            ("lmi_kv_blocks_free", "KV cache blocks free", stats.get("num_free_blocks", 0)),
+            ("lmi_kv_blocks_total", "KV cache blocks in all", stats.get("num_total_blocks", 0)),
+        )
+        for name, doc, value in rows:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value or 0))
+            yield g
+
+
+class Metrics:
+    """The counters/histograms of one app and the text exposition."""
+
+    def __init__(self, stats: Callable[[], dict], inflight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("lmi_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=self.registry)
+        self.ttft = Histogram("lmi_time_to_first_token_seconds", "time from request to first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("lmi_time_per_output_token_seconds", "mean time per output token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.generated = Counter("lmi_generated_tokens", "output tokens generated", registry=self.registry)
+        self.registry.register(_EngineCollector(stats, inflight))
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

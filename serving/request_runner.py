@@ -1,0 +1,240 @@
+"""Runs one parsed HTTP request on the engine loop: tokenize, admit, collect deltas, format.
+
+In: a `GenerateRequest` (serving/protocol.py). Out: either whole response bytes, or an iterator
+of byte records for a stream. It owns admission (the job queue bound -> 503), the per-request
+deadline (`predict_timeout`), aborting on client disconnect (the generator's `finally` closes
+the engine stream, which frees its KV blocks), and the latency metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from serving.config import ServingConfig
+from serving.formatters import Formatter, Result
+from serving.metrics import Metrics
+from serving.outputs import StreamDelta
+from serving.protocol import GenerateRequest
+
+logger = logging.getLogger("serving.request_runner")
+_POLL_S = 0.5  # how often a waiting handler re-checks engine health
+
+
+class HTTPError(Exception):
+    """An error answered before any response byte: status + message (LMI body {"error","code"})."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def body(self) -> bytes:
+        return json.dumps({"error": self.message, "code": self.status}).encode()
+
+
+@dataclass
+class _Job:
+    """One prompt submitted to the engine and what came back so far."""
+
+    request_id: str
+    stream: object
+    result: Result
+    first_token_at: float | None = None
+
+
+class RequestRunner:
+    """Executes GenerateRequests against an EngineLoop-like object (see `serving/engine_loop.py`)."""
+
+    def __init__(self, engine_loop: object, config: ServingConfig, metrics: Metrics | None = None) -> None:
+        self.engine = engine_loop
+        self.config = config
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._inflight = 0
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    # ---- tokenization ----------------------------------------------------------------------------
+    @property
+    def tokenizer(self):  # noqa: ANN201 - HF tokenizer
+        return self.engine.tokenizer
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.tokenizer, "all_special_ids", ()) or ())
+
+    def max_model_len(self) -> int:
+        cfg = getattr(self.engine, "max_model_len", None)
+        return int(cfg) if cfg else 2048
+
+    def prompts(self, req: GenerateRequest) -> list[tuple[str, list[int]]]:
+        """(prompt text, prompt ids) per input; chat is rendered with the template. ValueError -> 400."""
+        tok = self.tokenizer
+        out: list[tuple[str, list[int]]] = []
+        if req.messages:
+            try:
+                text = tok.apply_chat_template(list(req.messages), tokenize=False,
+                                               add_generation_prompt=req.add_generation_prompt,
+                                               chat_template=self.config.chat_template)
+            except Exception as exc:  # noqa: BLE001 - no template / template error
+                raise ValueError(f"cannot apply the chat template: {exc}") from None
+            out.append((text, list(tok.encode(text, add_special_tokens=False))))
+        for p in req.prompts:
+            out.append((p, list(tok.encode(p))))
+        for ids in req.prompt_token_ids:
+            out.append((tok.decode(list(ids)), list(ids)))
+        limit = self.max_model_len()
+        max_tokens = req.params.max_tokens or 0
+        vocab = len(tok)
+        for text, ids in out:
+            if not ids:
+                raise ValueError("the prompt is empty")
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"prompt token ids must be < {vocab}")
+            if len(ids) + max_tokens > limit:
+                raise ValueError(f"the prompt is {len(ids)} tokens and {max_tokens} new tokens were asked for: "
+                                 f"together more than the max model length {limit}")
+        return out
+
+    # ---- engine access ---------------------------------------------------------------------------
+    def _submit(self, req: GenerateRequest, prompts: list[tuple[str, list[int]]]) -> list[_Job]:
+        n = len(prompts)
+        with self._lock:
+            if self._inflight + n > self.config.job_queue_size:
+                raise HTTPError(503, f"Worker queue capacity exceeded ({self.config.job_queue_size} requests)")
+            self._inflight += n
+        jobs: list[_Job] = []
+        try:
+            for text, ids in prompts:
+                rid = uuid.uuid4().hex
+                stream = self.engine.add_request(rid, ids, req.params)
+                result = Result(prompt=text, prompt_token_ids=ids, n=req.params.n, decode_token=self.decode_token)
+                jobs.append(_Job(rid, stream, result))
+        except ValueError as exc:
+            self._release(jobs, n)
+            raise HTTPError(400, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - engine dead / stopping
+            self._release(jobs, n)
+            raise HTTPError(503, f"the engine cannot take requests: {exc}") from None
+        return jobs
+
+    def _release(self, jobs: list[_Job], n: int) -> None:
+        for job in jobs:
+            try:
+                job.stream.close()
+            except Exception:  # noqa: BLE001
+                logger.exception("closing stream %s", job.request_id)
+        with self._lock:
+            self._inflight -= n
+
+    def _next(self, job: _Job, deadline: float) -> StreamDelta:
+        """The next delta of a job; raises TimeoutError / RuntimeError (engine dead)."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"prediction timed out after {self.config.predict_timeout:g} s")
+            try:
+                delta = job.stream.get(timeout=min(_POLL_S, remaining))
+            except queue.Empty:
+                if getattr(self.engine, "state", "ready") == "dead":
+                    raise RuntimeError(f"the engine died: {getattr(self.engine, 'error', None)}") from None
+                continue
+            if delta is None:
+                raise RuntimeError("the engine closed the request stream")
+            if job.first_token_at is None and delta.token_ids:
+                job.first_token_at = time.monotonic()
+            job.result.add(delta)
+            return delta
+
+    def _observe(self, jobs: list[_Job], start: float) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        for job in jobs:
+            n = job.result.num_output_tokens
+            self.metrics.generated.inc(n)
+            if job.first_token_at is not None:
+                self.metrics.ttft.observe(job.first_token_at - start)
+                if n > 1:
+                    self.metrics.tpot.observe((now - job.first_token_at) / (n - 1))
+
+    def formatter(self, req: GenerateRequest, request_id: str) -> Formatter:
+        return Formatter(req, model=self.config.served_model_name, request_id=request_id,
+                         created=int(time.time()), special_ids=self.special_ids(), decode_token=self.decode_token)
+
+    # ---- plain -------------------------------------------------------------------------------------
+    def run_plain(self, req: GenerateRequest, request_id: str) -> tuple[int, bytes]:
+        """Run to completion; (status, body). Errors before/while generating -> HTTPError."""
+        start = time.monotonic()
+        prompts = self.prompts(req)
+        jobs = self._submit(req, prompts)
+        deadline = start + self.config.predict_timeout
+        try:
+            for job in jobs:
+                while not job.result.finished:
+                    self._next(job, deadline)
+        except (TimeoutError, RuntimeError) as exc:
+            for job in jobs:
+                job.result.fail(str(exc))
+        finally:
+            self._release(jobs, len(jobs))
+        self._observe(jobs, start)
+        errors = [s.error or "generation failed" for j in jobs for s in j.result.samples.values()
+                  if s.finish_reason == "error"]
+        if errors:
+            raise HTTPError(500 if not errors[0].startswith("prediction timed out") else 504, errors[0])
+        return 200, self.formatter(req, request_id).body([j.result for j in jobs])
+
+    # ---- streams -----------------------------------------------------------------------------------
+    def run_stream(self, req: GenerateRequest, request_id: str) -> Iterator[bytes]:
+        """Start generating; wait for the first delta (so early errors get a status), then stream.
+
+        The returned generator must be closed by the server (client gone -> GeneratorExit), which
+        aborts the engine requests in its `finally`.
+        """
+        start = time.monotonic()
+        prompts = self.prompts(req)
+        jobs = self._submit(req, prompts)
+        deadline = start + self.config.predict_timeout
+        fmt = self.formatter(req, request_id)
+        try:
+            first = self._next(jobs[0], deadline)
+        except (TimeoutError, RuntimeError) as exc:
+            self._release(jobs, len(jobs))
+            raise HTTPError(504 if isinstance(exc, TimeoutError) else 500, str(exc)) from None
+        if first.finish_reason == "error" and not first.token_ids:
+            self._release(jobs, len(jobs))
+            raise HTTPError(500, first.error or "generation failed")
+        return self._stream(req, fmt, jobs, first, start, deadline)
+
+    def _stream(self, req: GenerateRequest, fmt: Formatter, jobs: list[_Job], first: StreamDelta,
+                start: float, deadline: float) -> Iterator[bytes]:
+        results = [j.result for j in jobs]
+        try:
+            head = fmt.start(results)
+            yield head + fmt.chunk(jobs[0].result, first, 0)
+            for p, job in enumerate(jobs):
+                while not job.result.finished:
+                    try:
+                        delta = self._next(job, deadline)
+                    except (TimeoutError, RuntimeError) as exc:
+                        logger.warning("request %s failed mid-stream: %s", job.request_id, exc)
+                        yield fmt.error_record(job.result, str(exc))
+                        break
+                    yield fmt.chunk(job.result, delta, p)
+            yield fmt.end(results)
+        finally:
+            # Runs on normal end, on error, and when the client disconnects (GeneratorExit).
+            self._release(jobs, len(jobs))
+            self._observe(jobs, start)

@@ -1,0 +1,89 @@
+"""A tiny in-test stand-in for EngineLoop (Flask test_client unit tests only).
+
+Character-level tokenizer (id = code point); each request emits "abc..." one char per step from
+a thread. A prompt containing "FAIL" errors after two tokens; "SLOW" sleeps between tokens.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from serving.outputs import StreamDelta
+
+
+class FakeTokenizer:
+    all_special_ids = [0]
+    chat_template = "fake"
+
+    def __len__(self) -> int:
+        return 0x110000
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([0] if add_special_tokens else []) + [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i or not skip_special_tokens)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None):
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeStream:
+    def __init__(self, loop: "FakeEngineLoop", rid: str) -> None:
+        self.loop, self.rid, self.q, self.closed = loop, rid, queue.Queue(), False
+
+    def get(self, timeout: float | None = None) -> StreamDelta:
+        return self.q.get(timeout=timeout)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with self.loop.lock:
+                self.loop.active.discard(self.rid)
+                self.loop.closed.append(self.rid)
+
+
+class FakeEngineLoop:
+    def __init__(self, state: str = "ready", delay: float = 0.0) -> None:
+        self.state, self.error, self.delay = state, None, delay
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = 64
+        self.lock = threading.Lock()
+        self.active: set[str] = set()
+        self.closed: list[str] = []
+        self.params: list = []
+
+    def stats(self) -> dict:
+        return {"num_waiting": 0, "num_running": len(self.active), "num_used_blocks": len(self.active),
+                "num_free_blocks": 100 - len(self.active), "num_total_blocks": 100}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> FakeStream:
+        if self.state != "ready":
+            raise RuntimeError("not ready")
+        stream = FakeStream(self, request_id)
+        self.params.append(params)
+        with self.lock:
+            self.active.add(request_id)
+        prompt = "".join(chr(i) for i in prompt_token_ids if i)
+        threading.Thread(target=self._run, args=(stream, prompt, params), daemon=True).start()
+        return stream
+
+    def _run(self, stream: FakeStream, prompt: str, params) -> None:
+        n_out = params.max_tokens
+        for s in range(params.n):
+            for i in range(n_out):
+                if stream.closed:
+                    return
+                if "SLOW" in prompt or self.delay:
+                    time.sleep(self.delay or 0.05)
+                tid = ord("a") + i % 26
+                if "FAIL" in prompt and i == 2:
+                    stream.q.put(StreamDelta(stream.rid, s, (), "", finish_reason="error", error="boom"))
+                    return
+                last = i == n_out - 1
+                stream.q.put(StreamDelta(stream.rid, s, (tid,), chr(tid), logprobs=(-0.5,), token_texts=(chr(tid),),
+                                         finish_reason="length" if last else None,
+                                         num_prompt_tokens=len(prompt), num_output_tokens=i + 1))

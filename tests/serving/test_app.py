@@ -1,0 +1,135 @@
+"""create_app routes with Flask's test_client and a fake engine loop (no model)."""
+
+import json
+
+import pytest
+
+from serving.app import create_app
+from serving.config import load_config
+from fake_engine_loop import FakeEngineLoop
+
+
+def make(state="ready", **env):
+    loop = FakeEngineLoop(state=state)
+    cfg = load_config({k.upper(): str(v) for k, v in env.items()}, [])
+    return loop, create_app(loop, cfg).test_client()
+
+
+def test_ping_lifecycle():
+    loop, client = make(state="loading")
+    r = client.get("/ping")
+    assert r.status_code == 503 and r.json["status"] == "Loading"
+    assert client.post("/invocations", json={"inputs": "x"}).status_code == 503
+    loop.state = "ready"
+    r = client.get("/ping")
+    assert r.status_code == 200 and r.json == {"status": "Healthy"} and r.content_type == "application/json"
+    loop.state, loop.error = "dead", RuntimeError("cuda oops")
+    r = client.get("/ping")
+    assert r.status_code == 500 and "cuda oops" in r.json["error"]
+
+
+def test_invocations_plain_and_list():
+    _, client = make()
+    r = client.post("/invocations", json={"inputs": "hi", "parameters": {"max_new_tokens": 3}})
+    assert r.status_code == 200 and r.data == b'{"generated_text": "abc"}'
+    assert r.headers["x-request-id"]
+    r = client.post("/invocations", json={"inputs": ["a", "b"], "parameters": {"max_new_tokens": 2}})
+    assert r.json == [{"generated_text": "ab"}, {"generated_text": "ab"}]
+
+
+def test_invocations_stream_jsonlines():
+    loop, client = make()
+    r = client.post("/invocations", json={"inputs": "hi", "stream": True, "parameters": {"max_new_tokens": 3}})
+    lines = r.data.decode().splitlines()
+    assert r.content_type == "application/jsonlines" and len(lines) == 3
+    assert json.loads(lines[-1])["generated_text"] == "abc"
+    assert not loop.active
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b'{"inputs": ', "malformed JSON"),
+    (b'{"inputs": "x", "parameters": {"max_new_tokens": "a"}}', "max_new_tokens"),
+    (b'{"inputs": "x", "parameters": {"top_p": 5, "do_sample": true}}', "top_p"),
+    (b'{"inputs": "' + b"x" * 100 + b'"}', "max model length"),
+])
+def test_400s(body, needle):
+    _, client = make()
+    r = client.post("/invocations", data=body, content_type="application/json")
+    assert r.status_code == 400 and needle in r.json["error"] and r.json["code"] == 400
+
+
+def test_body_over_6mb_is_400():
+    _, client = make()
+    r = client.post("/invocations", data=b"x" * (6 * 1024 * 1024 + 1), content_type="application/json")
+    assert r.status_code == 400 and "limit" in r.json["error"]
+
+
+def test_queue_full_is_503():
+    loop, client = make(SERVING_JOB_QUEUE_SIZE=1)
+    loop.delay = 0.05
+    import threading
+    t = threading.Thread(target=client.post, args=("/invocations",), kwargs={"json": {"inputs": "x"}})
+    t.start()
+    import time
+    for _ in range(100):
+        if loop.active:
+            break
+        time.sleep(0.01)
+    r = make_client_again = client.post("/invocations", json={"inputs": "y"})
+    assert make_client_again.status_code == 503 and "capacity" in r.json["error"]
+    t.join()
+
+
+def test_mid_stream_error_is_a_final_record():
+    _, client = make()
+    r = client.post("/invocations", json={"inputs": "FAIL", "stream": True, "parameters": {"max_new_tokens": 5}})
+    last = json.loads(r.data.decode().splitlines()[-1])
+    assert r.status_code == 200 and last["details"]["finish_reason"] == "error" and last["generated_text"] == "ab"
+
+
+def test_plain_engine_error_is_500():
+    _, client = make()
+    r = client.post("/invocations", json={"inputs": "FAIL", "parameters": {"max_new_tokens": 5}})
+    assert r.status_code == 500 and r.json == {"error": "boom", "code": 500}
+
+
+def test_compat_200_errors():
+    _, client = make(SERVING_COMPAT_200_ERRORS="true")
+    r = client.post("/invocations", data=b"{", content_type="application/json")
+    assert r.status_code == 200 and r.json["code"] == 424
+
+
+def test_disconnect_closes_engine_stream():
+    loop, client = make()
+    r = client.post("/invocations", json={"inputs": "SLOW", "stream": True, "parameters": {"max_new_tokens": 20}},
+                    buffered=False)
+    it = r.response
+    next(iter(it))
+    r.close()  # what the WSGI server does when the client goes away
+    assert not loop.active and loop.closed
+
+
+def test_v1_routes():
+    _, client = make(OPTION_SERVED_MODEL_NAME="llama-2-13b-chat-hf")
+    r = client.get("/v1/models")
+    assert r.json["data"][0]["id"] == "llama-2-13b-chat-hf"
+    r = client.post("/v1/completions", json={"model": "llama-2-13b-chat-hf", "prompt": "San Francisco is a",
+                                              "max_tokens": 7, "temperature": 0})
+    assert r.json["choices"][0]["text"] == "abcdefg" and r.json["usage"]["completion_tokens"] == 7
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}], "max_tokens": 2,
+                                                  "stream": True})
+    assert r.content_type.startswith("text/event-stream") and r.data.endswith(b"data: [DONE]\n\n")
+    r = client.post("/invocations", json={"messages": [{"role": "user", "content": "q"}], "max_tokens": 2})
+    assert r.json["object"] == "chat.completion" and r.json["choices"][0]["message"]["content"] == "ab"
+
+
+def test_custom_attributes_accepted_and_metrics():
+    _, client = make()
+    r = client.post("/invocations", json={"inputs": "x", "parameters": {"max_new_tokens": 2}},
+                    headers={"X-Amzn-SageMaker-Custom-Attributes": "trace=1; foo=bar"})
+    assert r.status_code == 200
+    text = client.get("/metrics").data.decode()
+    assert 'lmi_requests_total{route="/invocations",status="200"} 1.0' in text
+    for name in ("lmi_queue_depth", "lmi_running_sequences", "lmi_kv_blocks_used", "lmi_kv_blocks_free",
+                 "lmi_time_to_first_token_seconds_bucket", "lmi_time_per_output_token_seconds_bucket"):
+        assert name in text

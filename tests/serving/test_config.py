@@ -1,0 +1,161 @@
+"""load_config: LMI precedence, name mapping, TGI aliases, and every invalid-value message."""
+
+import logging
+
+import pytest
+
+from serving.config import ConfigError, load_config, log_config, read_properties
+from serving.config_keys import KEYS
+
+
+def test_defaults_serve_the_embedded_model():
+    cfg = load_config({}, [])
+    assert cfg.engine.model is None and cfg.port == 8080 and cfg.job_queue_size == 1000
+    assert cfg.engine.max_num_seqs == 256 and cfg.engine.gpu_memory_utilization == 0.9
+    assert cfg.served_model_name == "SmolLM2-135M-Instruct" and cfg.rolling_batch == "auto"
+    assert cfg.predict_timeout == 240 and cfg.model_loading_timeout == 1200
+
+
+def test_seed_env_from_the_sagemaker_article():
+    env = {"HF_MODEL_ID": "microsoft/Phi-3-mini-4k-instruct", "OPTION_ROLLING_BATCH": "vllm",
+           "TENSOR_PARALLEL_DEGREE": "max", "OPTION_MAX_ROLLING_BATCH_SIZE": "2", "OPTION_DTYPE": "fp16"}
+    cfg = load_config(env, [], gpu_count=lambda: 4)
+    assert cfg.engine.model == "microsoft/Phi-3-mini-4k-instruct" and cfg.engine.tensor_parallel_size == 4
+    assert cfg.engine.max_num_seqs == 2 and cfg.engine.dtype == "float16" and cfg.rolling_batch == "vllm"
+    assert cfg.served_model_name == "microsoft/Phi-3-mini-4k-instruct"
+    assert cfg.sources["engine.max_num_seqs"] == "env OPTION_MAX_ROLLING_BATCH_SIZE"
+    assert load_config({"TENSOR_PARALLEL_DEGREE": "max"}, [], gpu_count=lambda: 0).engine.tensor_parallel_size == 1
+
+
+def test_properties_file_wins_over_env(tmp_path):
+    props = tmp_path / "serving.properties"
+    props.write_text("# comment\nengine=Python\noption.model_id = /models/x\noption.max_rolling_batch_size=64\n"
+                     "option.rolling_batch: lmi-dist\njob_queue_size 7\n")
+    env = {"OPTION_MAX_ROLLING_BATCH_SIZE": "2", "OPTION_DTYPE": "bf16", "HF_MODEL_ID": "org/m"}
+    cfg = load_config(env, [tmp_path / "missing.properties", props])
+    assert cfg.engine.max_num_seqs == 64 and cfg.engine.model == "/models/x" and cfg.job_queue_size == 7
+    assert cfg.engine.dtype == "bfloat16" and cfg.rolling_batch == "lmi-dist"
+    assert cfg.sources["engine.max_num_seqs"] == str(props) and cfg.properties_path == str(props)
+
+
+def test_properties_in_local_model_dir_are_found(tmp_path):
+    (tmp_path / "serving.properties").write_text("option.max_model_len=512\n")
+    cfg = load_config({"HF_MODEL_ID": str(tmp_path)})
+    assert cfg.engine.max_model_len == 512
+
+
+def test_option_mapping_and_vllm_aliases():
+    cfg = load_config({"OPTION_MAX_NUM_SEQS": "3", "OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "1024",
+                       "OPTION_ENFORCE_EAGER": "true", "OPTION_ENABLE_PREFIX_CACHING": "false",
+                       "OPTION_GPU_MEMORY_UTILIZATION": "0.5", "OPTION_MAX_MODEL_LEN": "4096",
+                       "OPTION_TGI_COMPAT": "true", "OPTION_OUTPUT_FORMATTER": "jsonlines",
+                       "OPTION_CHAT_TEMPLATE": "{{ messages }}", "OPTION_ENABLE_STREAMING": "true",
+                       "SERVING_JOB_QUEUE_SIZE": "9", "OPTION_PREDICT_TIMEOUT": "30",
+                       "OPTION_MODEL_LOADING_TIMEOUT": "60", "SAGEMAKER_BIND_TO_PORT": "9001",
+                       "HF_MODEL_REVISION": "v2", "HF_TOKEN": "secret"}, [])
+    e = cfg.engine
+    assert (e.max_num_seqs, e.max_num_batched_tokens, e.enforce_eager, e.enable_prefix_caching,
+            e.gpu_memory_utilization, e.max_model_len) == (3, 1024, True, False, 0.5, 4096)
+    assert cfg.tgi_compat and cfg.output_formatter == "jsonlines" and cfg.chat_template == "{{ messages }}"
+    assert (cfg.job_queue_size, cfg.predict_timeout, cfg.model_loading_timeout, cfg.port) == (9, 30, 60, 9001)
+    assert cfg.revision == "v2" and e.revision == "v2" and cfg.hf_token == "secret" and "secret" not in repr(cfg)
+
+
+def test_chat_template_from_file(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_config({"OPTION_CHAT_TEMPLATE": str(f)}, []).chat_template.startswith("{% for")
+
+
+def test_tgi_aliases_apply_only_when_lmi_name_is_unset():
+    env = {"MAX_BATCH_SIZE": "5", "MAX_BATCH_PREFILL_TOKENS": "999", "MAX_CONCURRENT_REQUESTS": "11",
+           "SM_NUM_GPUS": "2", "ENABLE_CUDA_GRAPHS": "true", "CUDA_MEMORY_FRACTION": "0.7",
+           "HF_MODEL_TRUST_REMOTE_CODE": "true"}
+    cfg = load_config(env, [])
+    assert (cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens, cfg.job_queue_size,
+            cfg.engine.tensor_parallel_size, cfg.engine.enforce_eager, cfg.engine.gpu_memory_utilization,
+            cfg.trust_remote_code) == (5, 999, 11, 2, False, 0.7, True)
+    assert "TGI alias" in cfg.sources["engine.max_num_seqs"]
+    assert load_config({"ENABLE_CUDA_GRAPHS": "false"}, []).engine.enforce_eager is True
+    cfg = load_config({**env, "OPTION_MAX_ROLLING_BATCH_SIZE": "8"}, [])
+    assert cfg.engine.max_num_seqs == 8
+
+
+def test_hf_model_id_beats_option_model_id():
+    assert load_config({"HF_MODEL_ID": "a/b", "OPTION_MODEL_ID": "c/d"}, []).model_id == "a/b"
+    assert load_config({"OPTION_MODEL_ID": "c/d"}, []).model_id == "c/d"
+
+
+@pytest.mark.parametrize("rb", ["auto", "vllm", "lmi-dist", "scheduler", "disable", "deepspeed", "trtllm", "tnx"])
+def test_every_rolling_batch_is_served_and_explained(rb, caplog):
+    cfg = load_config({"OPTION_ROLLING_BATCH": rb.upper()}, [])
+    with caplog.at_level(logging.INFO, logger="serving.config"):
+        log_config(cfg)
+    assert f"option.rolling_batch={rb}:" in caplog.text and "option.max_rolling_batch_size" in caplog.text
+
+
+def test_unknown_keys_warn(caplog, tmp_path):
+    props = tmp_path / "serving.properties"
+    props.write_text("option.bogus=1\noption.entryPoint=model.py\n")
+    with caplog.at_level(logging.INFO, logger="serving.config"):
+        load_config({"OPTION_NOT_A_THING": "1"}, [props])
+    assert "unknown setting option.not_a_thing (env OPTION_NOT_A_THING)" in caplog.text
+    assert "unknown setting option.bogus" in caplog.text
+    assert "option.entryPoint=model.py" in caplog.text and "not executed" in caplog.text
+
+
+INVALID = [
+    ("OPTION_MAX_ROLLING_BATCH_SIZE", "zero", "a positive integer"),
+    ("OPTION_MAX_ROLLING_BATCH_SIZE", "0", "a positive integer"),
+    ("OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS", "-3", "a positive integer"),
+    ("OPTION_DTYPE", "fp8", "auto|fp32|fp16|bf16"),
+    ("OPTION_MAX_MODEL_LEN", "1.5", "a positive integer"),
+    ("OPTION_GPU_MEMORY_UTILIZATION", "1.5", "a number in (0, 1]"),
+    ("OPTION_GPU_MEMORY_UTILIZATION", "0", "a number in (0, 1]"),
+    ("OPTION_ENFORCE_EAGER", "maybe", "true|false"),
+    ("OPTION_ENABLE_PREFIX_CACHING", "2", "true|false"),
+    ("OPTION_ENABLE_STREAMING", "yes please", "true|false|huggingface"),
+    ("OPTION_OUTPUT_FORMATTER", "xml", "json|jsonlines|sse"),
+    ("OPTION_TGI_COMPAT", "sure", "true|false"),
+    ("OPTION_CHAT_TEMPLATE", "/no/such/file.jinja", "a path to a Jinja file or an inline template"),
+    ("OPTION_TRUST_REMOTE_CODE", "perhaps", "true|false"),
+    ("OPTION_ROLLING_BATCH", "turbo", "auto|vllm|lmi-dist|scheduler|disable"),
+    ("TENSOR_PARALLEL_DEGREE", "all", "a positive integer or max"),
+    ("TENSOR_PARALLEL_DEGREE", "0", "a positive integer or max"),
+    ("SERVING_JOB_QUEUE_SIZE", "-1", "an integer 1..100000"),
+    ("OPTION_PREDICT_TIMEOUT", "soon", "seconds"),
+    ("OPTION_MODEL_LOADING_TIMEOUT", "0", "seconds"),
+    ("SAGEMAKER_BIND_TO_PORT", "70000", "an integer port 1..65535"),
+    ("OPTION_QUANTIZE", "awq", "unset or none"),
+    ("MAX_BATCH_SIZE", "many", "a positive integer"),
+    ("SM_NUM_GPUS", "x", "a positive integer or max"),
+    ("CUDA_MEMORY_FRACTION", "2", "a number in (0, 1]"),
+    ("MAX_CONCURRENT_REQUESTS", "0", "an integer 1..100000"),
+    ("SERVING_GRACEFUL_TIMEOUT", "60", "seconds in [0, 30]"),
+]
+
+
+@pytest.mark.parametrize("name, value, accepts", INVALID)
+def test_invalid_values_fail_naming_variable_and_accepted_values(name, value, accepts):
+    with pytest.raises(ConfigError) as err:
+        load_config({name: value}, [])
+    msg = str(err.value)
+    assert msg.startswith(f"{name}={value!r}") and f"accepts {accepts}" in msg
+
+
+def test_invalid_value_in_properties_names_the_file(tmp_path):
+    props = tmp_path / "serving.properties"
+    props.write_text("option.dtype=int4\n")
+    with pytest.raises(ConfigError, match=r"option.dtype='int4' in .*serving.properties is invalid: accepts auto"):
+        load_config({}, [props])
+
+
+def test_every_key_has_accepts_text_and_a_parsable_default():
+    for key in KEYS:
+        assert key.accepts and key.name
+
+
+def test_read_properties_continuations(tmp_path):
+    p = tmp_path / "s.properties"
+    p.write_text("a=1\n! bang comment\nb = two \\\n  words\nc:3\n")
+    assert read_properties(p) == {"a": "1", "b": "two words", "c": "3"}
