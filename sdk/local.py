@@ -62,7 +62,8 @@ class ContainerProcess:
     def __init__(self, env: Mapping[str, str] | None = None, *, port: int | None = None,
                  command: list[str] | None = None, log_path: str | Path | None = None) -> None:
         self.port = port or free_port()
-        self.command = command or [str(SERVE), "serve"]
+        # OPEN_LMI_SERVE: another `serve` entrypoint (a different checkout, a wrapper script).
+        self.command = command or [os.environ.get("OPEN_LMI_SERVE", str(SERVE)), "serve"]
         self.env = {**os.environ, **(env or {}), "SAGEMAKER_BIND_TO_PORT": str(self.port)}
         # The venv's bin first, so `serve` finds the same python as the caller.
         self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env.get('PATH', '')}"

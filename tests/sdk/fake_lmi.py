@@ -46,7 +46,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+        if "messages" in body:
+            self._chat(body)
+            return
         inputs = body.get("inputs", "")
+        if body.get("parameters", {}).get("max_new_tokens", 1) < 0:
+            inputs = "error400"
         if inputs.startswith("error"):
             status = int(inputs[5:8])
             payload = json.dumps({"error": f"fake failure {status}", "code": status}).encode()
@@ -79,11 +84,31 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+    def _chat(self, body: dict) -> None:
+        words = body["messages"][-1]["content"].split()[: body.get("max_tokens", 8)] or ["ok"]
+        words = [w if i == 0 else " " + w for i, w in enumerate(words)]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/jsonlines" if body.get("stream") else "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if body.get("stream"):
+            for i, word in enumerate(words):
+                finish = "length" if i == len(words) - 1 else None
+                chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": finish}]}
+                self._chunk(json.dumps(chunk).encode() + b"\n")
+        else:
+            answer = {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(words)},
+                      "finish_reason": "length"}], "usage": {"prompt_tokens": 5, "completion_tokens": len(words), "total_tokens": 5 + len(words)}}
+            self._chunk(json.dumps(answer).encode())
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
 class FakeLMI:
     """``with FakeLMI() as fake: fake.url``: a threaded fake container on a free port."""
 
-    def __init__(self) -> None:
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    def __init__(self, port: int = 0) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
         self.server.daemon_threads = True
         self.server.requests = []  # type: ignore[attr-defined]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -115,3 +140,10 @@ def runtime_client(url: str):
         aws_access_key_id="testing", aws_secret_access_key="testing",
         config=Config(retries={"max_attempts": 1}),
     )
+
+
+if __name__ == "__main__":  # a stand-in `serve` for trying notebooks without the real container
+    import os
+
+    with FakeLMI(int(os.environ.get("SAGEMAKER_BIND_TO_PORT", "8080"))) as fake:
+        fake.thread.join()

@@ -1,0 +1,65 @@
+"""Sizing: the seed's Phi-3-mini arithmetic reproduced, and the GQA-correct figures beside it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sdk.sizing import GB, PHI3_MINI_4K, ModelShape, kv_bytes_per_token, seed_estimate, seed_kv_bytes_per_token, size
+
+SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def test_seed_004_numbers() -> None:
+    seed = seed_estimate(params_billion=3.8, num_layers=32, hidden_size=4096, dtype_bytes=2, seq_len=4096, batch=4)
+    assert seed.weights_gb == pytest.approx(7.6)
+    assert seed.kv_bytes_per_token == 524_288
+    assert seed.kv_gb_per_token_rounded == 0.00052
+    assert round(seed.kv_cache_gb, 2) == 8.52
+    assert round(seed.total_gb, 1) == 16.1
+
+
+def test_phi3_gqa_correct_figure() -> None:
+    shape = ModelShape.from_config(PHI3_MINI_4K)
+    assert (shape.num_kv_heads, shape.head_dim) == (32, 96)
+    assert kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2) == 393_216
+    assert seed_kv_bytes_per_token(32, 4096, 2) / 393_216 == pytest.approx(4 / 3)  # the article's 4096 overestimates
+    assert shape.num_params() == pytest.approx(3.82e9, rel=0.01)  # "3.8B parameters"
+    report = size(shape=shape, num_params=3_800_000_000, dtype="fp16", batch=4, seq_len=4096, seed_hidden_size=4096)
+    assert report.weight_bytes / GB == pytest.approx(7.6)
+    assert report.kv_bytes_per_token == 393_216 and report.seed_kv_bytes_per_token == 524_288
+    assert report.kv_cache_bytes / GB == pytest.approx(6.44, abs=0.01)
+    assert report.total_bytes / GB == pytest.approx(14.04, abs=0.01)
+    assert report.instance_type == "ml.g5.xlarge" and report.tensor_parallel_degree == 1  # one A10G, like g5.4xlarge
+
+
+def test_hidden_size_formula_overestimates_gqa_3x() -> None:
+    report = size(shape=ModelShape.from_config(SMOLLM2), dtype="bf16", batch=1, seq_len=8192)
+    assert report.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert report.seed_kv_bytes_per_token == 2 * 2 * 30 * 576
+    assert report.seed_overestimate == pytest.approx(3.0)
+    assert report.num_params == pytest.approx(134_515_008, rel=0.001)  # the GGUF model's count
+
+
+def test_big_model_needs_tensor_parallel() -> None:
+    llama70 = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+               "num_key_value_heads": 8, "vocab_size": 128256}
+    report = size(shape=ModelShape.from_config(llama70), dtype="bf16", batch=4, seq_len=4096)
+    assert report.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
+    assert report.tensor_parallel_degree in (4, 8) and report.instance_type is not None
+
+
+def test_cli(tmp_path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(PHI3_MINI_4K))
+    cmd = [sys.executable, "-m", "sdk.sizing", "--config", str(cfg), "--params", "3.8e9", "--dtype", "fp16",
+           "--batch", "4", "--seq-len", "4096", "--seed-hidden-size", "4096"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    assert "524,288" in out and "393,216" in out and "8.52 GB" in out and "7.6 GB" in out and "16.1 GB" in out
+    assert "TENSOR_PARALLEL_DEGREE=1" in out and "ml.g5.xlarge" in out
+    report = json.loads(subprocess.run(cmd + ["--json"], check=True, capture_output=True, text=True).stdout)
+    assert report["kv_bytes_per_token"] == 393_216
