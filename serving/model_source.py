@@ -1,0 +1,151 @@
+"""Where the model comes from: a local dir, `/opt/ml/model`, an `s3://` prefix, or a hub id.
+
+`resolve_model(config)` turns `ServingConfig.model_id` into a local directory (or None for the
+embedded default model), downloading when needed: S3 with boto3 into `download_dir`, several
+files at once, skipping files already complete (same size and ETag) so a restart resumes; hub
+ids through `serving/model_files.py` when present, else `huggingface_hub`. It also refuses a
+model that needs remote code, since this server never executes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from serving.config import OPT_ML_MODEL, ServingConfig
+
+logger = logging.getLogger("serving.model_source")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+_META_DIR = ".open-lmi-s3"  # per-file ETag records, so a restart can skip finished files
+
+
+class ModelSourceError(RuntimeError):
+    """The model cannot be found or fetched; the message says where we looked and why."""
+
+
+def _looks_like_model(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def resolve_model(config: ServingConfig, opt_ml_model: str | Path = OPT_ML_MODEL) -> Path | None:
+    """A local model dir for `config.model_id`; None means the embedded default model."""
+    src = config.model_id
+    if not src:
+        if _looks_like_model(Path(opt_ml_model)):
+            logger.info("no model id given: serving the SageMaker model artifacts in %s", opt_ml_model)
+            path = Path(opt_ml_model)
+        else:
+            return None
+    elif src.startswith("s3://"):
+        path = download_s3(src, Path(config.download_dir), endpoint_url=config.s3_endpoint_url)
+    elif src.startswith(("/", ".", "~")) or Path(src).exists():
+        path = Path(src).expanduser()
+        if not path.is_dir():
+            raise ModelSourceError(f"model path {src} is not a directory")
+    else:
+        path = download_hub(src, config.revision, config.hf_token, Path(config.download_dir) / "hub")
+    check_no_remote_code(path, config.trust_remote_code)
+    return path
+
+
+def check_no_remote_code(path: Path, trust_remote_code: bool) -> None:
+    """Refuse a checkpoint whose config.json points at repository code (auto_map) we can't run."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelSourceError(f"{path} has no config.json: not a Hugging Face model directory")
+    cfg = json.loads(cfg_file.read_text())
+    from serving.models import UnsupportedModelError, check_supported
+
+    try:
+        check_supported(cfg)
+    except UnsupportedModelError as exc:
+        hint = (" option.trust_remote_code=true cannot help: this server never executes model code."
+                if cfg.get("auto_map") else "")
+        raise ModelSourceError(f"{exc}.{hint}") from None
+    if cfg.get("auto_map") and trust_remote_code:
+        logger.warning("%s ships remote code (auto_map); it is NOT executed: the built-in %s implementation "
+                       "is used", path, cfg.get("architectures"))
+
+
+# ---- S3 ----------------------------------------------------------------------------------------
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    rest = uri[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ModelSourceError(f"invalid S3 URI {uri!r}: expected s3://bucket/prefix")
+    return bucket, prefix
+
+
+def download_s3(uri: str, cache_dir: Path, *, endpoint_url: str | None = None, max_workers: int = 8,
+                client: object | None = None) -> Path:
+    """Mirror `s3://bucket/prefix` into `cache_dir/s3/bucket/prefix`; returns that directory.
+
+    Files already present with the same size (and the same ETag, when we recorded one) are
+    skipped; each file is written to a temp name and renamed, so an interrupted run resumes.
+    """
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, prefix = _split_s3(uri)
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    dest = cache_dir / "s3" / bucket / prefix.rstrip("/")
+    s3 = client or boto3.session.Session().client("s3", endpoint_url=endpoint_url)
+    try:
+        objects = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+                   for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+    except (BotoCoreError, ClientError) as exc:
+        raise ModelSourceError(f"cannot list {uri}: {exc}") from None
+    if not objects:
+        raise ModelSourceError(f"no objects under {uri}")
+
+    def fetch(obj: dict) -> bool:
+        rel = obj["Key"][len(prefix):]
+        target = dest / rel
+        meta = dest / _META_DIR / (rel + ".etag")
+        etag = obj.get("ETag", "").strip('"')
+        if target.is_file() and target.stat().st_size == obj["Size"] and (
+                not meta.is_file() or meta.read_text() == etag):
+            return False
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".part")
+        s3.download_file(bucket, obj["Key"], str(tmp))
+        os.replace(tmp, target)
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(etag)
+        return True
+
+    try:
+        with ThreadPoolExecutor(max_workers=max_workers) as pool:
+            fetched = sum(pool.map(fetch, objects))
+    except (BotoCoreError, ClientError, OSError) as exc:
+        raise ModelSourceError(f"downloading {uri} failed (rerun resumes): {exc}") from None
+    logger.info("%s -> %s: %d files fetched, %d already complete", uri, dest, fetched, len(objects) - fetched)
+    return dest
+
+
+# ---- Hugging Face hub --------------------------------------------------------------------------
+
+def download_hub(repo_id: str, revision: str | None, token: str | None, cache_dir: Path) -> Path:
+    """Fetch a hub model (weights, config, tokenizer) and return its local snapshot directory."""
+    try:
+        from serving import model_files  # the models helper's loader, when it exists
+    except ImportError:
+        model_files = None
+    fetch = getattr(model_files, "download_model", None) if model_files else None
+    try:
+        if fetch is not None:
+            return Path(fetch(repo_id, revision=revision, token=token))
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=_HUB_PATTERNS,
+                                      cache_dir=str(cache_dir)))
+    except Exception as exc:  # noqa: BLE001 - offline, 401, 404, DNS: all become one clear message
+        raise ModelSourceError(
+            f"cannot fetch model {repo_id!r} (revision {revision or 'main'}) from the Hugging Face hub: "
+            f"{type(exc).__name__}: {exc}. Check HF_MODEL_ID, HF_TOKEN and network access, or point "
+            f"HF_MODEL_ID at a local directory or an s3:// prefix.") from None

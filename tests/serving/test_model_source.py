@@ -1,0 +1,85 @@
+"""Model sources: S3 against moto's real server (127.0.0.1), local dirs, remote-code refusal, hub errors."""
+
+import json
+import logging
+
+import boto3
+import pytest
+
+from serving.config import load_config
+from serving.model_source import ModelSourceError, check_no_remote_code, download_s3, resolve_model
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture()
+def s3(s3_endpoint, monkeypatch):
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket="models")
+    files = {"m/config.json": json.dumps(CONFIG).encode(), "m/model.safetensors": bytes(range(256)) * 40000,
+             "m/tokenizer.json": b'{"x": 1}', "m/sub/extra.txt": b"hello"}
+    for key, data in files.items():
+        client.put_object(Bucket="models", Key=key, Body=data)
+    return client, files
+
+
+def test_s3_download_parallel_and_resumable(s3, s3_endpoint, tmp_path, caplog):
+    client, files = s3
+    env = {"HF_MODEL_ID": "s3://models/m/", "AWS_ENDPOINT_URL_S3": s3_endpoint, "SERVING_DOWNLOAD_DIR": str(tmp_path)}
+    cfg = load_config(env, [])
+    with caplog.at_level(logging.INFO, logger="serving.model_source"):
+        path = resolve_model(cfg)
+    assert path == tmp_path / "s3" / "models" / "m"
+    for key, data in files.items():
+        assert (path / key[2:]).read_bytes() == data
+    assert "4 files fetched, 0 already complete" in caplog.text
+    caplog.clear()
+    (path / "tokenizer.json").write_bytes(b"{")  # a broken/partial file is fetched again
+    client.put_object(Bucket="models", Key="m/sub/extra.txt", Body=b"HELLO")  # same size, new ETag
+    with caplog.at_level(logging.INFO, logger="serving.model_source"):
+        download_s3("s3://models/m", tmp_path, endpoint_url=s3_endpoint)
+    assert "2 files fetched, 2 already complete" in caplog.text
+    assert (path / "sub/extra.txt").read_bytes() == b"HELLO" and (path / "tokenizer.json").read_bytes() == b'{"x": 1}'
+
+
+def test_s3_missing_prefix_is_a_clear_error(s3, s3_endpoint, tmp_path):
+    with pytest.raises(ModelSourceError, match="no objects under s3://models/nothing"):
+        download_s3("s3://models/nothing/", tmp_path, endpoint_url=s3_endpoint)
+    with pytest.raises(ModelSourceError, match="cannot list s3://nobucket"):
+        download_s3("s3://nobucket/x", tmp_path, endpoint_url=s3_endpoint)
+
+
+def test_local_dir_and_opt_ml_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    assert resolve_model(load_config({"HF_MODEL_ID": str(tmp_path)}, [])) == tmp_path
+    assert resolve_model(load_config({}, []), opt_ml_model=tmp_path) == tmp_path  # SageMaker artifacts
+    assert resolve_model(load_config({}, []), opt_ml_model=tmp_path / "empty") is None  # default model
+    with pytest.raises(ModelSourceError, match="not a directory"):
+        resolve_model(load_config({"HF_MODEL_ID": str(tmp_path / "config.json")}, []))
+
+
+def test_remote_code_models_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Phi3SmallForCausalLM"],
+                                                      "auto_map": {"AutoModelForCausalLM": "modeling.X"}}))
+    with pytest.raises(ModelSourceError, match="never executes model code"):
+        check_no_remote_code(tmp_path, trust_remote_code=True)
+
+
+def test_unreachable_hub_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config({"HF_MODEL_ID": "org/definitely-not-cached", "SERVING_DOWNLOAD_DIR": str(tmp_path)}, [])
+    with pytest.raises(ModelSourceError, match="cannot fetch model 'org/definitely-not-cached'.*HF_TOKEN"):
+        resolve_model(cfg)
