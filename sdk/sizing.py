@@ -212,12 +212,18 @@ def format_report(r: SizingReport) -> str:
     lines = [
         f"parameters            {r.num_params / 1e9:.3f} B",
         f"weights ({r.dtype:>5})       {r.weight_bytes / GB:8.2f} GB  ({r.weight_bytes / GIB:.2f} GiB)",
-        f"KV bytes/token (GQA)  {r.kv_bytes_per_token:12,.0f}   2 x layers x kv_heads x head_dim x bytes",
-        f"KV bytes/token (seed) {r.seed_kv_bytes_per_token:12,.0f}   2 x bytes x layers x hidden"
-        f"  ({r.seed_overestimate:.2f}x the GQA-correct figure)",
-        f"KV cache, {tokens:,} tokens  {r.kv_cache_bytes / GB:8.2f} GB  (seed formula: {r.seed_kv_cache_bytes / GB:.2f} GB)",
-        f"total                 {r.total_bytes / GB:8.2f} GB  ({r.total_bytes / GIB:.2f} GiB)",
     ]
+    if r.kv_bytes_per_token:
+        lines += [
+            f"KV bytes/token (GQA)  {r.kv_bytes_per_token:12,.0f}   2 x layers x kv_heads x head_dim x bytes",
+            f"KV bytes/token (seed) {r.seed_kv_bytes_per_token:12,.0f}   2 x bytes x layers x hidden"
+            f"  ({r.seed_overestimate:.2f}x the GQA-correct figure)",
+            f"KV cache, {tokens:,} tokens  {r.kv_cache_bytes / GB:8.2f} GB"
+            f"  (seed formula: {r.seed_kv_cache_bytes / GB:.2f} GB)",
+        ]
+    else:
+        lines.append("KV cache              not sized: give --config for layers / kv heads / head_dim")
+    lines.append(f"total                 {r.total_bytes / GB:8.2f} GB  ({r.total_bytes / GIB:.2f} GiB)")
     if r.instance_type:
         gpus, gib, gpu = INSTANCES[r.instance_type]
         lines.append(f"suggested instance    {r.instance_type} ({gpus} x {gpu} {gib:g} GiB, "
@@ -262,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     if shape is not None:
         params_b = (args.params or shape.num_params()) / 1e9
-        seed = seed_estimate(round(params_b, 1), shape.num_layers, args.seed_hidden_size or shape.hidden_size,
+        seed = seed_estimate(float(f"{params_b:.2g}"), shape.num_layers, args.seed_hidden_size or shape.hidden_size,
                              DTYPE_BYTES[args.dtype], args.seq_len, args.batch)
-        print(f"seed arithmetic       {params_b:.1f} x {DTYPE_BYTES[args.dtype]:g} = {seed.weights_gb:.1f} GB weights; "
+        print(f"seed arithmetic       {float(f'{params_b:.2g}'):g} x {DTYPE_BYTES[args.dtype]:g} = {seed.weights_gb:.1f} GB weights; "
               f"{seed.kv_bytes_per_token:,.0f} B/token ~ {seed.kv_gb_per_token_rounded} GB; "
               f"{args.seq_len} x {args.batch} x {seed.kv_gb_per_token_rounded} = {seed.kv_cache_gb:.2f} GB; "
               f"total {seed.total_gb:.1f} GB")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from sdk.deploy import DeploymentError, deploy, lmi_env, wait_for_endpoint
+from sdk.iterators import LineIterator
 from sdk.local import LocalSageMaker
 
 
@@ -37,6 +39,9 @@ def test_deploy_predict_stream_delete(local, fake_lmi) -> None:
     local.start_container("dep-test", url=fake_lmi.url)
     assert dep.predictor().predict({"inputs": "a b c"}) == {"generated_text": "a b c"}
     assert dep.client().stream("x y").text == "x y"
+    # The SDK's own streaming entry point accepts our iterator class.
+    lines = list(dep.predictor().predict_stream({"inputs": "p q", "stream": True}, iterator=LineIterator))
+    assert json.loads(lines[-1])["generated_text"] == "p q"
     dep.delete()
     names = [e["EndpointName"] for e in local.sagemaker_client.list_endpoints()["Endpoints"]]
     assert "dep-test" not in names
