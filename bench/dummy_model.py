@@ -1,0 +1,78 @@
+"""Model dirs for random-weight benchmarks: config.json of a real shape + a borrowed tokenizer.
+
+`make_dummy_model_dir("llama-3-8b", out_dir)` writes a Llama-3-8B-shaped config.json and copies
+the tokenizer files of `tokenizer_dir` (default: the embedded SmolLM2 model, converted on the CPU
+machine) beside it, so the engine starts with `load_format="dummy"` and no checkpoint. The
+config keeps the real vocab (128256); prompts must use ids below the tokenizer's size, and
+generated ids past it detokenize to nothing. Run as a script to build both shapes:
+`python bench/dummy_model.py OUT_DIR [TOKENIZER_DIR]`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+SHAPES: dict[str, dict] = {
+    "llama-3.2-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+        rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        max_position_embeddings=131072,
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, rope_scaling=None,
+        max_position_embeddings=8192,
+    ),
+}
+_COMMON = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, rms_norm_eps=1e-5,
+    rope_theta=500000.0, hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="bfloat16",
+    bos_token_id=128000, eos_token_id=128001, initializer_range=0.02,
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def default_tokenizer_dir() -> Path:
+    from serving.default_model import default_model_path
+
+    return Path(default_model_path())
+
+
+def make_dummy_model_dir(shape: str, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write config.json for `shape` plus tokenizer files into out_dir; returns out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**_COMMON, **SHAPES[shape]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    src = Path(tokenizer_dir) if tokenizer_dir else default_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    return out
+
+
+def weight_bytes(shape: str, dtype_bytes: int = 2) -> int:
+    """Bytes of all weights of a shape (what one batch-1 decode step must read)."""
+    c = {**_COMMON, **SHAPES[shape]}
+    h, i, n, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    d = c["head_dim"]
+    attn = h * d * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + c["num_attention_heads"] * d * h
+    per_layer = attn + 3 * h * i + 2 * h
+    emb = v * h * (1 if c["tie_word_embeddings"] else 2)
+    return (n * per_layer + emb + h) * dtype_bytes
+
+
+def shape_info(shape: str) -> dict:
+    return {**_COMMON, **SHAPES[shape]}
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1])
+    tok = sys.argv[2] if len(sys.argv) > 2 else None
+    for name in SHAPES:
+        print(make_dummy_model_dir(name, root / name, tok))

@@ -1,0 +1,87 @@
+"""Batch-1 decode latency (ms per output token) against the bandwidth floor, per model shape.
+
+Floor = weight bytes / measured copy bandwidth (8B bf16: ~16 GB / ~4.3 TB/s = ~3.8 ms). Our
+figure is the steady decode cost: (time of a 1+N-token request - time of a 1-token request) / N,
+through the offline API with random weights, so it includes every per-step engine overhead.
+
+  python bench/latency.py --shapes llama-3.2-1b,llama-3-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
+from bench.dummy_model import make_dummy_model_dir, weight_bytes  # noqa: E402
+
+
+def _time_request(llm, prompt: list[int], max_tokens: int, reps: int = 3) -> float:
+    from serving import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], [sp], use_tqdm=False)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        assert len(out[0].outputs[0].token_ids) == max_tokens
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
+    ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
+    ap.add_argument("--tokenizer-dir", default=str(ROOT / ".bench_models" / "tokenizer"))
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    from serving import LLM
+
+    bw = copy_bandwidth_gbs()
+    print(f"ceiling: copy {bw:,.0f} GB/s", flush=True)
+    prompt = list(range(1000, 1000 + args.prompt_len))
+    tok_dir = args.tokenizer_dir if Path(args.tokenizer_dir).is_dir() else None
+    rows = {}
+    for shape in args.shapes.split(","):
+        model_dir = make_dummy_model_dir(shape, Path(args.model_root) / shape, tok_dir)
+        llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
+                  gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager)
+        _time_request(llm, prompt, 8, reps=1)  # warm-up
+        t1 = _time_request(llm, prompt, 1)
+        tn = _time_request(llm, prompt, 1 + args.new_tokens)
+        ms = (tn - t1) / args.new_tokens * 1e3
+        floor_ms = weight_bytes(shape) / (bw * 1e9) * 1e3
+        rows[shape] = {"ms_per_token": ms, "floor_ms": floor_ms, "frac_floor": floor_ms / ms, "ttft_ms": t1 * 1e3}
+        print(f"[{shape}] {ms:.2f} ms/token, floor {floor_ms:.2f} ms -> {floor_ms / ms:.1%}; "
+              f"1-token request {t1 * 1e3:.1f} ms", flush=True)
+        shutdown = getattr(llm, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\n{'shape':14} {'ms/token':>9} {'floor ms':>9} {'of floor':>9} {'prefill+1 ms':>13}")
+    for shape, r in rows.items():
+        print(f"{shape:14} {r['ms_per_token']:>9.2f} {r['floor_ms']:>9.2f} {r['frac_floor']:>9.1%} {r['ttft_ms']:>13.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": bw, "shapes": rows},
+                                             indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""HTTP load generator for any LMI-compatible endpoint: streaming latency and throughput.
+
+Sends `POST /invocations {"inputs", "parameters": {"max_new_tokens", "ignore_eos"}, "stream": true}`
+at Poisson arrivals (seed 0) and reads the jsonlines stream; every non-empty line carrying a
+`token` is one output chunk. Metrics follow vLLM's benchmark_serving: TTFT = send -> first chunk;
+ITL = every gap between chunks; TPOT per request = (E2E - TTFT) / (output tokens - 1); E2E =
+send -> last byte; output throughput = sum of output tokens / benchmark duration.
+Datasets: `questions` (bench/data/questions-59.json, cycled) or `synthetic` (ShareGPT-like
+lognormal input/output lengths, text of common words).
+
+  python bench/serving.py --url http://127.0.0.1:8080 --rate 16 --num-prompts 200 --dataset synthetic
+  python bench/serving.py --sagemaker-endpoint my-endpoint --rate 2 --dataset questions
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import random
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+ROOT = Path(__file__).resolve().parents[1]
+_WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
+          "they you were her she there been one all we their has would when if so no more out up into do any "
+          "time about can said them only its new some could these two may first then do way").split()
+
+
+@dataclass
+class Request:
+    prompt: str
+    max_new_tokens: int
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+def make_requests(dataset: str, num_prompts: int, seed: int, output_len: int) -> list[Request]:
+    rng = random.Random(seed)
+    if dataset == "questions":
+        questions = json.loads((ROOT / "bench" / "data" / "questions-59.json").read_text())
+        return [Request(questions[i % len(questions)], output_len) for i in range(num_prompts)]
+    reqs = []
+    for _ in range(num_prompts):
+        # ShareGPT-like: median ~150 input / ~150 output tokens, long right tail, clipped.
+        n_in = int(min(1024, max(4, math.exp(rng.gauss(5.0, 0.8)))))
+        n_out = int(min(1024, max(4, math.exp(rng.gauss(5.0, 0.8)))))
+        reqs.append(Request(" ".join(rng.choice(_WORDS) for _ in range(n_in)), n_out))
+    return reqs
+
+
+def _lines_http(url: str, body: bytes, timeout: float) -> Iterator[bytes]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+    try:
+        conn.request("POST", "/invocations", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status >= 400:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+        while True:
+            line = resp.readline()
+            if not line:
+                return
+            yield line
+    finally:
+        conn.close()
+
+
+def _lines_sagemaker(endpoint: str, body: bytes) -> Iterator[bytes]:
+    sys.path.insert(0, str(ROOT))
+    from sdk.client import SageMakerTransport
+    from sdk.iterators import iter_lines
+
+    yield from iter_lines(SageMakerTransport(endpoint).invoke_stream(body))
+
+
+def send(args: argparse.Namespace, req: Request) -> Result:
+    body = json.dumps({"inputs": req.prompt, "stream": True,
+                       "parameters": {"max_new_tokens": req.max_new_tokens, "ignore_eos": True,
+                                      "do_sample": True, "temperature": 0.6}}).encode()
+    res = Result()
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        lines = _lines_sagemaker(args.sagemaker_endpoint, body) if args.sagemaker_endpoint else \
+            _lines_http(args.url, body, args.timeout)
+        for line in lines:
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            if rec.get("token") is None:
+                if rec.get("details", {}).get("finish_reason") == "error" or "error" in rec:
+                    raise RuntimeError(str(rec)[:200])
+                continue
+            now = time.perf_counter()
+            if res.output_tokens == 0:
+                res.ttft = now - t0
+            else:
+                res.itl.append(now - last)
+            last = now
+            res.output_tokens += 1
+        res.e2e = time.perf_counter() - t0
+        res.ok = res.output_tokens > 0
+    except Exception as exc:  # one failed request must not stop the run
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def _stats(xs: list[float]) -> tuple[float, float, float]:
+    if not xs:
+        return (float("nan"),) * 3
+    s = sorted(xs)
+    return statistics.fmean(s), s[len(s) // 2], s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    reqs = make_requests(args.dataset, args.num_prompts, args.seed, args.output_len)
+    rng = random.Random(args.seed)
+    results: list[Result] = [Result() for _ in reqs]
+    threads = []
+    start = time.perf_counter()
+    next_t = start
+    for i, req in enumerate(reqs):
+        if args.rate > 0:
+            next_t += rng.expovariate(args.rate)
+            time.sleep(max(0.0, next_t - time.perf_counter()))
+
+        def work(i: int = i, req: Request = req) -> None:
+            results[i] = send(args, req)
+
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    out_tokens = sum(r.output_tokens for r in ok)
+    summary = {
+        "rate": args.rate, "dataset": args.dataset, "num_prompts": len(reqs), "completed": len(ok),
+        "failed": len(reqs) - len(ok), "duration_s": duration, "output_tokens": out_tokens,
+        "output_throughput_tok_s": out_tokens / duration, "request_throughput": len(ok) / duration,
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+    for name, xs in (("ttft_ms", [r.ttft for r in ok]), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", [r.e2e for r in ok])):
+        mean, p50, p99 = _stats(xs)
+        summary[name] = {"mean": mean * 1e3, "p50": p50 * 1e3, "p99": p99 * 1e3}
+    return summary
+
+
+def print_table(s: dict) -> None:
+    print(f"\nrate {s['rate']} req/s, {s['dataset']}: {s['completed']}/{s['num_prompts']} ok in {s['duration_s']:.1f} s, "
+          f"{s['output_throughput_tok_s']:,.0f} output tok/s, {s['request_throughput']:.2f} req/s")
+    print(f"{'metric':8} {'mean':>9} {'p50':>9} {'p99':>9}")
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        m = s[name]
+        print(f"{name:8} {m['mean']:>9.1f} {m['p50']:>9.1f} {m['p99']:>9.1f}")
+    if s["errors"]:
+        print("errors:", s["errors"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8080")
+    ap.add_argument("--sagemaker-endpoint", default="")
+    ap.add_argument("--rate", type=float, default=16.0, help="requests/s (Poisson); 0 = all at once")
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--dataset", choices=("synthetic", "questions"), default="synthetic")
+    ap.add_argument("--output-len", type=int, default=128, help="max_new_tokens for the questions dataset")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    summary = run(args)
+    print_table(summary)
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

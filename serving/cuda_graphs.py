@@ -1,0 +1,116 @@
+"""Decode-only CUDA graphs: capture the model forward once per batch-size bucket, then replay.
+
+In: a decode step's `input_ids`/`positions` `[num_seqs]` and its `AttentionMetadata` (one query
+token per sequence). Out: the hidden states `[num_seqs, hidden]`, exactly what an eager forward
+returns. Buckets are `[1, 2, 4, 8, 16, 32, 48, ...]` up to `max_num_seqs`, captured largest-first
+into one shared memory pool; a step with n sequences replays the smallest bucket >= n. The padded
+rows get slot -1 (the cache write skips them) and seq_len 0 (decode attention returns zeros), so
+they cost a little compute and touch no real KV blocks. `enforce_eager` means this is never built.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable
+
+import torch
+
+from serving.attention_metadata import AttentionMetadata, forward_context
+
+logger = logging.getLogger(__name__)
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, positions) -> hidden
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Bucket sizes: 1, 2, 4, 8, then every multiple of 16, and max_num_seqs itself."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphRunner:
+    """Holds one captured graph per bucket and the static input buffers they all read."""
+
+    def __init__(
+        self,
+        forward: ForwardFn,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        hidden_size: int,
+        max_seq_len: int,
+        device: torch.device,
+    ) -> None:
+        self.forward = forward
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.max_seq_len = max_seq_len
+        n = self.batch_sizes[-1]
+        with torch.device(device):
+            # NOTE: every graph reads these exact tensors; replay() only ever copies into them.
+            self.input_ids = torch.zeros(n, dtype=torch.int64)
+            self.positions = torch.zeros(n, dtype=torch.int64)
+            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64)
+            self.seq_lens = torch.zeros(n, dtype=torch.int32)
+            self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32)
+            self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
+        self.hidden_size = hidden_size
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            num_decodes=bs,
+            num_decode_tokens=bs,
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, so smaller graphs reuse the big one's pool."""
+        # Padded-state inputs during capture: no slot is written, attention reads nothing.
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        for bs in reversed(self.batch_sizes):
+            meta = self._meta(bs)
+            with forward_context(meta):
+                self.forward(self.input_ids[:bs], self.positions[:bs])  # warm-up: compiles, sizes workspaces
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.forward(self.input_ids[:bs], self.positions[:bs])
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+            self.outputs[bs] = out
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.batch_sizes)
+
+    def can_run(self, num_seqs: int, block_table_width: int) -> bool:
+        """True when a captured bucket fits this decode step."""
+        return 0 < num_seqs <= self.batch_sizes[-1] and block_table_width <= self.block_tables.shape[1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the bucket for this decode step -> hidden [num_seqs, hidden] (a view; copy to keep)."""
+        n = input_ids.shape[0]
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        if bs > n:
+            # Padded rows: write nothing (slot -1), attend to nothing (seq_len 0).
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].zero_()
+        # NOTE: columns past `width` keep stale block ids; seq_lens bounds every read.
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
