@@ -45,7 +45,9 @@ def parse_record(obj: Any) -> StreamChunk | None:
         delta = choice.get("delta")
         text = (delta or {}).get("content") if delta is not None else choice.get("text")
         token = Token(text=text) if text else None
-        return StreamChunk(token=token, finish_reason=choice.get("finish_reason"), raw=obj)
+        error = _error_text(obj)
+        finish = choice.get("finish_reason") or ("error" if error else None)
+        return StreamChunk(token=token, finish_reason=finish, error=error, raw=obj)
     if "outputs" in obj and isinstance(obj["outputs"], list):  # legacy enable_streaming lines
         return StreamChunk(token=Token(text="".join(map(str, obj["outputs"]))), raw=obj)
     details = obj.get("details") if isinstance(obj.get("details"), dict) else None
@@ -137,9 +139,12 @@ def collect(chunks: Iterable[StreamChunk]) -> GenerationResult:
     tokens: list[Token] = []
     final: StreamChunk | None = None
     finish: str | None = None
+    usage: dict[str, Any] = {}
     for chunk in chunks:
-        if chunk.token is not None:
-            tokens.append(chunk.token)
+        if chunk.token is not None and (chunk.token.text or not chunk.token.special):
+            tokens.append(chunk.token)  # (LMI's id -1 placeholder on a text-less final line is not a token)
+        if chunk.raw is not None and isinstance(chunk.raw.get("usage"), dict):
+            usage = chunk.raw["usage"]  # OpenAI stream_options.include_usage chunk
         if chunk.finish_reason is not None:
             finish = chunk.finish_reason
         if chunk.generated_text is not None or chunk.details is not None:
@@ -151,7 +156,8 @@ def collect(chunks: Iterable[StreamChunk]) -> GenerationResult:
     return GenerationResult(
         generated_text=final.generated_text if final and final.generated_text is not None else streamed,
         finish_reason=finish,
-        generated_tokens=(details or {}).get("generated_tokens", len(tokens) or None),
+        generated_tokens=(details or {}).get("generated_tokens", usage.get("completion_tokens", len(tokens) or None)),
         tokens=tokens,
+        prompt_tokens=usage.get("prompt_tokens"),
         details=details,
     )

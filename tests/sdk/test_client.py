@@ -49,6 +49,26 @@ def test_openai_chat_chunks_and_completion() -> None:
     assert text_chunk.token.text == " x"
 
 
+def test_openai_sse_with_role_usage_and_done() -> None:
+    head = {"object": "chat.completion.chunk"}
+    events = [
+        {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "delta": {"content": "Yo"}, "finish_reason": "length"}]},
+        {**head, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}},
+    ]
+    raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    result = TokenStream(raw.split(b"\n")).result
+    assert (result.generated_text, result.generated_tokens, result.prompt_tokens) == ("Yo", 1, 7)
+
+
+def test_lmi_placeholder_token_on_final_line_is_not_counted() -> None:
+    lines = [b'{"token": {"id": 9, "text": "Hi", "log_prob": -1}}',
+             b'{"token": {"id": -1, "text": "", "log_prob": -1, "special_token": true}, "generated_text": "Hi"}']
+    stream = TokenStream(lines)
+    assert [t.text for t in stream] == ["Hi"]
+    assert stream.result.generated_text == "Hi" and len(stream.result.tokens) == 1
+
+
 def test_non_streaming_shapes() -> None:
     body = {"generated_text": "!", "details": {"finish_reason": "eos_token", "generated_tokens": 1, "inputs": "Hi",
             "tokens": [{"id": 5, "text": "!", "log_prob": -0.5}]}}
