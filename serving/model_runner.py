@@ -1,0 +1,277 @@
+"""ModelRunner: owns the device, the model and its weights, the one KV cache tensor, sampling.
+
+In: an `EngineConfig` at start; a `SchedulerOutput` per step. Out: `ModelRunnerOutput` with one
+`SampledToken` per entry that samples. At start it resolves the model dir, picks device and
+dtype, builds and loads the model, sizes the KV cache (CPU: `kv_cache_memory_gb`; GPU:
+`gpu_memory_utilization` after a profiling forward; `num_gpu_blocks_override` wins) and
+allocates it once: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
+`_forward(input_ids, positions, meta)` is the seam a decode CUDA-graph runner wraps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from serving.attention_metadata import AttentionMetadata, forward_context
+from serving.cuda_graphs import DecodeGraphRunner
+from serving.engine_config import CacheConfig, EngineConfig
+from serving.model_files import resolve_model_dir
+from serving.models import build_model, check_supported
+from serving.models.model_args import ModelArgs
+from serving.sampler import Sampler, generator_seed
+from serving.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from serving.step_inputs import StepInputs, prepare_inputs
+from serving.weights import init_dummy_weights, load_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_LOGITS_CHUNK = 256  # rows per lm_head call when prompt logprobs need many rows
+
+
+def default_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
+    """vLLM's default token budget: 2048 with chunked prefill, else enough for a whole prompt."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    budget = 2048 if config.enable_chunked_prefill else max(2048, max_model_len)
+    return max(budget, config.max_num_seqs)
+
+
+class ModelRunner:
+    """Runs the model for the scheduler; see the module docstring for what it owns."""
+
+    def __init__(self, config: EngineConfig, model_dir: str | Path | None = None) -> None:
+        t0 = time.monotonic()
+        self.config = config
+        self.model_dir = Path(model_dir) if model_dir is not None else resolve_model_dir(config.model, config.revision)
+        raw = json.loads((self.model_dir / "config.json").read_text())
+        check_supported(raw)
+        self.model_args = args = ModelArgs.from_dict(raw)
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, args.torch_dtype, self.device)
+        self.max_model_len = _max_model_len(config.max_model_len, args)
+        self.max_num_batched_tokens = default_max_num_batched_tokens(config, self.max_model_len)
+        self.eos_token_ids = _eos_token_ids(self.model_dir, args)
+        self.block_size = config.block_size
+        self.vocab_size = args.vocab_size
+        self.model = build_model(args, self.dtype, self.device, max(self.max_model_len, args.max_position_embeddings))
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, seed=config.seed)
+        else:
+            load_weights(self.model, self.model_dir)
+        self.sampler = Sampler(self.device, seed=config.seed, eos_token_ids=self.eos_token_ids)
+        self._generators: dict[int, torch.Generator] = {}
+        self._prompt_logprobs: dict[int, list[float | None]] = {}
+        self.graph_runner: DecodeGraphRunner | None = None  # set after the KV cache exists
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = self._allocate_kv_cache(num_blocks)
+        self.cache_config = CacheConfig(
+            block_size=self.block_size, num_blocks=num_blocks, num_layers=args.num_hidden_layers,
+            num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
+        )
+        logger.info(
+            "model %s (%s) on %s in %s, loaded in %.1f s; KV cache: %d blocks x %d tokens = %d max concurrent "
+            "tokens (%.2f GiB)", self.model_dir, args.architecture, self.device, self.cache_config.dtype,
+            time.monotonic() - t0, num_blocks, self.block_size, num_blocks * self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+        )
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graph_runner = self._capture_decode_graphs()
+
+    @property
+    def model_path(self) -> Path:
+        """The resolved local model dir (also where the tokenizer files are)."""
+        return self.model_dir
+
+    # ---- KV cache ------------------------------------------------------------------------
+
+    def kv_block_bytes(self) -> int:
+        a = self.model_args
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            budget = self._profile_free_gpu_bytes()
+        else:
+            budget = int(self.config.kv_cache_memory_gb * 2**30)
+        num_blocks = budget // self.kv_block_bytes()
+        if num_blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
+                               "raise gpu_memory_utilization / kv_cache_memory_gb or use a smaller model")
+        return int(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        a = self.model_args
+        # Zeroed, not empty: attention reads whole blocks and masks the tail, and 0 * NaN
+        # garbage in a never-written slot would still poison the weighted sum.
+        kv = torch.zeros(2, a.num_hidden_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim,
+                         dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.attention_layers):
+            layer.bind_kv_cache(kv[0, i], kv[1, i])
+        return kv
+
+    @torch.inference_mode()
+    def _profile_free_gpu_bytes(self) -> int:
+        """Bytes left for KV after a forward at max_num_batched_tokens (style.md §11 formula)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.max_num_batched_tokens
+        seq_len = min(num_tokens, self.max_model_len)
+        num_seqs = (num_tokens + seq_len - 1) // seq_len
+        blocks_per_seq = (seq_len + self.block_size - 1) // self.block_size
+        tmp = self._allocate_kv_cache(num_seqs * blocks_per_seq)  # scratch cache for the profile run
+        lens = [min(seq_len, num_tokens - i * seq_len) for i in range(num_seqs)]
+        qsl = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=self.device)
+            .view(num_seqs, blocks_per_seq),
+            num_decodes=0, num_decode_tokens=0, max_query_len=seq_len, max_seq_len=seq_len,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        hidden = self._forward(ids, pos, meta)
+        rows = min(num_tokens, self.config.max_num_seqs)
+        self.model.compute_logits(hidden[:rows]).softmax(-1)
+        torch.cuda.synchronize()
+        for layer in self.model.attention_layers:
+            layer.bind_kv_cache(torch.empty(0), torch.empty(0))
+        del tmp, hidden, meta
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        current = torch.cuda.memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = int(total * self.config.gpu_memory_utilization - used - (peak - current))
+        logger.info("GPU memory: total %.1f GiB, used %.1f GiB, profile peak %.2f GiB over %.2f GiB -> "
+                    "%.2f GiB for KV", total / 2**30, used / 2**30, peak / 2**30, current / 2**30, budget / 2**30)
+        return budget
+
+    def _capture_decode_graphs(self) -> DecodeGraphRunner:
+        # Graphs call the model directly: the graph runner sets the forward context itself.
+        t0 = time.monotonic()
+        runner = DecodeGraphRunner(
+            lambda ids, pos: self.model(ids, pos), self.config.max_num_seqs,
+            (self.max_model_len + self.block_size - 1) // self.block_size, self.model_args.hidden_size,
+            self.max_model_len, self.device,
+        )
+        runner.capture()
+        logger.info("decode CUDA graphs captured in %.1f s", time.monotonic() - t0)
+        return runner
+
+    # ---- per step ------------------------------------------------------------------------
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states `[num_tokens, hidden]` for one step (a graph runner may replace this)."""
+        graphs = self.graph_runner
+        if graphs is not None and meta.num_prefills == 0 and graphs.can_run(meta.num_seqs, meta.block_tables.shape[1]):
+            return graphs.run(input_ids, positions, meta)
+        with forward_context(meta):
+            return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: prepare inputs, forward, logits for sampled rows, sample."""
+        if sched_out.is_empty:
+            return ModelRunnerOutput([])
+        inputs = prepare_inputs(sched_out, self.block_size, self.device)
+        hidden = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if inputs.prompt_logprob_chunks:
+            self._collect_prompt_logprobs(sched_out, inputs, hidden)
+        entries = [item for item in sched_out.scheduled if item.sample]
+        if not entries:
+            return ModelRunnerOutput([])
+        rows = torch.tensor(inputs.sample_rows, device=hidden.device)
+        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
+        seqs = [item.seq for item in entries]
+        sampled = self.sampler(logits, seqs, [self._generator(s) for s in seqs])
+        for seq, out in zip(seqs, sampled):
+            buf = self._prompt_logprobs.pop(seq.seq_id, None)
+            if buf is not None:
+                out.prompt_logprobs = buf
+        return ModelRunnerOutput(sampled)
+
+    def _generator(self, seq) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        g = self._generators.get(seq.seq_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(generator_seed(seq.params.seed, seq.index))
+            self._generators[seq.seq_id] = g
+        return g
+
+    def _collect_prompt_logprobs(self, sched_out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """Logprob of each next prompt token, from the raw logits (no penalties, temperature 1).
+
+        Kept per sequence across prefill chunks; handed out with its first sampled token.
+        Positions served from the prefix cache are never computed and stay None.
+        """
+        for entry, row0, n, start in inputs.prompt_logprob_chunks:
+            seq = sched_out.scheduled[entry].seq
+            buf = self._prompt_logprobs.setdefault(seq.seq_id, [None] * seq.num_prompt_tokens)
+            # Row j predicts prompt token start + j + 1; the last prompt row predicts the output.
+            count = min(n, seq.num_prompt_tokens - 1 - start)
+            for c0 in range(0, max(count, 0), _LOGITS_CHUNK):
+                c1 = min(count, c0 + _LOGITS_CHUNK)
+                lp = torch.log_softmax(self.model.compute_logits(hidden[row0 + c0 : row0 + c1]), dim=-1)
+                targets = torch.tensor(seq.token_ids[start + c0 + 1 : start + c1 + 1], device=lp.device)
+                values = lp.gather(1, targets[:, None])[:, 0].tolist()
+                buf[start + c0 + 1 : start + c1 + 1] = values
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Forget per-sequence sampling state (seeded generator, partial prompt logprobs)."""
+        self._generators.pop(seq_id, None)
+        self._prompt_logprobs.pop(seq_id, None)
+
+
+def _pick_device(option: str) -> torch.device:
+    if option == "cuda" or (option == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' was asked for but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _pick_dtype(option: str, model_dtype: str | None, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU; on GPU the checkpoint's dtype, with float32 checkpoints run in bf16."""
+    if option != "auto":
+        return _DTYPES[option]
+    if device.type == "cpu":
+        return torch.float32
+    dtype = _DTYPES.get(str(model_dtype).removeprefix("torch."), torch.bfloat16)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def _max_model_len(option: int | None, args: ModelArgs) -> int:
+    limit = args.max_position_embeddings
+    if option is not None and option > limit:
+        raise ValueError(f"max_model_len {option} exceeds the model's max_position_embeddings {limit}")
+    length = option or limit
+    if args.sliding_window is not None and length > args.sliding_window:
+        # NOTE: we attend over the whole context; HF masks beyond the window. Identical up to
+        # the window size, a (documented) deviation past it.
+        logger.warning("model uses sliding-window attention (%d); open-lmi attends over the full context "
+                       "up to max_model_len %d", args.sliding_window, length)
+    return length
+
+
+def _eos_token_ids(model_dir: Path, args: ModelArgs) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (union, config's first)."""
+    ids = list(args.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for t in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if int(t) not in ids:
+                ids.append(int(t))
+    return tuple(ids)
