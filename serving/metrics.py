@@ -24,13 +24,16 @@ class _EngineCollector:
 
     def collect(self):  # noqa: ANN201 - prometheus collector protocol
         stats = self._stats() or {}
+        total = stats.get("num_kv_blocks", 0)
+        free = stats.get("num_free_kv_blocks", 0)
         rows = (
             ("lmi_requests_in_flight", "requests admitted and not finished (waiting + running)", self._inflight()),
-            ("lmi_queue_depth", "sequences waiting to be scheduled", stats.get("num_waiting", 0)),
-            ("lmi_running_sequences", "sequences in the running batch", stats.get("num_running", 0)),
-            ("lmi_kv_blocks_used", "KV cache blocks in use", stats.get("num_used_blocks", 0)),
-            ("lmi_kv_blocks_free", "KV cache blocks free", stats.get("num_free_blocks", 0)),
-            ("lmi_kv_blocks_total", "KV cache blocks in all", stats.get("num_total_blocks", 0)),
+            ("lmi_queue_depth", "sequences waiting to be scheduled", stats.get("num_requests_waiting", 0)),
+            ("lmi_running_sequences", "sequences in the running batch", stats.get("num_requests_running", 0)),
+            ("lmi_kv_blocks_used", "KV cache blocks in use", total - free),
+            ("lmi_kv_blocks_free", "KV cache blocks free", free),
+            ("lmi_kv_blocks_total", "KV cache blocks in all", total),
+            ("lmi_preemptions", "sequences preempted so far", stats.get("num_preemptions", 0)),
         )
         for name, doc, value in rows:
             g = GaugeMetricFamily(name, doc)

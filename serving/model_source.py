@@ -133,13 +133,12 @@ def download_s3(uri: str, cache_dir: Path, *, endpoint_url: str | None = None, m
 def download_hub(repo_id: str, revision: str | None, token: str | None, cache_dir: Path) -> Path:
     """Fetch a hub model (weights, config, tokenizer) and return its local snapshot directory."""
     try:
-        from serving import model_files  # the models helper's loader, when it exists
-    except ImportError:
-        model_files = None
-    fetch = getattr(model_files, "download_model", None) if model_files else None
-    try:
-        if fetch is not None:
-            return Path(fetch(repo_id, revision=revision, token=token))
+        try:
+            from serving.model_files import resolve_model_dir  # the models helper's hub loader
+        except ImportError:
+            resolve_model_dir = None
+        if resolve_model_dir is not None:
+            return Path(resolve_model_dir(repo_id, revision=revision, token=token, cache_dir=str(cache_dir)))
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=_HUB_PATTERNS,

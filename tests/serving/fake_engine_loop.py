@@ -57,8 +57,8 @@ class FakeEngineLoop:
         self.params: list = []
 
     def stats(self) -> dict:
-        return {"num_waiting": 0, "num_running": len(self.active), "num_used_blocks": len(self.active),
-                "num_free_blocks": 100 - len(self.active), "num_total_blocks": 100}
+        return {"num_requests_waiting": 0, "num_requests_running": len(self.active), "num_kv_blocks": 100,
+                "num_free_kv_blocks": 100 - len(self.active)}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> FakeStream:
         if self.state != "ready":

@@ -1,0 +1,46 @@
+"""gunicorn settings for the LMI container (read by `container/serve`).
+
+One `gthread` worker: a single process owns the accelerator, every open stream holds a thread,
+and the engine runs on its own OS thread started *after* fork (`post_worker_init`), because CUDA
+does not survive fork. Never `preload_app`, never gevent (its hub starves /ping under load).
+"""
+
+import os
+
+from serving.config import load_config
+
+_config = load_config(os.environ)
+
+bind = f"0.0.0.0:{_config.port}"
+workers = 1
+worker_class = "gthread"
+threads = _config.gunicorn_threads
+worker_connections = threads + 64
+preload_app = False
+timeout = 120  # worker heartbeat; the engine loads on its own thread, so this never races loading
+graceful_timeout = int(_config.graceful_timeout)  # SageMaker sends SIGKILL 30 s after SIGTERM
+keepalive = 75
+backlog = 2048
+accesslog = "-" if os.environ.get("SERVING_ACCESS_LOG", "").lower() == "true" else None
+errorlog = "-"
+loglevel = os.environ.get("LOG_LEVEL", "info").lower()
+limit_request_line = 8190
+
+
+def post_worker_init(worker):  # noqa: ANN001, ANN201 - gunicorn hook
+    """Start model download/loading on the engine thread, now that we are in the worker."""
+    from serving import wsgi
+
+    wsgi.start()
+
+
+def worker_int(worker):  # noqa: ANN001, ANN201
+    from serving import wsgi
+
+    wsgi.stop()
+
+
+def worker_exit(server, worker):  # noqa: ANN001, ANN201
+    from serving import wsgi
+
+    wsgi.stop()

@@ -1,0 +1,103 @@
+"""gunicorn's entry point (`serving.wsgi:app`): config -> EngineLoop -> Flask app, in the worker.
+
+Importing this module builds the app but starts nothing: `start()` (called from gunicorn's
+`post_worker_init`, i.e. after fork) starts the engine thread, which fetches the model (S3 /
+hub / local / default) and loads it while `/ping` answers 503. `stop()` closes the engine on
+worker exit. This is the one place that hands `os.environ` to `load_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+
+from serving.app import create_app
+from serving.config import ServingConfig, load_config
+from serving.engine_config import EngineConfig
+from serving.engine_loop import EngineLoop, EngineState
+
+logger = logging.getLogger("serving.wsgi")
+
+
+class ServedEngine:
+    """The EngineLoop as the app sees it, plus the model-loading deadline of the container."""
+
+    def __init__(self, loop: EngineLoop, config: ServingConfig) -> None:
+        self.loop = loop
+        self.config = config
+        self.started_at: float | None = None
+        self.load_error: BaseException | None = None
+
+    @property
+    def state(self) -> EngineState:
+        st = self.loop.state
+        if st is EngineState.LOADING and self.started_at is not None and \
+                time.monotonic() - self.started_at > self.config.model_loading_timeout:
+            self.load_error = self.load_error or TimeoutError(
+                f"the model did not load within option.model_loading_timeout={self.config.model_loading_timeout:g} s")
+            return EngineState.DEAD
+        return st
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.loop.error or self.load_error
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - delegate tokenizer, add_request, stats, ...
+        return getattr(self.loop, name)
+
+
+def _engine_factory(config: ServingConfig):  # noqa: ANN202
+    def build(engine_config: EngineConfig):  # noqa: ANN202 - runs on the engine thread
+        from serving.engine import LLMEngine
+        from serving.model_source import resolve_model
+
+        t0 = time.monotonic()
+        path = resolve_model(config)
+        engine = LLMEngine(dataclasses.replace(engine_config, model=str(path) if path else None))
+        logger.info("model %s ready in %.1f s", path or "(embedded default SmolLM2-135M-Instruct)",
+                    time.monotonic() - t0)
+        return engine
+    return build
+
+
+def _watch(served: ServedEngine) -> None:
+    """SERVING_FAIL_FAST: once the engine is dead, take the whole server down (SageMaker restarts it)."""
+    while served.state is not EngineState.DEAD:
+        time.sleep(1.0)
+    logger.error("engine is dead (%s); fail_fast is on: stopping the server", served.error)
+    os.kill(os.getppid(), signal.SIGTERM)
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+_setup_logging()
+config = load_config(os.environ)
+engine_loop = ServedEngine(EngineLoop(config.engine, engine_factory=_engine_factory(config),
+                                      max_queue_size=config.job_queue_size), config)
+app = create_app(engine_loop, config)
+_started = threading.Lock()
+
+
+def start() -> None:
+    """Start the engine thread (idempotent); call after fork."""
+    if not _started.acquire(blocking=False):
+        return
+    engine_loop.started_at = time.monotonic()
+    engine_loop.loop.start()
+    if config.fail_fast:
+        threading.Thread(target=_watch, args=(engine_loop,), name="fail-fast", daemon=True).start()
+
+
+def stop() -> None:
+    """Close the engine (aborts what is left); called when the worker exits."""
+    if engine_loop.loop._thread is not None:  # noqa: SLF001 - started?
+        engine_loop.loop.close(timeout=5.0)
