@@ -1,0 +1,282 @@
+"""LLMEngine: one step of the rolling batch at a time (single-threaded; EngineLoop drives it).
+
+Wires the ModelRunner (weights, KV cache, forward, sampling), the Scheduler (what runs) and
+one IncrementalDetokenizer per sample (text, stop strings). In: `add_request` (prompt text or
+ids + SamplingParams), `abort_request`. Out: `step() -> list[StreamDelta]`, one delta per
+sample that got a token or finished, in LMI's finish-reason vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from serving.block_manager import BlockManager
+from serving.engine_config import EngineConfig
+from serving.outputs import StreamDelta
+from serving.sampling_params import SamplingParams
+from serving.scheduler import Scheduler
+from serving.scheduler_output import SampledToken
+from serving.sequence import FinishReason, Sequence
+from serving.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+
+if TYPE_CHECKING:
+    from serving.model_runner import ModelRunner
+
+logger = logging.getLogger("serving.engine")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class _Request:
+    """Engine-side state of one request: its samples and their detokenizers."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    sent_first: list[bool] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+def resolve_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
+    """The per-step token budget: the option, else 2048 (chunked) or a whole max-length prompt."""
+    if config.max_num_batched_tokens is not None:
+        budget = config.max_num_batched_tokens
+    elif config.enable_chunked_prefill:
+        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    else:
+        budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+    return max(budget, config.max_num_seqs) if config.max_num_batched_tokens is None else budget
+
+
+class LLMEngine:
+    """Adds requests, runs steps, hands back per-sample deltas. Not thread-safe by design.
+
+    Args:
+        config: the engine options.
+        runner: a ready ModelRunner (tests inject one); built from `config` when None.
+    """
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        if runner is None:
+            from serving.model_runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.runner = runner
+        cache = runner.cache_config
+        self.cache_config = cache
+        self.max_model_len = cache.max_model_len
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(
+                config.tokenizer or str(runner.model_path), config.revision, config.trust_remote_code
+            )
+        self.eos_token_ids = list(getattr(runner, "eos_token_ids", None) or eos_token_ids(self.tokenizer, None))
+        self.vocab_size = int(getattr(runner, "vocab_size", 0) or (len(self.tokenizer) if self.tokenizer else 0))
+        self.block_manager = BlockManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching)
+        self.max_num_batched_tokens = int(
+            getattr(runner, "max_num_batched_tokens", 0) or resolve_max_num_batched_tokens(config, cache.max_model_len)
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=cache.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_steps = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
+        logger.info(
+            "engine ready: %d KV blocks of %d tokens (%d tokens), max_model_len=%d, max_num_seqs=%d, "
+            "max_num_batched_tokens=%d",
+            cache.num_blocks, cache.block_size, cache.max_tokens_in_cache, cache.max_model_len,
+            config.max_num_seqs, self.max_num_batched_tokens,
+        )
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        """Prompt text -> ids (special tokens such as BOS added as the tokenizer does)."""
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs the tokenizer (skip_tokenizer_init=True): pass prompt_token_ids")
+        return list(self.tokenizer.encode(prompt))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never run (thread-safe: reads config only)."""
+        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}, got {params.logprobs}")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
+        self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> list[Sequence]:
+        """Queue a request: `n` samples sharing the prompt. Raises ValueError if it cannot run."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text: str | None = None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                text, prompt_token_ids = prompt, self.encode(prompt)
+            elif prompt is not None:
+                prompt_token_ids = list(prompt)
+            else:
+                raise ValueError("give a prompt or prompt_token_ids")
+        else:
+            text = prompt if isinstance(prompt, str) else None
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.validate(prompt_token_ids, params)
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, index=i) for i in range(params.n)
+        ]
+        self.scheduler.add_sequences(seqs)
+        detok = self.tokenizer is not None and params.detokenize
+        self._requests[request_id] = _Request(
+            request_id, text, prompt_token_ids, params, seqs,
+            [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if detok else None for _ in seqs],
+            [False] * len(seqs),
+        )
+        return seqs
+
+    def abort_request(self, request_id: str) -> list[StreamDelta]:
+        """Stop a request now, freeing its KV blocks; returns the final 'abort' deltas."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return []
+        ended = self.scheduler.abort_request(request_id)
+        deltas = [self._delta(req, seq, None) for seq in ended]
+        for seq in ended:
+            self._release(seq)
+        self._requests.pop(request_id, None)
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[StreamDelta]:
+        """Schedule, run the model once, sample, detokenize; deltas for samples that moved."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            if self.scheduler.has_unfinished():
+                # Admission guarantees a lone sequence fits, so this is a bug: fail loudly
+                # (the loop marks the engine dead) rather than spin forever.
+                raise RuntimeError(
+                    f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
+                    f"{len(self.scheduler.running)} running, {self.block_manager.num_free_blocks} free blocks"
+                )
+            return []
+        runner_out = self.runner.execute(sched_out)
+        self.num_steps += 1
+        self.num_prompt_tokens_computed += sum(
+            s.num_tokens for s in sched_out.scheduled if s.seq.num_computed_tokens < s.seq.num_prompt_tokens
+        )
+        results = self.scheduler.update(sched_out, runner_out)
+        deltas = []
+        for seq, sampled in results:
+            req = self._requests[seq.request_id]
+            self.num_generated_tokens += 1
+            det = req.detokenizers[seq.index]
+            if det is not None:
+                stop = det.append([sampled.token_id])
+                if stop is not None:
+                    if seq.is_finished:  # it also hit EOS / length this step: the stop string wins
+                        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+                    else:
+                        self.scheduler.finish(seq, FinishReason.STOP, stop)
+            deltas.append(self._delta(req, seq, sampled))
+            if seq.is_finished:
+                self._release(seq)
+            if all(s.is_finished for s in req.seqs):
+                del self._requests[req.request_id]
+        return deltas
+
+    def _release(self, seq: Sequence) -> None:
+        """Let the runner drop per-sequence state (seeded generator, prompt logprobs)."""
+        free = getattr(self.runner, "free_sequence", None)
+        if free is not None:
+            free(seq.seq_id)
+
+    def _delta(self, req: _Request, seq: Sequence, sampled: SampledToken | None) -> StreamDelta:
+        det = req.detokenizers[seq.index]
+        finished = seq.is_finished
+        text = det.take_delta(finished) if det is not None else ""
+        token_ids: tuple[int, ...] = ()
+        logprobs: tuple[float, ...] = ()
+        top: tuple[dict[int, float], ...] = ()
+        token_texts: tuple[str, ...] = ()
+        if sampled is not None:
+            token_ids = (sampled.token_id,)
+            if sampled.logprob is not None:
+                logprobs = (sampled.logprob,)
+            if sampled.top_logprobs is not None:
+                top = (sampled.top_logprobs,)
+            if det is not None:
+                token_texts = tuple(det.token_texts)
+        first = not req.sent_first[seq.index]
+        req.sent_first[seq.index] = True
+        prompt_logprobs = None
+        if first and sampled is not None and sampled.prompt_logprobs is not None:
+            prompt_logprobs = tuple(sampled.prompt_logprobs)
+        return StreamDelta(
+            request_id=req.request_id,
+            index=seq.index,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            top_logprobs=top,
+            token_texts=token_texts,
+            finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            prompt_token_ids=tuple(req.prompt_token_ids) if first else None,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
+            extra={"stop_reason": seq.stop_reason} if finished and seq.stop_reason is not None else {},
+        )
+
+    # ---- observability -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges for /metrics and logs."""
+        bm = self.block_manager
+        used = bm.num_blocks - bm.num_free_blocks
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_unfinished_requests": len(self._requests),
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "kv_cache_usage": used / bm.num_blocks,
+            "prefix_cache_queries": bm.num_prefix_queries,
+            "prefix_cache_hits": bm.num_prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_prompt_tokens": self.num_prompt_tokens_computed,
+            "num_generation_tokens": self.num_generated_tokens,
+        }

@@ -1,0 +1,309 @@
+"""EngineLoop: the one background thread that owns the LLMEngine (HTTP threads never touch it).
+
+In: `add_request(...)` / `abort(...)` from any thread, through a thread-safe submit queue.
+Out: a `RequestStream` per request whose queue receives that request's `StreamDelta`s. The
+loop also owns the health state: LOADING while the model loads (on this thread, after any
+fork), READY, or DEAD with the exception; on death every open stream gets a final
+`finish_reason='error'` delta so no caller hangs.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from serving.engine_config import EngineConfig
+from serving.outputs import StreamDelta
+from serving.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from serving.engine import LLMEngine
+
+logger = logging.getLogger("serving.engine_loop")
+
+
+class EngineState(str, enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DEAD = "dead"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread died (or was closed); no request can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """More unfinished requests than `max_queue_size`; the caller should answer 503."""
+
+
+class RequestStream:
+    """The caller's end of one request: `get()` its deltas, `close()` to abort it.
+
+    Iterating yields deltas until all `n` samples have finished.
+    """
+
+    def __init__(self, loop: EngineLoop, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self.n = n
+        self._loop = loop
+        self._queue: queue.Queue[StreamDelta | None] = queue.Queue()
+        self._finished_indexes: set[int] = set()  # written by the engine thread only
+        self.finished = False
+        self.closed = False
+
+    def _unfinished_indexes(self) -> list[int]:
+        return [i for i in range(self.n) if i not in self._finished_indexes]
+
+    def _put(self, delta: StreamDelta) -> bool:
+        """Engine thread: deliver a delta; True when this was the request's last one."""
+        if delta.finish_reason is not None:
+            self._finished_indexes.add(delta.index)
+        done = len(self._finished_indexes) >= self.n
+        if done:
+            self.finished = True
+        self._queue.put(delta)
+        return done
+
+    def get(self, timeout: float | None = None) -> StreamDelta | None:
+        """Next delta; raises queue.Empty after `timeout` seconds; None once closed."""
+        if self.closed and self._queue.empty():
+            return None
+        return self._queue.get(timeout=timeout)
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        num_finished = 0
+        while num_finished < self.n:
+            delta = self.get()
+            if delta is None:
+                return
+            if delta.finish_reason is not None:
+                num_finished += 1
+            yield delta
+
+    def close(self) -> None:
+        """Abort the request if it is still running (frees its KV blocks); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.finished:
+            self._loop.abort(self.request_id)
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """Runs `LLMEngine.step()` on a background thread and routes deltas to request streams.
+
+    Args:
+        config: engine options; the engine is built on the loop thread by `engine_factory`.
+        engine_factory: builds the engine (default `LLMEngine(config)`); tests inject fakes.
+        max_queue_size: most unfinished requests before `add_request` raises QueueFullError.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
+        max_queue_size: int = 1000,
+    ) -> None:
+        self.config = config
+        self._factory = engine_factory
+        self.max_queue_size = max_queue_size
+        self.state = EngineState.LOADING
+        self.error: BaseException | None = None
+        self.engine: LLMEngine | None = None
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._submit: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> EngineLoop:
+        """Start the thread (it loads the model); returns at once, state LOADING."""
+        assert self._thread is None, "EngineLoop already started"
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until READY (True) or timeout (False); raises EngineDeadError if it died."""
+        self._ready.wait(timeout)
+        if self.state is EngineState.DEAD:
+            raise EngineDeadError(f"the engine is dead: {self.error!r}") from self.error
+        return self.state is EngineState.READY
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Abort every request (final 'abort' deltas), stop the thread."""
+        self._submit.put(_STOP)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        with self._lock:
+            if self.state is not EngineState.DEAD:
+                self.state = EngineState.DEAD
+                self.error = self.error or EngineDeadError("the engine loop was closed")
+            self._ready.set()
+
+    # ---- what the HTTP layer reads -------------------------------------------------------
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - HF tokenizer or None while loading
+        return self.engine.tokenizer if self.engine is not None else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.engine.max_model_len if self.engine is not None else None
+
+    def stats(self) -> dict:
+        """Engine gauges/counters plus the state; safe from any thread (reads counters)."""
+        out: dict = {"state": self.state.value, "num_streams": len(self._streams)}
+        if self.engine is not None:
+            try:
+                out.update(self.engine.stats())
+            except Exception:  # noqa: BLE001 - a racing read must never fail a scrape
+                pass
+        return out
+
+    # ---- submitting ----------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> RequestStream:
+        """Submit a request (text or token ids); returns its stream at once.
+
+        Raises:
+            ValueError: the request can never run (too long, bad ids) -> HTTP 400.
+            QueueFullError: too many unfinished requests -> HTTP 503.
+            EngineDeadError: the engine died or is closed -> HTTP 503/500.
+        """
+        params = params or SamplingParams()
+        engine = self.engine
+        if self.state is EngineState.DEAD:
+            raise EngineDeadError(f"the engine is dead: {self.error!r}")
+        if engine is not None:
+            # Tokenize and validate on the caller's thread: errors come back synchronously,
+            # and the engine thread does no per-request CPU work beyond the step.
+            ids = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            engine.validate(ids, params)
+            payload: str | list[int] = ids
+        else:
+            payload = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+        stream = RequestStream(self, request_id, params.n)
+        with self._lock:
+            if self.state is EngineState.DEAD:
+                raise EngineDeadError(f"the engine is dead: {self.error!r}")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if len(self._streams) >= self.max_queue_size:
+                raise QueueFullError(f"too many unfinished requests (max_queue_size={self.max_queue_size})")
+            self._streams[request_id] = stream
+        self._submit.put(("add", request_id, payload, params, prompt if isinstance(prompt, str) else None))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Ask the loop to abort a request (no-op if unknown or finished)."""
+        self._submit.put(("abort", request_id))
+
+    # ---- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            engine = self._factory(self.config) if self._factory else self._default_engine()
+        except BaseException as exc:  # noqa: BLE001 - any load failure is the health state
+            logger.exception("engine failed to load")
+            self._die(exc)
+            return
+        self.engine = engine
+        with self._lock:
+            if self.state is EngineState.LOADING:
+                self.state = EngineState.READY
+        self._ready.set()
+        try:
+            while True:
+                if self._drain(block=not engine.has_unfinished_requests()):
+                    self._abort_all()
+                    return
+                if engine.has_unfinished_requests():
+                    for delta in engine.step():
+                        self._deliver(delta)
+        except BaseException as exc:  # noqa: BLE001 - a failed step kills the engine, loudly
+            logger.exception("engine step failed; the engine is now dead")
+            self._die(exc)
+
+    def _default_engine(self) -> LLMEngine:
+        from serving.engine import LLMEngine
+
+        return LLMEngine(self.config)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); True when asked to stop."""
+        item = self._submit.get() if block else self._next_nowait()
+        while item is not None:
+            if item is _STOP:
+                return True
+            if item[0] == "add":
+                self._handle_add(*item[1:])
+            else:
+                for delta in self.engine.abort_request(item[1]):  # type: ignore[union-attr]
+                    self._deliver(delta)
+            item = self._next_nowait()
+        return False
+
+    def _next_nowait(self):  # noqa: ANN202
+        try:
+            return self._submit.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _handle_add(self, request_id: str, payload: str | list[int], params: SamplingParams, text: str | None) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.closed:  # closed before the engine saw it
+            self._streams.pop(request_id, None)
+            return
+        try:
+            if isinstance(payload, str):
+                self.engine.add_request(request_id, payload, params)  # type: ignore[union-attr]
+            else:
+                self.engine.add_request(request_id, text, params, prompt_token_ids=payload)  # type: ignore[union-attr]
+        except ValueError as exc:
+            self._fail_stream(stream, str(exc))
+
+    def _deliver(self, delta: StreamDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is not None and stream._put(delta):
+            with self._lock:
+                self._streams.pop(delta.request_id, None)
+
+    def _fail_stream(self, stream: RequestStream, message: str, reason: str = "error") -> None:
+        for index in stream._unfinished_indexes():
+            stream._put(StreamDelta(stream.request_id, index, (), "", finish_reason=reason, error=message))
+        with self._lock:
+            self._streams.pop(stream.request_id, None)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._streams):
+            for delta in self.engine.abort_request(request_id):  # type: ignore[union-attr]
+                self._deliver(delta)
+        for stream in list(self._streams.values()):  # submitted but never added
+            self._fail_stream(stream, "the engine loop was closed", reason="abort")
+        with self._lock:
+            self.state = EngineState.DEAD
+            self.error = EngineDeadError("the engine loop was closed")
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self.state = EngineState.DEAD
+            self.error = exc
+            streams = list(self._streams.values())
+            self._streams.clear()
+        self._ready.set()
+        message = f"engine error: {type(exc).__name__}: {exc}"
+        for stream in streams:
+            for index in stream._unfinished_indexes():
+                stream._put(StreamDelta(stream.request_id, index, (), "", finish_reason="error", error=message))

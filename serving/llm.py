@@ -1,0 +1,195 @@
+"""The offline API as vLLM users write it: `LLM(model=..., **options).generate(prompts, params)`.
+
+Builds an `EngineConfig` from vLLM option names, runs an `LLMEngine` to completion over all
+prompts (they share the rolling batch), and returns vLLM-shaped `RequestOutput`s in input order,
+with a tqdm "Processed prompts" bar that shows token throughput.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+
+from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
+from serving.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
+from serving.sampling_params import SamplingParams
+
+# LMI finish reasons (engine) -> vLLM/OpenAI names (offline API).
+_VLLM_FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop", "abort": "abort", "error": "error"}
+
+PromptInput = str | dict | list[int]
+
+
+class LLM:
+    """An engine for offline batched generation (vLLM's `LLM`).
+
+    Args:
+        model: HF model dir or hub id; None for the embedded default model.
+        **options: vLLM option names (`dtype`, `max_model_len`, `max_num_seqs`,
+            `max_num_batched_tokens`, `block_size`, `enable_prefix_caching`, `seed`,
+            `skip_tokenizer_init`, `load_format`, ...); unknown names raise TypeError.
+    """
+
+    def __init__(self, model: str | None = None, **options: object) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_options(model, **options))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):  # noqa: ANN201 - HF tokenizer
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results in input order.
+
+        `prompts` may be a string, a list of strings, or `{"prompt_token_ids": [...]}` /
+        `{"prompt": "..."}` dicts; `prompt_token_ids` (a list of id lists) is the older form.
+        """
+        inputs = _normalize_inputs(prompts, prompt_token_ids)
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params_list = [sampling_params or SamplingParams()] * len(inputs)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(inputs):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(inputs)} prompts")
+        engine = self.llm_engine
+        order: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        wanted: dict[str, SamplingParams] = {}
+        try:
+            for (text, ids), params in zip(inputs, params_list):
+                rid = str(next(self._request_ids))
+                run_params = params
+                if params.best_of is not None and params.best_of > params.n:
+                    # Sample best_of, keep the n with the highest cumulative logprob.
+                    run_params = params.replace(n=params.best_of, logprobs=params.logprobs or 0)
+                seqs = engine.add_request(rid, text, run_params, prompt_token_ids=ids)
+                order.append(rid)
+                wanted[rid] = params
+                results[rid] = RequestOutput(
+                    request_id=rid, prompt=text, prompt_token_ids=list(seqs[0].prompt_token_ids),
+                    outputs=[CompletionOutput(i, "", [], None, None) for i in range(run_params.n)], finished=False,
+                )
+            self._run(results, use_tqdm)
+        finally:
+            for rid in order:  # on error/KeyboardInterrupt, free what is still running
+                if not results[rid].finished:
+                    engine.abort_request(rid)
+        return [self._finalize(results[rid], wanted[rid]) for rid in order]
+
+    def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        engine = self.llm_engine
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(results), desc="Processed prompts", dynamic_ncols=True)
+        start = time.perf_counter()
+        num_in = num_out = 0
+        remaining = {rid for rid, r in results.items() if not r.finished}
+        while remaining:
+            for delta in engine.step():
+                out = results.get(delta.request_id)
+                if out is None:
+                    continue
+                if delta.prompt_token_ids is not None and delta.index == 0:
+                    num_in += delta.num_prompt_tokens
+                    out.num_cached_tokens = delta.num_cached_tokens
+                num_out += len(delta.token_ids)
+                self._apply(out, delta)
+                if all(c.finish_reason is not None for c in out.outputs):
+                    out.finished = True
+                    remaining.discard(delta.request_id)
+                    if pbar is not None:
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        pbar.set_postfix_str(
+                            f"est. speed input: {num_in / elapsed:.2f} toks/s, output: {num_out / elapsed:.2f} toks/s",
+                            refresh=False,
+                        )
+                        pbar.update(1)
+            if remaining and not engine.has_unfinished_requests():
+                raise RuntimeError(f"engine finished but {len(remaining)} requests have no final output")
+        if pbar is not None:
+            pbar.close()
+
+    def _apply(self, out: RequestOutput, delta: StreamDelta) -> None:
+        comp = out.outputs[delta.index]
+        comp.text += delta.text
+        comp.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            tok = self.llm_engine.tokenizer
+            if comp.logprobs is None:
+                comp.logprobs, comp.cumulative_logprob = [], 0.0
+            for k, token_id in enumerate(delta.token_ids):
+                top = delta.top_logprobs[k] if k < len(delta.top_logprobs) else {}
+                ranked = sorted(top.items(), key=lambda kv: -kv[1])
+                entry: dict[int, Logprob] = {}
+                ranks = {t: r + 1 for r, (t, _) in enumerate(ranked)}
+                entry[token_id] = Logprob(delta.logprobs[k], ranks.get(token_id), _decode(tok, token_id))
+                for t, lp in ranked:
+                    if t not in entry:
+                        entry[t] = Logprob(lp, ranks[t], _decode(tok, t))
+                comp.logprobs.append(entry)
+                comp.cumulative_logprob += delta.logprobs[k]
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = [None if lp is None else {} for lp in delta.prompt_logprobs]
+            for i, lp in enumerate(delta.prompt_logprobs):
+                if lp is not None and i < len(out.prompt_token_ids):
+                    out.prompt_logprobs[i] = {out.prompt_token_ids[i]: Logprob(lp)}
+        if delta.finish_reason is not None:
+            comp.finish_reason = _VLLM_FINISH.get(delta.finish_reason, delta.finish_reason)
+            comp.stop_reason = delta.extra.get("stop_reason")
+
+    @staticmethod
+    def _finalize(out: RequestOutput, params: SamplingParams) -> RequestOutput:
+        if len(out.outputs) > params.n:  # best_of: keep the n most likely samples
+            best = sorted(out.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[: params.n]
+            for i, c in enumerate(best):
+                c.index = i
+                if params.logprobs is None:
+                    c.logprobs = None
+            out.outputs = best
+        return out
+
+
+def _decode(tokenizer, token_id: int) -> str | None:  # noqa: ANN001
+    return tokenizer.decode([token_id]) if tokenizer is not None else None
+
+
+def _normalize_inputs(
+    prompts: PromptInput | Seq[PromptInput] | None, prompt_token_ids: list[int] | list[list[int]] | None
+) -> list[tuple[str | None, list[int] | None]]:
+    """-> [(text or None, ids or None)] per prompt."""
+    out: list[tuple[str | None, list[int] | None]] = []
+    if prompts is not None:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):  # type: ignore[index]
+            prompts = [prompts]  # type: ignore[list-item]
+        for p in prompts:  # type: ignore[union-attr]
+            if isinstance(p, str):
+                out.append((p, None))
+            elif isinstance(p, dict):
+                ids = p.get("prompt_token_ids")
+                out.append((p.get("prompt"), list(ids) if ids is not None else None))
+            else:
+                out.append((None, [int(t) for t in p]))
+    if prompt_token_ids is not None:
+        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]  # type: ignore[list-item]
+        if out and len(out) != len(prompt_token_ids):
+            raise ValueError("prompts and prompt_token_ids must have the same length")
+        if out:
+            out = [(text, list(ids)) for (text, _), ids in zip(out, prompt_token_ids)]  # type: ignore[arg-type]
+        else:
+            out = [(None, list(ids)) for ids in prompt_token_ids]  # type: ignore[arg-type]
+    if not out:
+        raise ValueError("give prompts or prompt_token_ids")
+    for text, ids in out:
+        if text is None and ids is None:
+            raise ValueError("each prompt needs text or prompt_token_ids")
+    return out
