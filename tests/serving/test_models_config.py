@@ -1,0 +1,101 @@
+"""Model config parsing (transformers 4.x and 5.x spellings), RoPE caches vs HF, the registry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from serving.models import UnsupportedModelError, build_model, check_supported
+from serving.models.model_args import ModelArgs
+from serving.models.rotary import build_cos_sin_cache
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 256,
+    "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+}
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_rope_keys_4x_and_5x_give_the_same_args():
+    v4 = ModelArgs.from_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}})
+    v4_type = ModelArgs.from_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **LLAMA3}})
+    v5 = ModelArgs.from_dict({**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3}})
+    assert v4.rope == v4_type.rope == v5.rope
+    assert v5.rope.scaling_type == "llama3" and v5.rope.theta == 500000.0
+    plain = ModelArgs.from_dict(BASE)
+    assert plain.rope.scaling_type == "default" and plain.rope.theta == 10000.0
+    assert plain.head_dim == 64 and plain.q_size == 256 and plain.kv_size == 128
+
+
+def test_arch_defaults():
+    qwen = ModelArgs.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                                "sliding_window": 4096, "use_sliding_window": False})
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.sliding_window is None
+    mistral = ModelArgs.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                                   "sliding_window": 4096, "head_dim": 80})
+    assert mistral.sliding_window == 4096 and mistral.head_dim == 80 and not mistral.qkv_bias
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3},
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},  # within the window: plain
+    ],
+)
+def test_cos_sin_cache_matches_transformers_exactly(rope_parameters):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(**{k: v for k, v in BASE.items() if k not in ("architectures", "model_type")},
+                      rope_parameters=dict(rope_parameters))
+    hf = LlamaRotaryEmbedding(cfg)
+    positions = torch.arange(300)
+    cos, sin = hf(torch.zeros(1, 1, 64), positions[None])  # [1, P, 64] (halves repeated)
+    args = ModelArgs.from_dict({**BASE, "rope_parameters": dict(rope_parameters)})
+    cache = build_cos_sin_cache(args.rope, args.head_dim, 512)
+    assert torch.equal(cache[:300, :32], cos[0, :, :32]) and torch.equal(cache[:300, 32:], sin[0, :, :32])
+
+
+def test_partial_rotary_dim():
+    args = ModelArgs.from_dict({**BASE, "partial_rotary_factor": 0.5})
+    assert build_cos_sin_cache(args.rope, args.head_dim, 16).shape == (16, 32)
+
+
+def test_unsupported_rope_and_activation_are_clear():
+    with pytest.raises(ValueError, match="longrope"):
+        ModelArgs.from_dict({**BASE, "rope_scaling": {"type": "longrope", "short_factor": [1.0]}})
+    with pytest.raises(ValueError, match="gelu"):
+        ModelArgs.from_dict({**BASE, "hidden_act": "gelu"})
+
+
+def test_registry_errors():
+    check_supported(BASE)
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*supported"):
+        check_supported({**BASE, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    with pytest.raises(UnsupportedModelError, match="remote code"):
+        check_supported({**BASE, "architectures": ["MyLM"], "auto_map": {"AutoModelForCausalLM": "x.MyLM"}})
+
+
+def test_runner_rejects_unsupported_dir(tmp_path):
+    from serving.engine_config import EngineConfig
+    from serving.model_runner import ModelRunner
+
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM"):
+        ModelRunner(EngineConfig(model=str(tmp_path)))
+
+
+def test_build_model_uses_dtype_and_names():
+    args = ModelArgs.from_dict({**BASE, "tie_word_embeddings": True})
+    model = build_model(args, torch.bfloat16, torch.device("cpu"))
+    names = {n for n, _ in model.named_parameters()}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.model.cos_sin_cache.dtype == torch.float32
+    assert torch.get_default_dtype() == torch.float32  # restored
