@@ -87,33 +87,17 @@ def default_model_path() -> Path:
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize `gguf` through transformers and save an fp32 safetensors HF dir at `target`.
+    """Write the HF dir for `gguf` at `target` atomically: export into a temp dir, then rename.
 
-    transformers un-permutes llama.cpp's Q/K layout on load, which is why we do not read
-    the GGUF tensors ourselves. The caller holds the lock.
+    The caller holds the lock. A failed export leaves neither `target` nor the temp dir.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     t0 = time.monotonic()
     logger.info("converting default model %s -> %s (once)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR_NAME}.tmp-", dir=target.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is meant to be shared
     try:
-        kwargs = {"gguf_file": gguf.name, "local_files_only": True}
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
-        # save_pretrained refuses GGUF-"quantized" models; the weights are already dequantized
-        # fp32, so drop the quantizer and its config entry (ecosystem-checks §1).
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.config.architectures = ["LlamaForCausalLM"]
-        model.config.dtype = torch.float32
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        del model
+        _export(gguf, tmp)
         if not _is_complete(tmp):
             raise DefaultModelError(f"conversion wrote {sorted(p.name for p in tmp.iterdir())}, expected {_REQUIRED}")
         if target.exists():  # an incomplete leftover: replace it
@@ -123,3 +107,26 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("default model converted in %.1f s", time.monotonic() - t0)
+
+
+def _export(gguf: Path, out_dir: Path) -> None:
+    """Dequantize `gguf` through transformers and save fp32 safetensors + tokenizer in `out_dir`.
+
+    transformers un-permutes llama.cpp's Q/K layout on load, which is why we do not read
+    the GGUF tensors ourselves.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
+    # save_pretrained refuses GGUF-"quantized" models; the weights are already dequantized
+    # fp32, so drop the quantizer and its config entry (ecosystem-checks §1).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.dtype = torch.float32
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
