@@ -16,6 +16,12 @@ import sys
 from pathlib import Path
 
 SHAPES: dict[str, dict] = {
+    # A CPU smoke-test shape (not benchmarked).
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rope_scaling=None,
+        max_position_embeddings=2048,
+    ),
     "llama-3.2-1b": dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
