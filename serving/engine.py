@@ -64,7 +64,7 @@ class LLMEngine:
         runner: a ready ModelRunner (tests inject one); built from `config` when None.
     """
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer: object = None) -> None:
         if runner is None:
             from serving.model_runner import ModelRunner
 
@@ -74,17 +74,24 @@ class LLMEngine:
         cache = runner.cache_config
         self.cache_config = cache
         self.max_model_len = cache.max_model_len
-        self.tokenizer = None
-        if not config.skip_tokenizer_init:
+        self.tokenizer = tokenizer
+        if tokenizer is None and not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(
                 config.tokenizer or str(runner.model_path), config.revision, config.trust_remote_code
             )
         self.eos_token_ids = list(getattr(runner, "eos_token_ids", None) or eos_token_ids(self.tokenizer, None))
         self.vocab_size = int(getattr(runner, "vocab_size", 0) or (len(self.tokenizer) if self.tokenizer else 0))
-        self.block_manager = BlockManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching)
-        self.max_num_batched_tokens = int(
-            getattr(runner, "max_num_batched_tokens", 0) or resolve_max_num_batched_tokens(config, cache.max_model_len)
-        )
+        num_blocks = cache.num_blocks
+        if config.num_gpu_blocks_override is not None:
+            # A runner shared between engines (tests) may hold more blocks than this one uses.
+            num_blocks = min(num_blocks, config.num_gpu_blocks_override)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, config.enable_prefix_caching)
+        if config.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = config.max_num_batched_tokens
+        else:
+            self.max_num_batched_tokens = int(
+                getattr(runner, "max_num_batched_tokens", 0) or resolve_max_num_batched_tokens(config, self.max_model_len)
+            )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -101,7 +108,7 @@ class LLMEngine:
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%d tokens), max_model_len=%d, max_num_seqs=%d, "
             "max_num_batched_tokens=%d",
-            cache.num_blocks, cache.block_size, cache.max_tokens_in_cache, cache.max_model_len,
+            num_blocks, cache.block_size, num_blocks * cache.block_size, cache.max_model_len,
             config.max_num_seqs, self.max_num_batched_tokens,
         )
 

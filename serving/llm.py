@@ -36,6 +36,14 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig.from_options(model, **options))
         self._request_ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (tests share one ModelRunner between engines)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        llm._request_ids = itertools.count()
+        return llm
+
     def get_tokenizer(self):  # noqa: ANN201 - HF tokenizer
         return self.llm_engine.tokenizer
 
