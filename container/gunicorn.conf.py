@@ -25,6 +25,7 @@ accesslog = "-" if os.environ.get("SERVING_ACCESS_LOG", "").lower() == "true" el
 errorlog = "-"
 loglevel = os.environ.get("LOG_LEVEL", "info").lower()
 limit_request_line = 8190
+control_socket_disable = True  # several servers may run on one host (tests); nothing uses it
 
 
 def post_worker_init(worker):  # noqa: ANN001, ANN201 - gunicorn hook

@@ -225,10 +225,8 @@ def _lmi_format(stream: bool, chat: bool, tgi_compat: bool, configured: str | No
         if tgi_compat:
             return "tgi_sse" if stream else "tgi_json"
         return "jsonlines" if stream else "json"
-    name = {"json_chat": "json", "jsonlines_chat": "jsonlines"}.get(name, name)
-    if tgi_compat:
-        return {"json": "tgi_json", "sse": "tgi_sse", "jsonlines": "tgi_sse"}.get(name, name)
-    return name
+    # An explicit formatter is used as named (tgi_compat only changes the default choice).
+    return {"json_chat": "json", "jsonlines_chat": "jsonlines"}.get(name, name)
 
 
 def parse_invocations(body: dict, *, tgi_compat: bool = False, output_formatter: str | None = None

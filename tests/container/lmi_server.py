@@ -1,0 +1,118 @@
+"""Start `container/serve serve` (gunicorn + the real engine) as a subprocess on a free port.
+
+Used by the container contract tests: one server per test module. Every /ping status seen while
+waiting is recorded, so tests can check the loading lifecycle (503 before 200, never 200 early).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = ROOT / "container" / "serve"
+# Small and fast on 2 CPU cores: fp32, short context, small CPU KV budget.
+BASE_ENV = {"OPTION_DTYPE": "fp32", "OPTION_MAX_MODEL_LEN": "512", "OPTION_KV_CACHE_MEMORY_GB": "0.25",
+            "OPTION_DEVICE": "cpu", "LOG_LEVEL": "INFO"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LMIServer:
+    """A running `serve` process; `url` is its base URL."""
+
+    def __init__(self, env: dict[str, str], cwd: Path, log_path: Path) -> None:
+        self.port = free_port()
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "HF_MODEL"))}
+        full_env.update(BASE_ENV)
+        full_env.update(env)
+        full_env["SAGEMAKER_BIND_TO_PORT"] = str(self.port)
+        full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([str(SERVE), "serve"], env=full_env, cwd=cwd, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ping_history: list[int] = []
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, want: int = 200, timeout: float = 240.0) -> dict:
+        """Poll /ping until it answers `want`; returns the body. Records every status seen."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                r = requests.get(self.url + "/ping", timeout=2)
+                self.ping_history.append(r.status_code)
+                if r.status_code == want:
+                    return r.json()
+            except requests.ConnectionError:
+                self.ping_history.append(0)
+            time.sleep(0.25)
+        raise TimeoutError(f"/ping never answered {want}; saw {sorted(set(self.ping_history))}:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout: float = 35.0) -> float:
+        """SIGTERM and wait (graceful drain); returns seconds until exit."""
+        t0 = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return time.monotonic() - t0
+
+    def metrics(self) -> dict[str, float]:
+        text = requests.get(self.url + "/metrics", timeout=5).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Wait until no request is in flight and no KV block is used; returns the metrics."""
+        deadline = time.monotonic() + timeout
+        m = self.metrics()
+        while time.monotonic() < deadline:
+            m = self.metrics()
+            if m.get("lmi_requests_in_flight") == 0 and m.get("lmi_kv_blocks_used") == 0 \
+                    and m.get("lmi_running_sequences") == 0:
+                return m
+            time.sleep(0.2)
+        raise AssertionError(f"server did not become idle: { {k: v for k, v in m.items() if 'kv' in k or 'flight' in k} }")
+
+
+def stream_lines(url: str, body: dict, timeout: float = 120.0) -> tuple[requests.Response, list[str]]:
+    """POST and read a streamed response to the end; returns (response, non-empty lines)."""
+    r = requests.post(url, json=body, stream=True, timeout=timeout)
+    lines = [ln.decode() for ln in r.iter_lines() if ln]
+    return r, lines
+
+
+def check_jsonlines(lines: list[str]) -> dict:
+    """A complete LMI jsonlines stream: token lines, the last with generated_text == the tokens' text."""
+    objs = [json.loads(ln) for ln in lines]
+    assert objs and all("token" in o for o in objs), lines
+    assert all("generated_text" not in o for o in objs[:-1])
+    last = objs[-1]
+    assert last["generated_text"] == "".join(o["token"]["text"] for o in objs), lines
+    return last

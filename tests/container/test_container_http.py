@@ -1,0 +1,277 @@
+"""The container over HTTP: `container/serve` (gunicorn + the real engine, default model, fp32 CPU).
+
+One server for the module. Covers the /ping lifecycle, every output format plain and streamed,
+chat on both routes, the seeds' curl payloads verbatim, every 4xx while 16 streams keep going,
+64 concurrent streams, disconnect cleanup (KV blocks from /metrics) and custom attributes.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from lmi_server import LMIServer, check_jsonlines, stream_lines
+
+pytestmark = pytest.mark.slow
+QUEUE = 72  # job_queue_size: room for the 64-stream test, small enough to fill
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("serve")
+    srv = LMIServer({"SERVING_JOB_QUEUE_SIZE": str(QUEUE)}, cwd, cwd / "serve.log")
+    try:
+        srv.wait(200)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def post(server, path, body, **kw):
+    return requests.post(server.url + path, json=body, timeout=120, **kw)
+
+
+def test_ping_lifecycle_503_until_loaded_then_small_json(server):
+    seen = server.ping_history
+    assert 200 not in seen[:-1] and seen[-1] == 200
+    assert any(s in (0, 503) for s in seen[:-1]), seen  # refused or 503 while loading, never 200 early
+    r = requests.get(server.url + "/ping", timeout=2)
+    assert r.status_code == 200 and r.headers["Content-Type"] == "application/json" and r.json() == {
+        "status": "Healthy"}
+    assert r.elapsed.total_seconds() < 2
+
+
+def test_json_plain_details_and_list(server):
+    r = post(server, "/invocations", {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}})
+    assert r.status_code == 200 and r.headers["Content-Type"] == "application/json"
+    assert list(r.json()) == ["generated_text"] and r.json()["generated_text"]
+    r = post(server, "/invocations", {"inputs": "Hello, my name is",
+                                      "parameters": {"max_new_tokens": 8, "details": True,
+                                                     "decoder_input_details": True}})
+    d = r.json()["details"]
+    assert d["generated_tokens"] == len(d["tokens"]) <= 8 and d["finish_reason"] in ("length", "eos_token")
+    assert d["inputs"] == "Hello, my name is" and d["prefill"][0]["log_prob"] is None
+    assert r.json()["generated_text"] == "".join(t["text"] for t in d["tokens"] if not t.get("special_token"))
+    r = post(server, "/invocations", {"inputs": ["a", "The future of AI is"], "parameters": {"max_new_tokens": 4}})
+    assert isinstance(r.json(), list) and len(r.json()) == 2
+    r = post(server, "/invocations", {"inputs": "Say \"hi\"\n", "parameters": {"max_new_tokens": 4,
+                                                                              "return_full_text": True}})
+    assert r.json()["generated_text"].startswith('Say "hi"\n')
+
+
+def test_greedy_is_deterministic_and_matches_stream(server):
+    body = {"inputs": "The president of the United States is", "parameters": {"max_new_tokens": 12}}
+    a = post(server, "/invocations", body).json()["generated_text"]
+    assert post(server, "/invocations", body).json()["generated_text"] == a
+    r, lines = stream_lines(server.url + "/invocations", {**body, "stream": True})
+    assert r.headers["Content-Type"] == "application/jsonlines" and r.headers.get("Transfer-Encoding") == "chunked"
+    assert check_jsonlines(lines)["generated_text"] == a
+
+
+def test_sse_and_none_formatters(server):
+    r = requests.post(server.url + "/invocations", json={"inputs": "Hi", "parameters": {
+        "max_new_tokens": 5, "output_formatter": "sse", "details": True}}, stream=True, timeout=60)
+    raw = r.content.decode()
+    assert r.headers["Content-Type"] == "text/event-stream" and raw.endswith("\n\n")
+    events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e]
+    assert events[-1]["details"]["generated_tokens"] == len(events)
+    r = post(server, "/invocations", {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "output_formatter": "none"}})
+    assert r.headers["Content-Type"].startswith("text/plain")
+
+
+def test_chat_on_invocations_plain_and_stream(server):
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    r = post(server, "/invocations", {"messages": msgs, "max_tokens": 8})
+    obj = r.json()
+    assert obj["object"] == "chat.completion" and obj["id"].startswith("chatcmpl-") and "built-in" not in obj["id"]
+    assert obj["choices"][0]["message"]["role"] == "assistant" and obj["usage"]["completion_tokens"] <= 8
+    assert "<|im_start|>" not in obj["choices"][0]["message"]["content"]  # generation prompt was added
+    r, lines = stream_lines(server.url + "/invocations", {"messages": msgs, "max_tokens": 8, "stream": True,
+                                                          "logprobs": True, "top_logprobs": 2})
+    chunks = [json.loads(ln) for ln in lines]
+    assert r.headers["Content-Type"] == "application/jsonlines" and all(
+        c["object"] == "chat.completion.chunk" for c in chunks)
+    assert isinstance(chunks[0]["choices"][0]["logprobs"], dict)  # not array-wrapped (0.28 bug)
+    assert len(chunks[0]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "eos_token")
+
+
+def test_seed_curl_payloads_verbatim(server):
+    # ../shared/docs/seed-code.md §3, byte for byte as the users send them
+    r = requests.post(server.url + "/v1/completions", headers={"Content-Type": "application/json"}, data='''{
+"model": "llama-2-13b-chat-hf",
+"prompt": "San Francisco is a",
+"max_tokens": 7,
+"temperature": 0
+}''', timeout=60)
+    obj = r.json()
+    assert r.status_code == 200 and obj["object"] == "text_completion" and obj["usage"]["completion_tokens"] <= 7
+    assert obj["choices"][0]["finish_reason"] in ("length", "stop") and obj["choices"][0]["text"]
+    r = requests.post(server.url + "/v1/chat/completions", headers={"Content-Type": "application/json"}, data='''{
+"model": "llama-2-13b-chat-hf",
+"messages": [
+{"role": "system", "content": "You are a helpful assistant."},
+{"role": "user", "content": "Who won the world series in 2020?"}
+]
+}''', timeout=120)
+    obj = r.json()
+    assert r.status_code == 200 and obj["object"] == "chat.completion" and obj["choices"][0]["message"]["content"]
+    assert obj["usage"]["total_tokens"] == obj["usage"]["prompt_tokens"] + obj["usage"]["completion_tokens"]
+    r = requests.get(server.url + "/v1/models", timeout=10)
+    assert r.json()["object"] == "list" and r.json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_v1_streams_end_with_done(server):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                                                 "stream": True, "stream_options": {"include_usage": True},
+                                                 "temperature": 0}),
+                       ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "stream": True})):
+        r = requests.post(server.url + path, json=body, stream=True, timeout=60)
+        raw = r.content.decode()
+        assert r.headers["Content-Type"] == "text/event-stream" and raw.endswith("data: [DONE]\n\n"), raw
+        objs = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+        assert objs[-1]["usage"]["completion_tokens"] <= 5 if "usage" in objs[-1] else True
+
+
+def _background_streams(server, n: int, max_new_tokens: int = 10):
+    results: list = [None] * n
+
+    def one(i: int) -> None:
+        r, lines = stream_lines(server.url + "/invocations", {
+            "inputs": f"Story number {i}: once upon a time", "stream": True,
+            "parameters": {"max_new_tokens": max_new_tokens, "details": True}})
+        results[i] = (r.status_code, lines)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_every_error_while_16_streams_continue(server):
+    threads, results = _background_streams(server, 16)
+    big = b'{"inputs": "' + b"x" * (6 * 1024 * 1024) + b'"}'
+    cases = [
+        (b'{"inputs": "unterminated', "malformed JSON"),
+        (b'{"inputs": 42}', "inputs"),
+        (b'{"inputs": "x", "parameters": {"max_new_tokens": "ten"}}', "max_new_tokens must be an integer"),
+        (b'{"inputs": "x", "parameters": {"temperature": -0.5, "do_sample": true}}', "temperature"),
+        (b'{"inputs": "x", "parameters": {"top_p": 7, "do_sample": true}}', "top_p"),
+        (json.dumps({"inputs": "word " * 600}).encode(), "max model length"),
+        (big, "limit"),
+    ]
+    for body, needle in cases:
+        r = requests.post(server.url + "/invocations", data=body, headers={"Content-Type": "application/json"},
+                          timeout=60)
+        assert r.status_code == 400, (needle, r.status_code, r.text[:200])
+        assert r.headers["Content-Type"] == "application/json" and set(r.json()) == {"error", "code"}
+        assert r.json()["code"] == 400 and needle in r.json()["error"]
+    r = post(server, "/v1/chat/completions", {"messages": "nope"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]
+    for t in threads:
+        t.join(120)
+    for status, lines in results:
+        assert status == 200
+        last = check_jsonlines(lines)
+        assert last["details"]["finish_reason"] in ("length", "eos_token")
+        assert last["details"]["generated_tokens"] == len(lines)
+
+
+def test_64_concurrent_streams_complete(server):
+    def one(i: int) -> tuple[int, str, dict]:
+        body = {"inputs": f"Question {i}: what is the color of the sky?", "stream": True,
+                "parameters": {"max_new_tokens": 8, "details": True}}
+        r, lines = stream_lines(server.url + "/invocations", body)
+        return r.status_code, lines, check_jsonlines(lines)
+
+    with ThreadPoolExecutor(64) as pool:
+        outs = list(pool.map(one, range(64)))
+    assert all(status == 200 for status, _, _ in outs)
+    for _, lines, last in outs:
+        assert last["details"]["generated_tokens"] == len(lines) and last["details"]["finish_reason"] in (
+            "length", "eos_token")
+        assert len(lines) == 8 or last["details"]["finish_reason"] == "eos_token"
+    # the same prompt alone gives the same greedy text as in the batch of 64 (spot check)
+    alone = post(server, "/invocations", {"inputs": "Question 3: what is the color of the sky?",
+                                          "parameters": {"max_new_tokens": 8}}).json()["generated_text"]
+    assert alone == outs[3][2]["generated_text"]
+    server.wait_idle()
+
+
+def test_client_disconnect_frees_kv_blocks(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/invocations", body=json.dumps({"inputs": "Write a long essay about the sea.",
+                                                          "stream": True, "parameters": {"max_new_tokens": 400,
+                                                                                         "ignore_eos_token": True}}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(3):
+        assert resp.fp.readline().startswith(b"")
+    m = server.metrics()
+    assert m["lmi_kv_blocks_used"] > 0 and m["lmi_requests_in_flight"] >= 1
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    m = server.wait_idle()
+    assert m["lmi_kv_blocks_free"] == m["lmi_kv_blocks_total"]
+
+
+def test_custom_attributes_header_accepted(server):
+    r = post(server, "/invocations", {"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
+             headers={"X-Amzn-SageMaker-Custom-Attributes": "x-trace=abc; user=42"})
+    assert r.status_code == 200
+    r = post(server, "/invocations", {"inputs": "Hi"}, headers={"X-Amzn-SageMaker-Custom-Attributes": "adapter=a1"})
+    assert r.status_code == 400 and "adapter" in r.json()["error"]
+
+
+def test_metrics_exposition(server):
+    text = requests.get(server.url + "/metrics", timeout=5).text
+    for name in ('lmi_requests_total{route="/invocations",status="200"}', 'status="400"', "lmi_queue_depth",
+                 "lmi_running_sequences", "lmi_kv_blocks_used", "lmi_kv_blocks_free",
+                 "lmi_time_to_first_token_seconds_bucket", "lmi_time_per_output_token_seconds_bucket"):
+        assert name in text, name
+
+
+def test_full_queue_answers_503_and_disconnects_clean_up(server):
+    conns = []
+    try:
+        for i in range(QUEUE):
+            c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+            c.request("POST", "/invocations", body=json.dumps({
+                "inputs": f"Count to one hundred, attempt {i}:", "stream": True,
+                "parameters": {"max_new_tokens": 300, "ignore_eos_token": True}}),
+                headers={"Content-Type": "application/json"})
+            conns.append(c)
+        for c in conns:
+            assert c.getresponse().status == 200
+        r = post(server, "/invocations", {"inputs": "one more"})
+        assert r.status_code == 503 and r.json()["code"] == 503 and "capacity" in r.json()["error"]
+        assert requests.get(server.url + "/ping", timeout=2).status_code == 200  # ping stays fast when full
+    finally:
+        for c in conns:
+            c.sock.close() if c.sock else None
+            c.close()
+    server.wait_idle(timeout=60)
+    assert post(server, "/invocations", {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_sigterm_drains_in_flight_stream(server):
+    # Last test of the module: SIGTERM while a stream is running; it completes, then the server exits.
+    r = requests.post(server.url + "/invocations", json={"inputs": "The sea is", "stream": True,
+                                                         "parameters": {"max_new_tokens": 24}},
+                      stream=True, timeout=60)
+    lines = r.iter_lines()
+    first = next(lines)
+    took = {}
+    stopper = threading.Thread(target=lambda: took.setdefault("s", server.stop()))
+    stopper.start()
+    rest = [ln.decode() for ln in lines if ln]
+    stopper.join(40)
+    check_jsonlines([first.decode()] + rest)
+    assert server.proc.returncode is not None and took["s"] < 30
+    with pytest.raises(requests.ConnectionError):
+        requests.get(server.url + "/ping", timeout=2)

@@ -1,0 +1,93 @@
+"""`serve` start-up failures and the limits server: bad config exits, a dead engine fails /ping,
+a full queue answers 503, and a request past `predict_timeout` ends its stream with an error record."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+from lmi_server import SERVE, LMIServer, check_jsonlines, stream_lines
+
+pytestmark = pytest.mark.slow
+
+
+def test_invalid_config_exits_with_a_message_naming_the_variable(tmp_path):
+    env = {**os.environ, "OPTION_MAX_ROLLING_BATCH_SIZE": "lots",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    p = subprocess.run([str(SERVE), "serve"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "OPTION_MAX_ROLLING_BATCH_SIZE='lots' is invalid: accepts a positive integer" in p.stderr
+
+
+def test_serve_passes_other_commands_through(tmp_path):
+    p = subprocess.run([str(SERVE), "echo", "hello"], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and p.stdout.strip() == "hello"
+
+
+def test_dead_engine_fails_ping_with_the_reason(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    srv = LMIServer({"HF_MODEL_ID": str(model)}, tmp_path, tmp_path / "serve.log")
+    try:
+        body = srv.wait(500, timeout=120)
+        assert 200 not in srv.ping_history
+        assert body["status"] == "Unhealthy" and "GPT2LMHeadModel" in body["error"] and "not supported" in body["error"]
+        r = requests.post(srv.url + "/invocations", json={"inputs": "x"}, timeout=10)
+        assert r.status_code == 500 and r.json()["code"] == 500
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("limited")
+    (cwd / "serving.properties").write_text("# the file wins over the environment\noption.predict_timeout=8\n")
+    srv = LMIServer({"OPTION_PREDICT_TIMEOUT": "100", "OPTION_MAX_ROLLING_BATCH_SIZE": "4",
+                     "OPTION_TGI_COMPAT": "true"}, cwd, cwd / "serve.log")
+    try:
+        srv.wait(200)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_properties_file_in_working_dir_wins(limited):
+    log = limited.log()
+    assert "option.predict_timeout" in log and "serving.properties" in log
+
+
+def test_tgi_compat_plain_and_stream(limited):
+    r = requests.post(limited.url + "/invocations", json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}},
+                      timeout=60)
+    obj = r.json()
+    assert isinstance(obj, list) and "logprob" in obj[0]["details"]["tokens"][0]
+    r = requests.post(limited.url + "/invocations", json={"inputs": "Hi", "stream": True,
+                                                          "parameters": {"max_new_tokens": 3}}, timeout=60)
+    assert r.headers["Content-Type"] == "text/event-stream"
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e]
+    assert "logprob" in events[0]["token"] and "details" in events[-1]
+
+
+def test_mid_stream_timeout_ends_with_an_error_record(limited):
+    r, lines = stream_lines(limited.url + "/invocations", {
+        "inputs": "Write a very long story.", "stream": True,
+        "parameters": {"max_new_tokens": 480, "ignore_eos_token": True, "output_formatter": "jsonlines"}})
+    assert r.status_code == 200
+    last = json.loads(lines[-1])
+    assert last["details"]["finish_reason"] == "error" and "timed out" in last["error"]
+    assert last["generated_text"] == "".join(json.loads(ln)["token"]["text"] for ln in lines)
+    limited.wait_idle()
+    # a plain request past the deadline is a 5xx with the LMI error body
+    r = requests.post(limited.url + "/invocations", json={"inputs": "x", "parameters": {
+        "max_new_tokens": 480, "ignore_eos_token": True}}, timeout=60)
+    assert r.status_code == 504 and set(r.json()) == {"error", "code"}
+    _, ok = stream_lines(limited.url + "/invocations", {"inputs": "Hi", "stream": True,
+                                                        "parameters": {"max_new_tokens": 3,
+                                                                       "output_formatter": "jsonlines"}})
+    check_jsonlines(ok)
