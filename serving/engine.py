@@ -204,7 +204,8 @@ class LLMEngine:
             s.num_tokens for s in sched_out.scheduled if s.seq.num_computed_tokens < s.seq.num_prompt_tokens
         )
         results = self.scheduler.update(sched_out, runner_out)
-        deltas = []
+        deltas: list[StreamDelta] = []
+        done: list[str] = []
         for seq, sampled in results:
             req = self._requests[seq.request_id]
             self.num_generated_tokens += 1
@@ -219,8 +220,10 @@ class LLMEngine:
             deltas.append(self._delta(req, seq, sampled))
             if seq.is_finished:
                 self._release(seq)
-            if all(s.is_finished for s in req.seqs):
-                del self._requests[req.request_id]
+                if all(s.is_finished for s in req.seqs):
+                    done.append(req.request_id)
+        for request_id in done:  # after the loop: samples of one request may finish together
+            self._requests.pop(request_id, None)
         return deltas
 
     def _release(self, seq: Sequence) -> None:

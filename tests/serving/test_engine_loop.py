@@ -1,0 +1,188 @@
+"""LLMEngine + EngineLoop on a fake runner: streams, n>1, abort, health states, death, queue bound."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from serving.engine import LLMEngine
+from serving.engine_config import CacheConfig, EngineConfig
+from serving.engine_loop import EngineDeadError, EngineLoop, EngineState, QueueFullError
+from serving.sampling_params import SamplingParams
+from serving.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+
+CONFIG = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, skip_tokenizer_init=True)
+
+
+class FakeRunner:
+    """Emits token 100 + output index; can block on an event or raise on a given step."""
+
+    def __init__(self, fail_on_step: int | None = None, gate: threading.Event | None = None) -> None:
+        self.cache_config = CacheConfig(4, 32, 1, 1, 1, "float32", 128)
+        self.model_path = Path(".")
+        self.eos_token_ids = (2,)
+        self.vocab_size = 1000
+        self.fail_on_step = fail_on_step
+        self.gate = gate
+        self.num_steps = 0
+        self.freed: list[int] = []
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_steps += 1
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail_on_step is not None and self.num_steps >= self.fail_on_step:
+            raise RuntimeError("boom: CUDA error (simulated)")
+        return ModelRunnerOutput(
+            [SampledToken(100 + s.seq.num_output_tokens, logprob=-0.5) for s in sched_out.scheduled if s.sample]
+        )
+
+    def free_sequence(self, seq_id: int) -> None:
+        self.freed.append(seq_id)
+
+
+def start_loop(runner: FakeRunner, **kw) -> EngineLoop:
+    loop = EngineLoop(CONFIG, engine_factory=lambda cfg: LLMEngine(cfg, runner), **kw).start()
+    assert loop.wait_ready(10)
+    return loop
+
+
+def collect(stream, timeout: float = 10.0) -> list:
+    return [d for d in _iter(stream, timeout)]
+
+
+def _iter(stream, timeout: float):
+    done: set[int] = set()
+    while len(done) < stream.n:
+        d = stream.get(timeout=timeout)
+        if d.finish_reason is not None:
+            done.add(d.index)
+        yield d
+
+
+def test_stream_of_one_request() -> None:
+    runner = FakeRunner()
+    loop = start_loop(runner)
+    try:
+        assert loop.state is EngineState.READY and loop.max_model_len == 128
+        deltas = collect(loop.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, logprobs=0)))
+        assert [d.token_ids for d in deltas] == [(100,), (101,), (102,), (103,)]
+        assert deltas[0].prompt_token_ids == (5, 6, 7) and deltas[1].prompt_token_ids is None
+        assert [d.finish_reason for d in deltas] == [None, None, None, "length"]
+        assert deltas[-1].num_output_tokens == 4 and deltas[0].logprobs == (-0.5,)
+        stats = loop.stats()
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] == 32 and stats["state"] == "ready"
+    finally:
+        loop.close()
+    assert loop.state is EngineState.DEAD
+
+
+def test_n_samples_and_eos_finish_reason() -> None:
+    runner = FakeRunner()
+    loop = start_loop(runner)
+    try:
+        deltas = collect(loop.add_request("b", list(range(10, 20)), SamplingParams(n=3, max_tokens=2)))
+        finals = sorted((d.index, d.finish_reason) for d in deltas if d.finish_reason)
+        assert finals == [(0, "length"), (1, "length"), (2, "length")]
+        deltas = collect(loop.add_request("c", [1, 2], SamplingParams(max_tokens=5, stop_token_ids=[101])))
+        assert deltas[-1].finish_reason == "eos_token" and deltas[-1].token_ids == (101,)
+        assert deltas[-1].extra == {"stop_reason": 101}
+    finally:
+        loop.close()
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    loop = start_loop(runner)
+    try:
+        stream = loop.add_request("x", list(range(9)), SamplingParams(max_tokens=50))
+        for _ in range(500):  # wait until the request is inside a step
+            if runner.num_steps:
+                break
+            time.sleep(0.01)
+        stream.close()
+        gate.set()
+        deltas = collect_all(stream)
+        assert deltas[-1].finish_reason == "abort"
+        for _ in range(100):
+            if loop.stats()["num_free_kv_blocks"] == 32 and loop.stats()["num_unfinished_requests"] == 0:
+                break
+            time.sleep(0.02)
+        assert loop.stats()["num_free_kv_blocks"] == 32
+    finally:
+        loop.close()
+
+
+def collect_all(stream) -> list:
+    out = []
+    while True:
+        d = stream._queue.get(timeout=10)
+        out.append(d)
+        if d.finish_reason is not None:
+            return out
+
+
+def test_exception_in_step_marks_engine_dead_and_fails_callers() -> None:
+    runner = FakeRunner(fail_on_step=3)
+    loop = start_loop(runner)
+    s1 = loop.add_request("r1", [1, 2, 3], SamplingParams(max_tokens=20))
+    s2 = loop.add_request("r2", [4, 5], SamplingParams(n=2, max_tokens=20))
+    d1 = collect(s1)
+    d2 = collect(s2)
+    assert d1[-1].finish_reason == "error" and "boom" in d1[-1].error
+    assert sorted(d.index for d in d2 if d.finish_reason == "error") == [0, 1]
+    assert loop.state is EngineState.DEAD and isinstance(loop.error, RuntimeError)
+    with pytest.raises(EngineDeadError):
+        loop.add_request("r3", [1], SamplingParams(max_tokens=1))
+    with pytest.raises(EngineDeadError):
+        loop.wait_ready(0)
+    loop.close()
+
+
+def test_load_failure_is_reported() -> None:
+    def factory(cfg):
+        raise OSError("weights not found")
+
+    loop = EngineLoop(CONFIG, engine_factory=factory).start()
+    with pytest.raises(EngineDeadError, match="weights not found"):
+        loop.wait_ready(10)
+    assert loop.state is EngineState.DEAD and isinstance(loop.error, OSError)
+
+
+def test_bad_requests_raise_synchronously_and_queue_is_bounded() -> None:
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    loop = start_loop(runner, max_queue_size=1)
+    try:
+        with pytest.raises(ValueError, match="max_model_len"):
+            loop.add_request("long", list(range(120)), SamplingParams(max_tokens=20))
+        with pytest.raises(ValueError, match="token ids"):
+            loop.add_request("bad", [5000], SamplingParams(max_tokens=2))
+        first = loop.add_request("q1", [1, 2], SamplingParams(max_tokens=2))
+        with pytest.raises(QueueFullError):
+            loop.add_request("q2", [1, 2], SamplingParams(max_tokens=2))
+        gate.set()
+        assert collect(first)[-1].finish_reason == "length"
+        with pytest.raises(queue.Empty):
+            first.get(timeout=0.05)
+    finally:
+        gate.set()
+        loop.close()
+
+
+def test_close_aborts_running_requests() -> None:
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    loop = start_loop(runner)
+    stream = loop.add_request("z", [1, 2, 3], SamplingParams(max_tokens=100))
+    threading.Timer(0.2, gate.set).start()
+    loop.close()
+    deltas = collect_all(stream)
+    assert deltas[-1].finish_reason == "abort"
+    with pytest.raises(EngineDeadError):
+        loop.add_request("z2", [1], SamplingParams(max_tokens=1))
