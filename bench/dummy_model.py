@@ -1,8 +1,8 @@
 """Model dirs for random-weight benchmarks: config.json of a real shape + a borrowed tokenizer.
 
 `make_dummy_model_dir("llama-3-8b", out_dir)` writes a Llama-3-8B-shaped config.json and copies
-the tokenizer files of `tokenizer_dir` (default: the embedded SmolLM2 model, converted on the CPU
-machine) beside it, so the engine starts with `load_format="dummy"` and no checkpoint. The
+the tokenizer files of `tokenizer_dir` (the script's default: the embedded SmolLM2 model,
+converted on the CPU machine) beside it, so the engine starts with `load_format="dummy"` and no checkpoint. The
 config keeps the real vocab (128256); prompts must use ids below the tokenizer's size, and
 generated ids past it detokenize to nothing. Run as a script to build both shapes:
 `python bench/dummy_model.py OUT_DIR [TOKENIZER_DIR]`.
@@ -55,7 +55,9 @@ def make_dummy_model_dir(shape: str, out_dir: str | Path, tokenizer_dir: str | P
     out.mkdir(parents=True, exist_ok=True)
     config = {**_COMMON, **SHAPES[shape]}
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    src = Path(tokenizer_dir) if tokenizer_dir else default_tokenizer_dir()
+    if tokenizer_dir is None:  # offline benches run with skip_tokenizer_init: no tokenizer needed
+        return out
+    src = Path(tokenizer_dir)
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
@@ -79,6 +81,6 @@ def shape_info(shape: str) -> dict:
 
 if __name__ == "__main__":
     root = Path(sys.argv[1])
-    tok = sys.argv[2] if len(sys.argv) > 2 else None
+    tok = sys.argv[2] if len(sys.argv) > 2 else str(default_tokenizer_dir())
     for name in SHAPES:
         print(make_dummy_model_dir(name, root / name, tok))
