@@ -8,6 +8,7 @@ model but returns the logits of every row, for comparisons with transformers.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
@@ -18,6 +19,9 @@ from serving.sequence import Sequence, SequenceStatus
 from serving.step_inputs import prepare_inputs
 
 
+_SEQ_IDS = itertools.count()  # unique across drivers: the runner keys seeded state by seq_id
+
+
 class PagedDriver:
     """Minimal stand-in for the scheduler + block manager around a ModelRunner."""
 
@@ -26,13 +30,12 @@ class PagedDriver:
         self.block_size = runner.block_size
         self.free = list(range(runner.cache_config.num_blocks))
         random.Random(seed).shuffle(self.free)
-        self.next_id = 0
 
     def add(self, prompt_ids: list[int], params: SamplingParams | None = None, index: int = 0) -> Sequence:
-        seq = Sequence(seq_id=self.next_id, request_id=f"r{self.next_id}", prompt_token_ids=list(prompt_ids),
+        sid = next(_SEQ_IDS)
+        seq = Sequence(seq_id=sid, request_id=f"r{sid}", prompt_token_ids=list(prompt_ids),
                        params=params or SamplingParams(temperature=0.0, max_tokens=64), index=index)
         seq.status = SequenceStatus.RUNNING
-        self.next_id += 1
         return seq
 
     def release(self, seq: Sequence) -> None:
