@@ -99,6 +99,7 @@ class ContainerProcess:
                 if requests.get(self.url + "/ping", timeout=2).status_code == 200:
                     return self
             time.sleep(0.25)
+        self.stop()  # never leave a half-started server behind
         raise TimeoutError(f"container not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 15.0) -> int | None:
