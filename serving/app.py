@@ -113,10 +113,14 @@ def create_app(engine_loop: object, config: ServingConfig) -> Flask:
                 fmt_type = runner.formatter(req, request_id).content_type
                 return Response(_flushing(records), 200, content_type=fmt_type,
                                 headers={**headers, "X-Accel-Buffering": "no"}, direct_passthrough=True)
-            status, payload = runner.run_plain(req, request_id)
-            metrics.observe_request(route, status)
-            return Response(payload, status, content_type=runner.formatter(req, request_id).content_type,
-                            headers=headers)
+            out = runner.run_plain(req, request_id)
+            content_type = runner.formatter(req, request_id).content_type
+            if isinstance(out, tuple):
+                metrics.observe_request(route, out[0])
+                return Response(out[1], out[0], content_type=content_type, headers=headers)
+            metrics.observe_request(route, 200)  # slow: 200 committed, heartbeats, then the body
+            return Response(_flushing(out), 200, content_type=content_type, headers=headers,
+                            direct_passthrough=True)
         except ValueError as exc:
             return error(400, str(exc), route)
         except HTTPError as exc:

@@ -174,27 +174,63 @@ class RequestRunner:
                          created=int(time.time()), special_ids=self.special_ids(), decode_token=self.decode_token)
 
     # ---- plain -------------------------------------------------------------------------------------
-    def run_plain(self, req: GenerateRequest, request_id: str) -> tuple[int, bytes]:
-        """Run to completion; (status, body). Errors before/while generating -> HTTPError."""
+    def run_plain(self, req: GenerateRequest, request_id: str) -> tuple[int, bytes] | Iterator[bytes]:
+        """Run to completion: (status, body), errors -> HTTPError.
+
+        If it is not done after `heartbeat_s`, returns a byte iterator instead: status 200 is
+        committed, a space (valid leading JSON whitespace) is sent every `heartbeat_s` so
+        SageMaker sees bytes well within its 60 s, then the body (with finish_reason "error"
+        if it failed after that point).
+        """
         start = time.monotonic()
         prompts = self.prompts(req)
         jobs = self._submit(req, prompts)
         deadline = start + self.config.predict_timeout
+        if self._collect(jobs, deadline, start + self.heartbeat_s):
+            return self._finish_plain(req, request_id, jobs, start)
+        return self._plain_with_heartbeat(req, request_id, jobs, start, deadline)
+
+    @property
+    def heartbeat_s(self) -> float:
+        return min(15.0, self.config.chunked_read_timeout / 4)
+
+    def _collect(self, jobs: list[_Job], deadline: float, until: float) -> bool:
+        """Drain deltas until every job finished (True) or `until` passed (False); failures end jobs."""
         try:
             for job in jobs:
                 while not job.result.finished:
-                    self._next(job, deadline)
+                    if time.monotonic() >= until < deadline:
+                        return False
+                    try:
+                        self._next(job, min(deadline, until))
+                    except TimeoutError:
+                        if time.monotonic() < deadline:
+                            return False
+                        raise
         except (TimeoutError, RuntimeError) as exc:
             for job in jobs:
                 job.result.fail(str(exc))
-        finally:
-            self._release(jobs, len(jobs))
+        return True
+
+    def _finish_plain(self, req: GenerateRequest, request_id: str, jobs: list[_Job], start: float
+                      ) -> tuple[int, bytes]:
+        self._release(jobs, len(jobs))
         self._observe(jobs, start)
         errors = [s.error or "generation failed" for j in jobs for s in j.result.samples.values()
                   if s.finish_reason == "error"]
         if errors:
-            raise HTTPError(500 if not errors[0].startswith("prediction timed out") else 504, errors[0])
+            raise HTTPError(504 if errors[0].startswith("prediction timed out") else 500, errors[0])
         return 200, self.formatter(req, request_id).body([j.result for j in jobs])
+
+    def _plain_with_heartbeat(self, req: GenerateRequest, request_id: str, jobs: list[_Job], start: float,
+                              deadline: float) -> Iterator[bytes]:
+        try:
+            while not self._collect(jobs, deadline, time.monotonic() + self.heartbeat_s):
+                yield b" "
+            yield self.formatter(req, request_id).body([j.result for j in jobs])
+        finally:
+            self._release(jobs, len(jobs))
+            self._observe(jobs, start)
 
     # ---- streams -----------------------------------------------------------------------------------
     def run_stream(self, req: GenerateRequest, request_id: str) -> Iterator[bytes]:

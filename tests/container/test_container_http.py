@@ -17,13 +17,12 @@ import requests
 from lmi_server import LMIServer, check_jsonlines, stream_lines
 
 pytestmark = pytest.mark.slow
-QUEUE = 72  # job_queue_size: room for the 64-stream test, small enough to fill
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("serve")
-    srv = LMIServer({"SERVING_JOB_QUEUE_SIZE": str(QUEUE)}, cwd, cwd / "serve.log")
+    srv = LMIServer({}, cwd, cwd / "serve.log")
     try:
         srv.wait(200)
         yield srv
@@ -137,7 +136,7 @@ def test_v1_streams_end_with_done(server):
         assert objs[-1]["usage"]["completion_tokens"] <= 5 if "usage" in objs[-1] else True
 
 
-def _background_streams(server, n: int, max_new_tokens: int = 10):
+def _background_streams(server, n: int, max_new_tokens: int = 8):
     results: list = [None] * n
 
     def one(i: int) -> None:
@@ -184,7 +183,7 @@ def test_every_error_while_16_streams_continue(server):
 def test_64_concurrent_streams_complete(server):
     def one(i: int) -> tuple[int, str, dict]:
         body = {"inputs": f"Question {i}: what is the color of the sky?", "stream": True,
-                "parameters": {"max_new_tokens": 8, "details": True}}
+                "parameters": {"max_new_tokens": 6, "details": True}}
         r, lines = stream_lines(server.url + "/invocations", body)
         return r.status_code, lines, check_jsonlines(lines)
 
@@ -194,10 +193,10 @@ def test_64_concurrent_streams_complete(server):
     for _, lines, last in outs:
         assert last["details"]["generated_tokens"] == len(lines) and last["details"]["finish_reason"] in (
             "length", "eos_token")
-        assert len(lines) == 8 or last["details"]["finish_reason"] == "eos_token"
+        assert len(lines) == 6 or last["details"]["finish_reason"] == "eos_token"
     # the same prompt alone gives the same greedy text as in the batch of 64 (spot check)
     alone = post(server, "/invocations", {"inputs": "Question 3: what is the color of the sky?",
-                                          "parameters": {"max_new_tokens": 8}}).json()["generated_text"]
+                                          "parameters": {"max_new_tokens": 6}}).json()["generated_text"]
     assert alone == outs[3][2]["generated_text"]
     server.wait_idle()
 
@@ -236,33 +235,10 @@ def test_metrics_exposition(server):
         assert name in text, name
 
 
-def test_full_queue_answers_503_and_disconnects_clean_up(server):
-    conns = []
-    try:
-        for i in range(QUEUE):
-            c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-            c.request("POST", "/invocations", body=json.dumps({
-                "inputs": f"Count to one hundred, attempt {i}:", "stream": True,
-                "parameters": {"max_new_tokens": 300, "ignore_eos_token": True}}),
-                headers={"Content-Type": "application/json"})
-            conns.append(c)
-        for c in conns:
-            assert c.getresponse().status == 200
-        r = post(server, "/invocations", {"inputs": "one more"})
-        assert r.status_code == 503 and r.json()["code"] == 503 and "capacity" in r.json()["error"]
-        assert requests.get(server.url + "/ping", timeout=2).status_code == 200  # ping stays fast when full
-    finally:
-        for c in conns:
-            c.sock.close() if c.sock else None
-            c.close()
-    server.wait_idle(timeout=60)
-    assert post(server, "/invocations", {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
-
-
 def test_sigterm_drains_in_flight_stream(server):
     # Last test of the module: SIGTERM while a stream is running; it completes, then the server exits.
     r = requests.post(server.url + "/invocations", json={"inputs": "The sea is", "stream": True,
-                                                         "parameters": {"max_new_tokens": 24}},
+                                                         "parameters": {"max_new_tokens": 8}},
                       stream=True, timeout=60)
     lines = r.iter_lines()
     first = next(lines)

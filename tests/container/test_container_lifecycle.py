@@ -3,6 +3,7 @@ a full queue answers 503, and a request past `predict_timeout` ends its stream w
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import requests
 from lmi_server import SERVE, LMIServer, check_jsonlines, stream_lines
 
 pytestmark = pytest.mark.slow
+QUEUE = 4  # job_queue_size of the limits server
 
 
 def test_invalid_config_exits_with_a_message_naming_the_variable(tmp_path):
@@ -48,7 +50,7 @@ def test_dead_engine_fails_ping_with_the_reason(tmp_path):
 def limited(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("limited")
     (cwd / "serving.properties").write_text("# the file wins over the environment\noption.predict_timeout=8\n")
-    srv = LMIServer({"OPTION_PREDICT_TIMEOUT": "100", "OPTION_MAX_ROLLING_BATCH_SIZE": "4",
+    srv = LMIServer({"OPTION_PREDICT_TIMEOUT": "100", "SERVING_JOB_QUEUE_SIZE": str(QUEUE),
                      "OPTION_TGI_COMPAT": "true"}, cwd, cwd / "serve.log")
     try:
         srv.wait(200)
@@ -91,3 +93,30 @@ def test_mid_stream_timeout_ends_with_an_error_record(limited):
                                                         "parameters": {"max_new_tokens": 3,
                                                                        "output_formatter": "jsonlines"}})
     check_jsonlines(ok)
+
+
+def test_full_queue_answers_503_ping_stays_fast_and_disconnects_clean_up(limited):
+    conns = []
+    try:
+        for i in range(QUEUE):
+            c = http.client.HTTPConnection("127.0.0.1", limited.port, timeout=60)
+            c.request("POST", "/invocations", body=json.dumps({
+                "inputs": f"Count to one hundred, attempt {i}:", "stream": True,
+                "parameters": {"max_new_tokens": 200, "ignore_eos_token": True, "output_formatter": "jsonlines"}}),
+                headers={"Content-Type": "application/json"})
+            conns.append(c)
+        for c in conns:
+            resp = c.getresponse()
+            assert resp.status == 200 and resp.fp.readline().startswith(b'{"token"')
+        r = requests.post(limited.url + "/invocations", json={"inputs": "one more"}, timeout=30)
+        assert r.status_code == 503 and r.json()["code"] == 503 and "capacity" in r.json()["error"]
+        ping = requests.get(limited.url + "/ping", timeout=2)
+        assert ping.status_code == 200 and ping.elapsed.total_seconds() < 2
+    finally:
+        for c in conns:
+            if c.sock:
+                c.sock.close()
+            c.close()
+    m = limited.wait_idle(timeout=30)
+    assert m["lmi_kv_blocks_free"] == m["lmi_kv_blocks_total"]
+    assert 'lmi_requests_total{route="/invocations",status="503"}' in m

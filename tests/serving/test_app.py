@@ -133,3 +133,11 @@ def test_custom_attributes_accepted_and_metrics():
     for name in ("lmi_queue_depth", "lmi_running_sequences", "lmi_kv_blocks_used", "lmi_kv_blocks_free",
                  "lmi_time_to_first_token_seconds_bucket", "lmi_time_per_output_token_seconds_bucket"):
         assert name in text
+
+
+def test_slow_plain_request_sends_heartbeat_whitespace_then_json():
+    loop, client = make(SERVING_CHUNKED_READ_TIMEOUT="1")  # heartbeat every 0.25 s
+    loop.delay = 0.1
+    r = client.post("/invocations", json={"inputs": "x", "parameters": {"max_new_tokens": 8}})
+    assert r.status_code == 200 and r.data.startswith(b" ") and json.loads(r.data) == {"generated_text": "abcdefgh"}
+    assert not loop.active
