@@ -147,3 +147,22 @@ def test_request_that_cannot_fit_is_rejected(make_llm) -> None:  # noqa: ANN001
         llm.generate([LONG_A], SamplingParams(max_tokens=10_000), use_tqdm=False)
     # The engine stays usable.
     assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_stop_strings_text_and_logprobs(make_llm, tokenizer) -> None:  # noqa: ANN001
+    llm = make_llm(enable_prefix_caching=False)
+    prompt = PROMPTS[0]
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, logprobs=3), use_tqdm=False)[0]
+    out = full.outputs[0]
+    # The streamed deltas (concatenated by LLM) equal a plain decode of the ids.
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert entry[token_id].rank == 1 and len(entry) == 3  # greedy: chosen is the top-1
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    word = out.text.split()[1]  # stop on the second word of the continuation
+    cut = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[word]), use_tqdm=False)[0]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == word
+    assert cut.outputs[0].text == out.text[: out.text.index(word)]
+    kept = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[word],
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.outputs[0].text == out.text[: out.text.index(word) + len(word)]
