@@ -49,6 +49,9 @@ class BlockManager:
         self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[BlockKey, int] = {}  # key -> block id
         self._seq_keys: dict[int, list[BlockKey]] = {}  # seq_id -> keys of its full blocks
+        # seq_id -> how many leading full blocks cache_computed_blocks already looked at; it runs
+        # for every running sequence every step, so it must not rescan (and rehash) old blocks.
+        self._num_registered: dict[int, int] = {}
         self.num_prefix_queries = 0  # tokens looked up at admission (for the hit rate)
         self.num_prefix_hits = 0  # of those, tokens served from the cache
 
@@ -168,11 +171,17 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        for i, key in enumerate(self._keys(seq, num_full)[:num_full]):
+        start = self._num_registered.get(seq.seq_id, 0)
+        if num_full <= start:
+            return
+        keys = self._keys(seq, num_full)
+        for i in range(start, num_full):
+            key = keys[i]
             block = self.blocks[seq.block_table[i]]
             if block.key is None and key not in self.cached:
                 block.key = key
                 self.cached[key] = block.block_id
+        self._num_registered[seq.seq_id] = num_full
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references to its blocks (finished, aborted or preempted)."""
@@ -188,6 +197,7 @@ class BlockManager:
                     self.free_block_ids.append(block_id)
         seq.block_table = []
         self._seq_keys.pop(seq.seq_id, None)
+        self._num_registered.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached content of free blocks (e.g. after weights change)."""
