@@ -8,6 +8,7 @@ control plane (CreateModel/EndpointConfig/Endpoint) and our gateway for the data
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -79,6 +80,7 @@ class ContainerProcess:
         self.proc = subprocess.Popen(self.command, env=self.env, cwd=REPO_ROOT, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
+        atexit.register(self.stop)  # a failed notebook cell or test must not leave a server running
         return self
 
     def log_tail(self, num_bytes: int = 4000) -> str:
@@ -104,6 +106,7 @@ class ContainerProcess:
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM (as SageMaker does), then SIGKILL after ``grace_s``; returns the exit code."""
+        atexit.unregister(self.stop)
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
