@@ -89,8 +89,10 @@ def create_app(engine_loop: object, config: ServingConfig) -> Flask:
         if len(raw) > limit:
             return error(400, f"the request body is over the limit of {limit} bytes", route)
         try:
+            if request.mimetype == "text/plain":  # LMI: a text body is the prompt
+                return {"inputs": raw.decode("utf-8")}
             return loads_body(raw)
-        except ValueError as exc:
+        except (ValueError, UnicodeDecodeError) as exc:
             return error(400, str(exc), route)
 
     def generate(route: str, parse: Callable[[dict], GenerateRequest]) -> Response:

@@ -141,3 +141,9 @@ def test_slow_plain_request_sends_heartbeat_whitespace_then_json():
     r = client.post("/invocations", json={"inputs": "x", "parameters": {"max_new_tokens": 8}})
     assert r.status_code == 200 and r.data.startswith(b" ") and json.loads(r.data) == {"generated_text": "abcdefgh"}
     assert not loop.active
+
+
+def test_text_plain_body_is_the_prompt():
+    _, client = make()
+    r = client.post("/invocations", data="hello", content_type="text/plain")
+    assert r.status_code == 200 and r.json == {"generated_text": "abcdefghijklmnopqrstuvwxyzabcd"}  # 30 tokens
