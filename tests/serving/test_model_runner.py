@@ -18,6 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 def _runner(path, **options) -> ModelRunner:
     options.setdefault("block_size", 4)
     options.setdefault("kv_cache_memory_gb", 0.01)
+    options.setdefault("device", "cpu")  # fp32 identity with HF on CPU, also on a GPU machine
     return ModelRunner(EngineConfig(model=str(path), **options))
 
 

@@ -26,7 +26,7 @@ def _hf(path):
 
 
 def _check_paged_logits(path, block_size: int, lengths: list[int], chunk: int, decode_steps: int) -> None:
-    runner = ModelRunner(EngineConfig(model=str(path), block_size=block_size, kv_cache_memory_gb=0.02))
+    runner = ModelRunner(EngineConfig(model=str(path), block_size=block_size, kv_cache_memory_gb=0.02, device="cpu"))
     driver = PagedDriver(runner)
     gen = torch.Generator().manual_seed(sum(lengths))
     prompts = [torch.randint(3, 49000, (n,), generator=gen).tolist() for n in lengths]
@@ -77,7 +77,7 @@ def test_weights_loaded_from_shards(tiny_models):  # noqa: F811
     path = tiny_models("phi3")  # fused qkv_proj / gate_up_proj straight from the checkpoint
     files = checkpoint_files(path)
     assert len(files) >= 2
-    runner = ModelRunner(EngineConfig(model=str(path), block_size=4, kv_cache_memory_gb=0.01))
+    runner = ModelRunner(EngineConfig(model=str(path), block_size=4, kv_cache_memory_gb=0.01, device="cpu"))
     params = dict(runner.model.named_parameters())
     for f in files:
         with safe_open(str(f), framework="pt") as st:
@@ -91,7 +91,7 @@ def test_packed_qkv_from_separate_tensors(tiny_models):  # noqa: F811
     from serving.weights import checkpoint_files
 
     path = tiny_models("qwen2")  # separate q/k/v with biases, tied embeddings
-    runner = ModelRunner(EngineConfig(model=str(path), block_size=4, kv_cache_memory_gb=0.01))
+    runner = ModelRunner(EngineConfig(model=str(path), block_size=4, kv_cache_memory_gb=0.01, device="cpu"))
     tensors = {}
     for f in checkpoint_files(path):
         with safe_open(str(f), framework="pt") as st:
