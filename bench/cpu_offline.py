@@ -7,6 +7,8 @@ present), same greedy decoding and the same stopping rule on both sides. Two wor
   eos    : stop at EOS or --max-tokens (how requests really end). transformers keeps computing
            rows that already finished until the whole batch is done; the rolling batch drops
            them at once. Throughput counts the tokens each side actually returns (up to EOS).
+  mixed  : EOS ignored, prompt i asks for its own length (a permutation of --max-tokens*k/16,
+           k = 1..16). The padded batch runs to the longest; each row returns its own length.
   fixed  : EOS ignored, exactly --fixed-tokens new tokens per prompt: pure per-step efficiency.
 
 Each side is warmed up untimed, then timed once per workload. Prints one table.
@@ -64,7 +66,7 @@ def _useful(tokens: list[int], eos: set[int]) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=256, help="cap of the eos workload")
+    ap.add_argument("--max-tokens", type=int, default=128, help="cap of the eos and mixed workloads")
     ap.add_argument("--fixed-tokens", type=int, default=64, help="length of the fixed workload (0: skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -102,33 +104,38 @@ def main() -> None:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
     inputs = [{"prompt_token_ids": p} for p in prompt_ids]
 
-    def ours(n: int, ignore_eos: bool) -> tuple[float, list[list[int]], int]:
+    def ours(lens: list[int], ignore_eos: bool) -> tuple[float, list[list[int]], int]:
         steps0 = llm.llm_engine.num_steps
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in lens]
         t = time.perf_counter()
         outs = llm.generate(inputs, params, use_tqdm=False)
         return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs], llm.llm_engine.num_steps - steps0
 
-    def transformers_(n: int, ignore_eos: bool) -> tuple[float, list[list[int]]]:
-        kw = dict(do_sample=False, pad_token_id=pad_id, max_new_tokens=n)
+    def transformers_(lens: list[int], ignore_eos: bool) -> tuple[float, list[list[int]]]:
+        kw = dict(do_sample=False, pad_token_id=pad_id, max_new_tokens=max(lens))
         kw["eos_token_id"] = None if ignore_eos else sorted(eos)
         with torch.inference_mode():
             t = time.perf_counter()
             out = hf.generate(ids, attention_mask=mask, **kw)
             dt = time.perf_counter() - t
-        rows = out[:, width:].tolist()
+        rows = [r[:n] for r, n in zip(out[:, width:].tolist(), lens)]
         return dt, [r if ignore_eos else _useful(r, eos) for r in rows]
 
-    ours(4, True)  # warm-up
-    transformers_(4, True)
+    n = len(prompt_ids)
+    ours([4] * n, True)  # warm-up
+    transformers_([4] * n, True)
+    m = args.max_tokens
+    workloads = [
+        ("eos", [m] * n, False),
+        ("mixed", [m * (1 + (i * 7) % 16) // 16 for i in range(n)], True),
+    ] + ([("fixed", [args.fixed_tokens] * n, True)] if args.fixed_tokens else [])
     rows = []
-    workloads = [("eos", args.max_tokens, False)] + ([("fixed", args.fixed_tokens, True)] if args.fixed_tokens else [])
-    for name, n, ignore in workloads:
-        o_s, o_tok, steps = ours(n, ignore)
-        h_s, h_tok = transformers_(n, ignore)
+    for name, lens, ignore in workloads:
+        o_s, o_tok, steps = ours(lens, ignore)
+        h_s, h_tok = transformers_(lens, ignore)
         same = sum(a == b for a, b in zip(o_tok, h_tok))
         n_o, n_h = sum(map(len, o_tok)), sum(map(len, h_tok))
-        rows.append((name, n, o_s, n_o, h_s, n_h, same, steps, [len(t) for t in o_tok]))
+        rows.append((name, max(lens), o_s, n_o, h_s, n_h, same, steps, [len(t) for t in o_tok]))
 
     print()
     print(f"CPU offline, default model (SmolLM2-135M-Instruct fp32), {len(prompt_ids)} prompts "
@@ -136,8 +143,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs ({platform.machine()}); "
           f"load: ours {load_ours:.1f} s, transformers {load_hf:.1f} s")
     print(f"{'workload':<10} {'engine':<32} {'gen s':>8} {'out tokens':>10} {'out tok/s':>10} {'speed-up':>9}")
-    for name, n, o_s, n_o, h_s, n_h, same, steps, lens in rows:
-        label = f"{name}({n})"
+    for name, cap, o_s, n_o, h_s, n_h, same, steps, lens in rows:
+        label = f"{name}({cap})"
         print(f"{label:<10} {'open-lmi LLM.generate (rolling)':<32} {o_s:8.2f} {n_o:10d} {n_o / o_s:10.1f} "
               f"{(n_o / o_s) / (n_h / h_s):8.2f}x")
         print(f"{'':<10} {'transformers generate (padded)':<32} {h_s:8.2f} {n_h:10d} {n_h / h_s:10.1f} {'1.00x':>9}")
