@@ -122,7 +122,7 @@ def test_streaming_loop_with_line_iterator(seed, capsys) -> None:
     body = {
         "inputs": "The meaning of life",
         "parameters": {
-            "max_new_tokens": 16,
+            "max_new_tokens": 12,
         },
         "stream": True,
     }
