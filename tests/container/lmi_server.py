@@ -20,8 +20,10 @@ import requests
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = ROOT / "container" / "serve"
 # Small and fast on 2 CPU cores: fp32, short context, small CPU KV budget.
+# One torch thread: the other core serves HTTP and the test's clients, and OpenMP threads spinning
+# on an oversubscribed box slow every op down many times over.
 BASE_ENV = {"OPTION_DTYPE": "fp32", "OPTION_MAX_MODEL_LEN": "512", "OPTION_KV_CACHE_MEMORY_GB": "0.25",
-            "OPTION_DEVICE": "cpu", "LOG_LEVEL": "INFO"}
+            "OPTION_DEVICE": "cpu", "LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
