@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from serving.attention_metadata import AttentionMetadata
@@ -27,6 +28,29 @@ class StepInputs:
     sample_rows: list[int]  # row of each sampled entry, in schedule order
     # (entry index, first row, number of rows, first position) of chunks needing prompt logprobs
     prompt_logprob_chunks: list[tuple[int, int, int, int]]
+
+
+_pinned: torch.Tensor | None = None  # reused page-locked staging buffer for the one H2D copy
+_copied: torch.cuda.Event | None = None  # marks the last copy out of it as done
+
+
+def _to_device(packed: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One asynchronous host->device copy through a reused pinned buffer."""
+    global _pinned, _copied
+    n = packed.shape[0]
+    if _copied is not None:
+        # NOTE: a step that samples nothing (a mid-prompt chunk) ends without a host sync, so
+        # the previous copy may still be queued: wait for it before overwriting the buffer.
+        _copied.synchronize()
+    if _pinned is None or _pinned.shape[0] < n:
+        size = max(n, 1 << 16, 2 * (0 if _pinned is None else _pinned.shape[0]))
+        _pinned = torch.empty(size, dtype=torch.int64, pin_memory=True)
+    buf = _pinned[:n]
+    buf.numpy()[:] = packed
+    dev = buf.to(device, non_blocking=True)
+    _copied = torch.cuda.Event()
+    _copied.record()
+    return dev
 
 
 def prepare_inputs(sched_out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
@@ -65,9 +89,18 @@ def prepare_inputs(sched_out: SchedulerOutput, block_size: int, device: torch.de
     num_tokens = len(input_ids)
     num_seqs = len(seq_lens)
     width = max((len(t) for t in tables), default=0) or 1
-    flat_tables = [b for t in tables for b in (t + [0] * (width - len(t)))]
-    host = torch.tensor(input_ids + positions + slots + qsl + seq_lens + flat_tables, dtype=torch.int64)
-    dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    head = input_ids + positions + slots + qsl + seq_lens
+    # Block tables are the bulk (num_seqs x width ids): fill them row by row through numpy
+    # rather than flattening a padded Python list each step.
+    packed = np.zeros(len(head) + num_seqs * width, dtype=np.int64)
+    packed[: len(head)] = head
+    grid = packed[len(head) :].reshape(num_seqs, width)
+    for i, t in enumerate(tables):
+        grid[i, : len(t)] = t
+    if device.type != "cpu":
+        dev = _to_device(packed, device)
+    else:
+        dev = torch.from_numpy(packed)
     o = 0
 
     def take(k: int) -> torch.Tensor:
