@@ -64,12 +64,15 @@ class Sampler:
                 logprobs = torch.log_softmax(scaled, dim=-1)
             sample_rows = [i for i, g in enumerate(greedy) if not g]
             greedy_rows = [i for i, g in enumerate(greedy) if g]
-            if greedy_rows:
+            if not greedy_rows:
+                # Every row samples (the common batch): no row gather/scatter over [N, vocab].
+                token_ids = self._exponential_race(_truncate(scaled, params), generators)
+            else:
                 idx = torch.tensor(greedy_rows, device=logits.device)
                 token_ids[idx] = logits[idx].argmax(dim=-1)
-            idx = torch.tensor(sample_rows, device=logits.device)
-            sub = _truncate(scaled[idx], [params[i] for i in sample_rows])
-            token_ids[idx] = self._exponential_race(sub, [generators[i] for i in sample_rows])
+                idx = torch.tensor(sample_rows, device=logits.device)
+                sub = _truncate(scaled[idx], [params[i] for i in sample_rows])
+                token_ids[idx] = self._exponential_race(sub, [generators[i] for i in sample_rows])
         ids = token_ids.tolist()
         return self._outputs(ids, params, logprobs)
 
