@@ -62,7 +62,7 @@ def test_options_override_sizes_and_check_max_model_len(tiny_models):  # noqa: F
 
 def test_greedy_matches_hf_generate_batched_and_alone(llama_runner, hf_llama):
     prompts = _prompts([3, 17, 30], seed=1)
-    new = 20
+    new = 12
     together = PagedDriver(llama_runner, seed=1).generate(prompts, GREEDY, new, chunk=8)
     for p, s in zip(prompts, together):
         ref = hf_llama.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None,
