@@ -145,11 +145,3 @@ def test_streaming_loop_with_line_iterator(seed, capsys) -> None:
     # The loop skips "\n\n" tokens; the last line's generated_text carries the whole answer.
     assert data["generated_text"].replace("\n", "") == printed.replace("\n", "")
 
-
-def test_greedy_stream_equals_predict(seed) -> None:
-    from sdk.client import StreamingClient
-
-    client = StreamingClient.from_endpoint(seed["endpoint_name"], client=seed["smr_client"])
-    whole = client.generate("Paris is", max_new_tokens=8)
-    stream = client.stream("Paris is", max_new_tokens=8)
-    assert [t.text for t in stream] and stream.result.generated_text == whole.generated_text
