@@ -24,6 +24,18 @@ MAX_NEW = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():  # noqa: ANN202
+    """Run this module's fp32 models on one thread: on a 2-core box shared with other work,
+    torch's 2 spinning threads were measured 10x+ slower (oversubscription), 1 thread is steady."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def smol_dir() -> str:
     from serving.default_model import default_model_path

@@ -27,6 +27,18 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():  # noqa: ANN202
+    """Run this module's fp32 models on one thread: on a 2-core box shared with other work,
+    torch's 2 spinning threads were measured 10x+ slower (oversubscription), 1 thread is steady."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _assert_all_free(llm: LLM) -> None:
     bm = llm.llm_engine.block_manager
     assert not llm.llm_engine.has_unfinished_requests()
