@@ -162,15 +162,19 @@ class BlockManager:
         for _ in range(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
+    def cache_computed_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Register the full blocks of `seq` whose K/V are now computed in the prefix cache.
 
-        Called after a step advanced `seq.num_computed_tokens`, so a cached block always holds
-        real K/V. A block whose content is already cached elsewhere stays private.
+        Called when a step's results are back, with `num_computed` = the tokens that step
+        has written (default `seq.num_computed_tokens`, which may already count steps still
+        in flight), so a cached block always holds real K/V and real token ids. A block whose
+        content is already cached elsewhere stays private.
         """
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_computed is None:
+            num_computed = seq.num_computed_tokens
+        num_full = min(num_computed // self.block_size, len(seq.block_table))
         start = self._num_registered.get(seq.seq_id, 0)
         if num_full <= start:
             return

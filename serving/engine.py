@@ -4,6 +4,12 @@ Wires the ModelRunner (weights, KV cache, forward, sampling), the Scheduler (wha
 one IncrementalDetokenizer per sample (text, stop strings). In: `add_request` (prompt text or
 ids + SamplingParams), `abort_request`. Out: `step() -> list[StreamDelta]`, one delta per
 sample that got a token or finished, in LMI's finish-reason vocabulary.
+
+With async scheduling (default on CUDA) a step launches step N on the device and only then
+reads step N-1's tokens, detokenizes them and applies stops, so that host work overlaps the
+GPU; a sample that stops at step N-1 has computed one extra token, which is dropped. A step
+whose samples read their own history (repetition/frequency/presence penalties) first waits
+for the previous one.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from serving.engine_config import EngineConfig
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
-from serving.scheduler_output import SampledToken
+from serving.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from serving.sequence import FinishReason, Sequence
 from serving.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 
@@ -101,6 +107,15 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self._requests: dict[str, _Request] = {}
+        # The launched step whose tokens are not read yet (async scheduling), and whether
+        # the next step must wait for them (its samples need their own history).
+        self._inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self._inflight_blocks_next = False
+        device = getattr(runner, "device", None)
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None
+            else getattr(device, "type", "cpu") == "cuda"
+        )
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
@@ -187,22 +202,48 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[StreamDelta]:
-        """Schedule, run the model once, sample, detokenize; deltas for samples that moved."""
+        """Schedule and launch one step; deltas for samples whose tokens came back."""
+        deltas: list[StreamDelta] = []
+        had_inflight = self._inflight is not None
+        if had_inflight and self._inflight_blocks_next:
+            deltas = self._process(*self._take_inflight())
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            if self.scheduler.has_unfinished():
+            if self._inflight is not None:
+                return deltas + self._process(*self._take_inflight())
+            if not had_inflight and self.scheduler.has_unfinished():
                 # Admission guarantees a lone sequence fits, so this is a bug: fail loudly
                 # (the loop marks the engine dead) rather than spin forever.
                 raise RuntimeError(
                     f"scheduler made no progress: {len(self.scheduler.waiting)} waiting, "
                     f"{len(self.scheduler.running)} running, {self.block_manager.num_free_blocks} free blocks"
                 )
-            return []
-        runner_out = self.runner.execute(sched_out)
+            return deltas
+        prev = self._inflight[1] if self._inflight is not None else None
+        runner_out = self.runner.execute(sched_out, prev)
         self.num_steps += 1
         self.num_prompt_tokens_computed += sum(
-            s.num_tokens for s in sched_out.scheduled if s.seq.num_computed_tokens < s.seq.num_prompt_tokens
+            s.num_tokens for s in sched_out.scheduled if s.start < s.seq.num_prompt_tokens
         )
+        if not self.async_scheduling:
+            return deltas + self._process(sched_out, runner_out)
+        self.scheduler.add_placeholders(sched_out)
+        last = self._take_inflight() if self._inflight is not None else None
+        self._inflight = (sched_out, runner_out)
+        self._inflight_blocks_next = any(
+            item.sample and item.seq.params.needs_token_history for item in sched_out.scheduled
+        )
+        if last is not None:
+            deltas += self._process(*last)
+        return deltas
+
+    def _take_inflight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        assert self._inflight is not None
+        last, self._inflight = self._inflight, None
+        return last
+
+    def _process(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[StreamDelta]:
+        """Read one step's tokens (waits for the device), detokenize, apply stops; its deltas."""
         results = self.scheduler.update(sched_out, runner_out)
         deltas: list[StreamDelta] = []
         done: list[str] = []
@@ -263,7 +304,7 @@ class LLMEngine:
             token_texts=token_texts,
             finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=seq.num_resolved_output_tokens,
             prompt_token_ids=tuple(req.prompt_token_ids) if first else None,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,

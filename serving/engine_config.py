@@ -55,6 +55,9 @@ class EngineConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     trust_remote_code: bool = False
     max_logprobs: int = 20
+    # Plan step N+1 while step N runs on the device (None: on for CUDA, off on CPU, where
+    # nothing runs concurrently and results would only arrive a step later).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))

@@ -23,7 +23,7 @@ from serving.engine_config import CacheConfig, EngineConfig
 from serving.model_files import resolve_model_dir
 from serving.models import build_model, check_supported
 from serving.models.model_args import ModelArgs
-from serving.sampler import Sampler, generator_seed
+from serving.sampler import Sampler, generator_seed, to_device
 from serving.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from serving.step_inputs import StepInputs, prepare_inputs
 from serving.weights import init_dummy_weights, load_weights
@@ -180,26 +180,34 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: prepare inputs, forward, logits for sampled rows, sample."""
+    def execute(self, sched_out: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+        """Launch one step: inputs, forward, logits of sampled rows, sampling; never waits for the GPU.
+
+        `prev` is the previous step's output when this step's decode rows hold placeholders for
+        its tokens. The returned output resolves to host tokens on first access of `.sampled`
+        (prompt logprobs, when asked for, are the one synchronous exception).
+        """
         if sched_out.is_empty:
             return ModelRunnerOutput([])
-        inputs = prepare_inputs(sched_out, self.block_size, self.device)
+        inputs = prepare_inputs(sched_out, self.block_size, self.device, prev)
         hidden = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprob_chunks:
             self._collect_prompt_logprobs(sched_out, inputs, hidden)
-        entries = [item for item in sched_out.scheduled if item.sample]
-        if not entries:
+        seqs = [item.seq for item in sched_out.scheduled if item.sample]
+        if not seqs:
             return ModelRunnerOutput([])
-        rows = torch.tensor(inputs.sample_rows, device=hidden.device)
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
-        seqs = [item.seq for item in entries]
-        sampled = self.sampler(logits, seqs, [self._generator(s) for s in seqs])
-        for seq, out in zip(seqs, sampled):
-            buf = self._prompt_logprobs.pop(seq.seq_id, None)
-            if buf is not None:
-                out.prompt_logprobs = buf
-        return ModelRunnerOutput(sampled)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sampled, vocab] float32
+        samples = self.sampler.sample(logits, seqs, [self._generator(s) for s in seqs])
+        prompt_logprobs = {s.seq_id: self._prompt_logprobs.pop(s.seq_id) for s in seqs if s.seq_id in self._prompt_logprobs}
+
+        def resolve() -> list[SampledToken]:
+            out = samples.tokens()
+            for i, seq in enumerate(seqs) if prompt_logprobs else ():
+                out[i].prompt_logprobs = prompt_logprobs.get(seq.seq_id)
+            return out
+
+        row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        return ModelRunnerOutput(resolve=resolve, token_ids=samples.token_ids, row_of=row_of)
 
     def _generator(self, seq) -> torch.Generator | None:
         if seq.params.seed is None:
@@ -224,7 +232,7 @@ class ModelRunner:
             for c0 in range(0, max(count, 0), _LOGITS_CHUNK):
                 c1 = min(count, c0 + _LOGITS_CHUNK)
                 lp = torch.log_softmax(self.model.compute_logits(hidden[row0 + c0 : row0 + c1]), dim=-1)
-                targets = torch.tensor(seq.token_ids[start + c0 + 1 : start + c1 + 1], device=lp.device)
+                targets = to_device(seq.token_ids[start + c0 + 1 : start + c1 + 1], torch.long, lp.device)
                 values = lp.gather(1, targets[:, None])[:, 0].tolist()
                 buf[start + c0 + 1 : start + c1 + 1] = values
 

@@ -9,11 +9,15 @@ Seeded rows draw q from their own `torch.Generator` (one per sequence, advanced 
 token), so a seeded request samples the same tokens alone or in any batch. Returned
 logprobs are `log_softmax` of the logits after penalties and temperature (temperature 1 for
 greedy rows) but before top-k/top-p/min_p truncation, so the top-k alternatives stay finite.
+
+`sample()` never waits for the device: per-row parameters go up through pinned memory, and
+the result (`DeviceSamples`) starts its device->host copy at once; `tokens()` waits for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +30,61 @@ _NEG_INF = float("-inf")
 def generator_seed(seed: int, index: int) -> int:
     """Seed of sample `index` of a request with `seed` (index 0 uses the seed itself)."""
     return (seed + index * 1_000_003) % (2**63)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without blocking the host (pinned, non-blocking copy)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass
+class DeviceSamples:
+    """One step's sampled ids (and logprobs) on the device, on their way to the host.
+
+    It exists so the engine can launch the next step before these ids reach the host: the
+    next step reads `token_ids` on the device; `tokens()` waits for the copy and builds the
+    host-side `SampledToken`s.
+    """
+
+    token_ids: torch.Tensor  # [N] int64, on the device
+    logprob_rows: list[int]  # rows that asked for logprobs ...
+    logprob_ks: list[int]  # ... and how many top alternatives each wants
+    chosen: torch.Tensor | None = None  # [R] logprob of each such row's sampled token
+    top_vals: torch.Tensor | None = None  # [R, k_max]
+    top_ids: torch.Tensor | None = None  # [R, k_max]
+    _host: tuple | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> DeviceSamples:
+        """Queue the device->host copies (pinned, non-blocking) behind the sampling kernels."""
+        parts = (self.token_ids, self.chosen, self.top_vals, self.top_ids)
+        if self.token_ids.device.type == "cpu":
+            self._host = parts
+            return self
+        self._host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in parts)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+        return self
+
+    def tokens(self) -> list[SampledToken]:
+        """Wait for the copy; one SampledToken per row (the host's only sync for this step)."""
+        if self._host is None:
+            self.start_copy()
+        if self._ready is not None:
+            self._ready.synchronize()
+        ids_t, chosen_t, vals_t, top_t = self._host  # type: ignore[misc]
+        out = [SampledToken(token_id=t) for t in ids_t.tolist()]
+        if not self.logprob_rows:
+            return out
+        chosen = chosen_t.tolist()
+        vals = vals_t.tolist() if vals_t is not None else None
+        top = top_t.tolist() if top_t is not None else None
+        for j, (i, k) in enumerate(zip(self.logprob_rows, self.logprob_ks)):
+            out[i].logprob = chosen[j]
+            out[i].top_logprobs = {} if k == 0 else dict(zip(top[j][:k], vals[j][:k]))  # type: ignore[index]
+        return out
 
 
 class Sampler:
@@ -43,11 +102,21 @@ class Sampler:
         seqs: list[Sequence],
         generators: list[torch.Generator | None],
     ) -> list[SampledToken]:
-        """Sample one token per row; `generators[i]` is row i's own generator when seeded."""
-        n = logits.shape[0]
-        assert n == len(seqs) == len(generators)
-        if n == 0:
+        """Sample one token per row and wait for the result (see `sample` for the async form)."""
+        if logits.shape[0] == 0:
+            assert not seqs
             return []
+        return self.sample(logits, seqs, generators).tokens()
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        seqs: list[Sequence],
+        generators: list[torch.Generator | None],
+    ) -> DeviceSamples:
+        """Sample one token per row on the device; `generators[i]` is row i's own generator when seeded."""
+        n = logits.shape[0]
+        assert n == len(seqs) == len(generators) and n > 0
         params = [s.params for s in seqs]
         logits = self._apply_penalties(logits, seqs)
         greedy = [p.greedy for p in params]
@@ -57,8 +126,8 @@ class Sampler:
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
         else:
-            temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                 dtype=torch.float32, device=logits.device)
+            temps = to_device([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                              torch.float32, logits.device)
             scaled = logits / temps[:, None]
             if any(want_logprobs):
                 logprobs = torch.log_softmax(scaled, dim=-1)
@@ -68,13 +137,12 @@ class Sampler:
                 # Every row samples (the common batch): no row gather/scatter over [N, vocab].
                 token_ids = self._exponential_race(_truncate(scaled, params), generators)
             else:
-                idx = torch.tensor(greedy_rows, device=logits.device)
+                idx = to_device(greedy_rows, torch.long, logits.device)
                 token_ids[idx] = logits[idx].argmax(dim=-1)
-                idx = torch.tensor(sample_rows, device=logits.device)
+                idx = to_device(sample_rows, torch.long, logits.device)
                 sub = _truncate(scaled[idx], [params[i] for i in sample_rows])
                 token_ids[idx] = self._exponential_race(sub, [generators[i] for i in sample_rows])
-        ids = token_ids.tolist()
-        return self._outputs(ids, params, logprobs)
+        return self._outputs(token_ids, params, logprobs).start_copy()
 
     # --- steps -------------------------------------------------------------------------
 
@@ -91,19 +159,19 @@ class Sampler:
             p = params[i]
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
             if banned:
-                logits[i, torch.tensor(banned, device=dev)] = _NEG_INF
+                logits[i, to_device(banned, torch.long, dev)] = _NEG_INF
         if rep_rows:
-            rows = torch.tensor(rep_rows, device=dev)
+            rows = to_device(rep_rows, torch.long, dev)
             seen = _token_mask([seqs[i].token_ids for i in rep_rows], logits.shape[1], dev)  # [R, V]
-            pen = torch.tensor([params[i].repetition_penalty for i in rep_rows], dtype=logits.dtype, device=dev)
+            pen = to_device([params[i].repetition_penalty for i in rep_rows], logits.dtype, dev)
             sub = logits[rows]
             penalized = torch.where(sub > 0, sub / pen[:, None], sub * pen[:, None])
             logits[rows] = torch.where(seen, penalized, sub)
         if freq_rows:
-            rows = torch.tensor(freq_rows, device=dev)
+            rows = to_device(freq_rows, torch.long, dev)
             counts = _token_counts([seqs[i].output_token_ids for i in freq_rows], logits.shape[1], dev)  # [R, V]
-            freq = torch.tensor([params[i].frequency_penalty for i in freq_rows], dtype=logits.dtype, device=dev)
-            pres = torch.tensor([params[i].presence_penalty for i in freq_rows], dtype=logits.dtype, device=dev)
+            freq = to_device([params[i].frequency_penalty for i in freq_rows], logits.dtype, dev)
+            pres = to_device([params[i].presence_penalty for i in freq_rows], logits.dtype, dev)
             logits[rows] = logits[rows] - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
         return logits
 
@@ -119,29 +187,24 @@ class Sampler:
                 if g is not None:
                     q[i].exponential_(generator=g)
             if shared:
-                rows = torch.tensor(shared, device=q.device)
+                rows = to_device(shared, torch.long, q.device)
                 q[rows] = torch.empty(len(shared), q.shape[1], device=q.device).exponential_(generator=self.generator)
         # exponential_ can return exactly 0 (u == 0 happens ~2^-24 per draw): 0/0 would be NaN
         # and win the argmax, so floor q at the smallest normal float.
         q.clamp_min_(torch.finfo(q.dtype).tiny)
         return (probs / q).argmax(dim=-1)
 
-    def _outputs(self, ids: list[int], params: list, logprobs: torch.Tensor | None) -> list[SampledToken]:
-        out = [SampledToken(token_id=t) for t in ids]
+    def _outputs(self, token_ids: torch.Tensor, params: list, logprobs: torch.Tensor | None) -> DeviceSamples:
         if logprobs is None:
-            return out
+            return DeviceSamples(token_ids, [], [])
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        idx = torch.tensor(rows, device=logprobs.device)
-        chosen = logprobs[idx, torch.tensor([ids[i] for i in rows], device=logprobs.device)].tolist()
-        k_max = max(params[i].logprobs for i in rows)
-        top_vals, top_ids = (logprobs[idx].topk(k_max, dim=-1) if k_max > 0 else (None, None))
-        top_vals = top_vals.tolist() if top_vals is not None else None
-        top_ids = top_ids.tolist() if top_ids is not None else None
-        for j, i in enumerate(rows):
-            out[i].logprob = chosen[j]
-            k = params[i].logprobs
-            out[i].top_logprobs = {} if k == 0 else dict(zip(top_ids[j][:k], top_vals[j][:k]))
-        return out
+        ks = [params[i].logprobs for i in rows]
+        idx = to_device(rows, torch.long, logprobs.device)
+        sub = logprobs[idx]
+        chosen = sub.gather(1, token_ids[idx][:, None])[:, 0]
+        k_max = max(ks)
+        top_vals, top_ids = sub.topk(k_max, dim=-1) if k_max > 0 else (None, None)
+        return DeviceSamples(token_ids, rows, ks, chosen, top_vals, top_ids)
 
 
 def _truncate(logits: torch.Tensor, params: list) -> torch.Tensor:
@@ -154,22 +217,22 @@ def _truncate(logits: torch.Tensor, params: list) -> torch.Tensor:
     if any(p < 1.0 for p in top_p):
         # vLLM's sort-based top-k + top-p: ascending sort, mask the low tail, scatter back.
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
-        k = torch.tensor(top_k, device=dev)
+        k = to_device(top_k, torch.long, dev)
         thresh = sorted_logits.gather(1, (vocab - k)[:, None])
         sorted_logits = sorted_logits.masked_fill(sorted_logits < thresh, _NEG_INF)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1.0 - torch.tensor(top_p, device=dev)[:, None]
+        drop = cum <= 1.0 - to_device(top_p, torch.float32, dev)[:, None]
         drop[:, -1] = False  # always keep the most likely token
         sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
         logits = torch.empty_like(sorted_logits).scatter_(1, sorted_idx, sorted_logits)
     elif any(k < vocab for k in top_k):
         k_max = max(top_k)
         top_vals = logits.topk(k_max, dim=-1).values  # [R, k_max] descending
-        thresh = top_vals.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
+        thresh = top_vals.gather(1, to_device(top_k, torch.long, dev)[:, None] - 1)
         logits = logits.masked_fill(logits < thresh, _NEG_INF)
     if any(m > 0.0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=dev)[:, None]
+        floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, torch.float32, dev)[:, None]
         logits = logits.masked_fill(probs < floor, _NEG_INF)
     return logits
 
@@ -182,7 +245,9 @@ def _padded(lists: list[list[int]], dev: torch.device) -> tuple[torch.Tensor, to
         if x:
             ids[r, : len(x)] = torch.tensor(x, dtype=torch.long)
             valid[r, : len(x)] = True
-    return ids.to(dev), valid.to(dev)
+    if dev.type == "cpu":
+        return ids, valid
+    return ids.pin_memory().to(dev, non_blocking=True), valid.pin_memory().to(dev, non_blocking=True)
 
 
 def _token_mask(lists: list[list[int]], vocab: int, dev: torch.device) -> torch.Tensor:

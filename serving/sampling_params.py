@@ -113,6 +113,11 @@ class SamplingParams:
                     raise ValueError(f"{name} must be <= 20, got {getattr(self, name)}")
 
     @property
+    def needs_token_history(self) -> bool:
+        """True when sampling reads the ids generated so far (repetition/frequency/presence penalties)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature ~ 0)."""
         return self.temperature < _GREEDY_EPS

@@ -5,6 +5,11 @@ more tokens computed; a prefill is just a large number (chunked by the token bud
 is one. In: sequences (`add_sequences`), runner results (`update`). Out: a `SchedulerOutput`
 per step, and the sequences that got new tokens / finished. Blocks come from `BlockManager`;
 when they run out the latest-arrived running sequence is preempted by recompute.
+
+`schedule()` advances `num_computed_tokens` at once, and `add_placeholders()` stands a
+`PLACEHOLDER` in for each token being sampled, so step N+1 can be planned while step N still
+runs on the device (async scheduling); `update()` later writes the real ids and applies stops.
+Called in order schedule -> update (no placeholders) it is the plain synchronous loop.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Iterable
 
 from serving.block_manager import BlockManager
 from serving.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
-from serving.sequence import FinishReason, Sequence, SequenceStatus
+from serving.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -62,6 +67,11 @@ class Scheduler:
         if seq.params.max_tokens is None:
             return self.max_model_len - seq.num_prompt_tokens
         return seq.params.max_tokens
+
+    def at_limit(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Whether `seq` with `num_tokens` tokens (default: all, placeholders included) is done by length."""
+        n = seq.num_tokens if num_tokens is None else num_tokens
+        return n - seq.num_prompt_tokens >= self.max_tokens(seq) or n >= self.max_model_len
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise ValueError when a request could never be scheduled."""
@@ -126,7 +136,9 @@ class Scheduler:
             return False
         if (seq.num_prompt_tokens - 1) // self.block_manager.block_size == 0:
             return False  # no full prompt block to share
-        return leader.num_computed_tokens < leader.num_prompt_tokens
+        # Its first token back means the step that wrote the prompt's K/V was processed (so the
+        # blocks are also registered in the prefix cache), even with async scheduling.
+        return leader.num_resolved_output_tokens == 0
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work: running sequences first (preempting if needed), then FCFS admissions."""
@@ -140,6 +152,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.token_ids[-1] == PLACEHOLDER and self.at_limit(seq):
+                i += 1  # its token in flight is its last: nothing more to compute
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
             while not bm.can_append(seq, num_new):
@@ -151,7 +166,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: it was the last running sequence
             bm.append_slots(seq, num_new)
-            scheduled.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens))
+            scheduled.append(self._advance(seq, num_new))
             budget -= num_new
             i += 1
 
@@ -159,6 +174,7 @@ class Scheduler:
         j = 0
         while not preempted and j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[j]
+            assert seq.token_ids[-1] != PLACEHOLDER, f"seq {seq.seq_id} waits with a token in flight"
             leader = self._leader(seq)
             if self._waits_for_leader(seq, leader):
                 j += 1
@@ -176,7 +192,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             del self.waiting[j]
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
-            scheduled.append(ScheduledSequence(seq, num_new, num_cached + num_new == seq.num_tokens))
+            scheduled.append(self._advance(seq, num_new))
             budget -= num_new
 
         # Decodes (one query token) first, as AttentionMetadata expects; stable otherwise.
@@ -184,8 +200,22 @@ class Scheduler:
         others = [s for s in scheduled if s.num_tokens != 1]
         return SchedulerOutput(scheduled=decodes + others, num_decodes=len(decodes), preempted=preempted)
 
+    @staticmethod
+    def _advance(seq: Sequence, num_new: int) -> ScheduledSequence:
+        """Record `num_new` tokens of `seq` as scheduled and count them computed from now on."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = start + num_new
+        return ScheduledSequence(seq, num_new, start + num_new == seq.num_tokens, start)
+
+    def add_placeholders(self, sched_out: SchedulerOutput) -> None:
+        """After launching a step: one PLACEHOLDER per sampled entry, so the next step can run it."""
+        for item in sched_out.scheduled:
+            if item.sample and not item.seq.is_finished:  # (aborted since: nothing will be stored)
+                assert item.seq.num_tokens == item.end, f"seq {item.seq.seq_id}: sampled token out of order"
+                item.seq.token_ids.append(PLACEHOLDER)
+
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[tuple[Sequence, SampledToken]]:
-        """Advance counters, append sampled tokens, finish sequences that hit EOS / length.
+        """Store sampled tokens, register computed blocks, finish sequences that hit EOS / length.
 
         Returns:
             (sequence, sampled token) for every sequence that got a token this step, in
@@ -196,28 +226,35 @@ class Scheduler:
         for item in sched_out.scheduled:
             seq = item.seq
             sampled = next(samples) if item.sample else None
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens += item.num_tokens
-            self.block_manager.cache_computed_blocks(seq)
+            if seq.is_finished:
+                continue  # aborted (or ended by an earlier token) while the step ran
+            if seq.status is SequenceStatus.RUNNING:  # not preempted since: its blocks hold this step's K/V
+                self.block_manager.cache_computed_blocks(seq, item.end)
             if sampled is None:
                 continue
-            seq.append_token(sampled.token_id)
+            token_id = sampled.token_id
+            ids = seq.token_ids
+            if len(ids) == item.end:
+                ids.append(token_id)
+            else:
+                assert ids[item.end] == PLACEHOLDER, f"seq {seq.seq_id}: position {item.end} already resolved"
+                ids[item.end] = token_id
             results.append((seq, sampled))
-            reason, stop = self._check_stop(seq, sampled.token_id)
+            reason, stop = self._check_stop(seq, item.end + 1, token_id)
             if reason is not None:
                 self.finish(seq, reason, stop)
         assert next(samples, None) is None, "runner returned more samples than scheduled"
         return results
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+    def _check_stop(self, seq: Sequence, num_tokens: int, token_id: int) -> tuple[FinishReason | None, int | None]:
+        """Why `seq` ends with `token_id` as its token number `num_tokens`, if it does."""
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
+        if num_tokens - seq.num_prompt_tokens >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 return FinishReason.EOS, token_id
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.EOS, None
-        if seq.num_output_tokens >= self.max_tokens(seq) or seq.num_tokens >= self.max_model_len:
+        if self.at_limit(seq, num_tokens):
             return FinishReason.LENGTH, None
         return None, None
 
@@ -227,6 +264,7 @@ class Scheduler:
         """End one sample now (EOS, length, stop string, abort): frees its blocks at once."""
         if seq.is_finished:
             return
+        seq.drop_placeholders()
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)

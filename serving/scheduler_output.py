@@ -6,22 +6,32 @@ sequences to compute, and returns sampled tokens only for sequences that reached
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from serving.sequence import Sequence
 
 
 @dataclass(slots=True)
 class ScheduledSequence:
-    """Compute `seq.token_ids[start : start + num_tokens]`, start = seq.num_computed_tokens.
+    """Compute `seq.token_ids[start : start + num_tokens]`.
 
-    `sample` is True when this chunk reaches the last known token, so a next token is drawn
-    (False for a non-final chunk of a chunked prefill).
+    `start` is `seq.num_computed_tokens` when scheduled (the scheduler advances the counter at
+    once, so the next step can be planned before this one's results are back). `sample` is True
+    when this chunk reaches the last known token, so a next token is drawn into position
+    `start + num_tokens` (False for a non-final chunk of a chunked prefill).
     """
 
     seq: Sequence
     num_tokens: int
     sample: bool
+    start: int
+
+    @property
+    def end(self) -> int:
+        """One past the last computed position; also where a sampled token goes."""
+        return self.start + self.num_tokens
 
 
 @dataclass(slots=True)
@@ -51,8 +61,34 @@ class SampledToken:
     prompt_logprobs: list[float | None] | None = None  # first step only, with prompt_logprobs
 
 
-@dataclass(slots=True)
 class ModelRunnerOutput:
-    """Sampled tokens, aligned with the `sample=True` entries of the SchedulerOutput, in order."""
+    """Sampled tokens, aligned with the `sample=True` entries of the SchedulerOutput, in order.
 
-    sampled: list[SampledToken]
+    It exists so the engine can launch step N+1 before step N's tokens reach the host: a runner
+    on a GPU returns it with `resolve` (waits for the device->host copy, builds the tokens on
+    first access of `sampled`) and `token_ids` (the sampled ids, still on the device, row i for
+    `row_of[seq_id] == i`), which the next step's inputs read in place of placeholders.
+    """
+
+    __slots__ = ("_sampled", "_resolve", "token_ids", "row_of")
+
+    def __init__(
+        self,
+        sampled: list[SampledToken] | None = None,
+        *,
+        resolve: Callable[[], list[SampledToken]] | None = None,
+        token_ids: Any = None,
+        row_of: dict[int, int] | None = None,
+    ) -> None:
+        assert (sampled is None) != (resolve is None), "give the tokens, or a way to resolve them"
+        self._sampled = sampled
+        self._resolve = resolve
+        self.token_ids = token_ids
+        self.row_of = row_of or {}
+
+    @property
+    def sampled(self) -> list[SampledToken]:
+        if self._sampled is None:
+            self._sampled = self._resolve()  # type: ignore[misc]
+            self._resolve = None
+        return self._sampled

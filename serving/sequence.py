@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from serving.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1
+"""Stands in `token_ids` for a token still being sampled on the device (async scheduling).
+
+The scheduler counts it like any token (the next step computes it), the model runner takes
+its id from the previous step's device tensor, and `Scheduler.update` writes the real id."""
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -66,6 +73,14 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def num_resolved_output_tokens(self) -> int:
+        """Output tokens whose ids are known (placeholders of steps in flight not counted)."""
+        n = len(self.token_ids)
+        while n > len(self.prompt_token_ids) and self.token_ids[n - 1] == PLACEHOLDER:
+            n -= 1
+        return n - len(self.prompt_token_ids)
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 
@@ -79,3 +94,9 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def drop_placeholders(self) -> None:
+        """Remove trailing tokens that were never resolved (the sample ended before them)."""
+        ids = self.token_ids
+        while len(ids) > len(self.prompt_token_ids) and ids[-1] == PLACEHOLDER:
+            ids.pop()

@@ -1,21 +1,24 @@
 """Flatten one `SchedulerOutput` into the model's inputs: `StepInputs`.
 
 Token rows are laid out sequence after sequence (decodes first, as scheduled). All integer
-inputs are packed into one int64 host tensor and moved with a single host->device copy, then
+inputs are packed into one int64 host array and moved with a single host->device copy, then
 sliced into views (`input_ids`, `positions`, `slot_mapping`, `query_start_loc`, `seq_lens`,
-`block_tables`). `logits_indices` are the rows whose logits are needed: the last row of each
-sampled entry, plus every row of chunks that want prompt logprobs.
+`block_tables`, `sample_rows`). A decode row whose token is still a `PLACEHOLDER` (sampled by
+the previous step, not yet on the host) takes its id from that step's device tensor, on the
+device. `sample_rows` are the rows whose logits are sampled: the last row of each sampled entry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
 
 from serving.attention_metadata import AttentionMetadata
-from serving.scheduler_output import SchedulerOutput
+from serving.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from serving.sequence import PLACEHOLDER
 
 
 @dataclass
@@ -25,7 +28,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_rows: list[int]  # row of each sampled entry, in schedule order
+    sample_rows: torch.Tensor  # [num_sampled] int64: row of each sampled entry, in schedule order
     # (entry index, first row, number of rows, first position) of chunks needing prompt logprobs
     prompt_logprob_chunks: list[tuple[int, int, int, int]]
 
@@ -53,8 +56,14 @@ def _to_device(packed: np.ndarray, device: torch.device) -> torch.Tensor:
     return dev
 
 
-def prepare_inputs(sched_out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
-    """Build `StepInputs` for `sched_out` (host work in Python lists, one H2D copy)."""
+def prepare_inputs(
+    sched_out: SchedulerOutput, block_size: int, device: torch.device, prev: ModelRunnerOutput | None = None
+) -> StepInputs:
+    """Build `StepInputs` for `sched_out` (host work in Python lists, one H2D copy).
+
+    `prev` is the previous step's output, needed when this step's decode rows carry
+    placeholders for the tokens that step sampled.
+    """
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -62,23 +71,42 @@ def prepare_inputs(sched_out: SchedulerOutput, block_size: int, device: torch.de
     seq_lens: list[int] = []
     tables: list[list[int]] = []
     sample_rows: list[int] = []
+    fix_rows: list[int] = []  # rows whose id is a placeholder ...
+    fix_src: list[int] = []  # ... and the row of `prev.token_ids` holding it
     plp: list[tuple[int, int, int, int]] = []
-    for e, item in enumerate(sched_out.scheduled):
-        seq, n = item.seq, item.num_tokens
-        start = seq.num_computed_tokens
-        end = start + n
-        num_blocks = (end + block_size - 1) // block_size
-        table = seq.block_table[:num_blocks]
-        assert len(table) == num_blocks, f"seq {seq.seq_id}: {len(seq.block_table)} blocks for {end} tokens"
+    scheduled = sched_out.scheduled
+    num_decodes = sched_out.num_decodes
+    # Decodes: one token each; the hot path of every step.
+    for row, item in enumerate(scheduled[:num_decodes]):
+        seq, pos = item.seq, item.start
+        table = seq.block_table
+        token = seq.token_ids[pos]
+        if token == PLACEHOLDER:
+            assert prev is not None and seq.seq_id in prev.row_of, f"seq {seq.seq_id}: placeholder without its step"
+            fix_rows.append(row)
+            fix_src.append(prev.row_of[seq.seq_id])
+        input_ids.append(token)
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        seq_lens.append(pos + 1)
+        tables.append(table)
+        if item.sample:  # (a 1-token chunk in the middle of a prompt is not)
+            sample_rows.append(row)
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            plp.append((row, row, 1, pos))
+    qsl.extend(range(1, num_decodes + 1))
+    for e in range(num_decodes, len(scheduled)):
+        item = scheduled[e]
+        seq, n, start, end = item.seq, item.num_tokens, item.start, item.end
+        table = seq.block_table
+        assert len(table) * block_size >= end, f"seq {seq.seq_id}: {len(table)} blocks for {end} tokens"
         row0 = len(input_ids)
-        input_ids.extend(seq.token_ids[start:end])
-        if n == 1:
-            positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
-        else:
-            pos = range(start, end)
-            positions.extend(pos)
-            slots.extend([table[p // block_size] * block_size + p % block_size for p in pos])
+        chunk = seq.token_ids[start:end]
+        assert PLACEHOLDER not in chunk, f"seq {seq.seq_id}: placeholder inside a prefill chunk"
+        input_ids.extend(chunk)
+        pos = range(start, end)
+        positions.extend(pos)
+        slots.extend([table[p // block_size] * block_size + p % block_size for p in pos])
         qsl.append(row0 + n)
         seq_lens.append(end)
         tables.append(table)
@@ -88,19 +116,20 @@ def prepare_inputs(sched_out: SchedulerOutput, block_size: int, device: torch.de
             plp.append((e, row0, n, start))
     num_tokens = len(input_ids)
     num_seqs = len(seq_lens)
-    width = max((len(t) for t in tables), default=0) or 1
-    head = input_ids + positions + slots + qsl + seq_lens
-    # Block tables are the bulk (num_seqs x width ids): fill them row by row through numpy
-    # rather than flattening a padded Python list each step.
+    # Each row of the block table only needs the blocks its positions touch.
+    lens = np.fromiter(((s + block_size - 1) // block_size for s in seq_lens), dtype=np.int64, count=num_seqs)
+    width = int(lens.max()) if num_seqs else 1
+    head = input_ids + positions + slots + qsl + seq_lens + sample_rows + fix_rows + fix_src
     packed = np.zeros(len(head) + num_seqs * width, dtype=np.int64)
     packed[: len(head)] = head
-    grid = packed[len(head) :].reshape(num_seqs, width)
-    for i, t in enumerate(tables):
-        grid[i, : len(t)] = t
-    if device.type != "cpu":
-        dev = _to_device(packed, device)
-    else:
-        dev = torch.from_numpy(packed)
+    if num_seqs:
+        # Block tables are the bulk (num_seqs x width ids): one flat fill, no per-row Python.
+        flat = np.fromiter(chain.from_iterable(t[:k] for t, k in zip(tables, lens.tolist())),
+                           dtype=np.int64, count=int(lens.sum()))
+        row_starts = np.cumsum(lens) - lens
+        cols = np.arange(flat.shape[0]) - np.repeat(row_starts, lens)
+        packed[len(head) + np.repeat(np.arange(num_seqs) * width, lens) + cols] = flat
+    dev = _to_device(packed, device) if device.type != "cpu" else torch.from_numpy(packed)
     o = 0
 
     def take(k: int) -> torch.Tensor:
@@ -112,8 +141,12 @@ def prepare_inputs(sched_out: SchedulerOutput, block_size: int, device: torch.de
     ids_t, pos_t, slot_t = take(num_tokens), take(num_tokens), take(num_tokens)
     qsl_t = take(num_seqs + 1).to(torch.int32)
     lens_t = take(num_seqs).to(torch.int32)
+    rows_t = take(len(sample_rows))
+    if fix_rows:
+        fix_rows_t, fix_src_t = take(len(fix_rows)), take(len(fix_src))
+        ids_t.index_copy_(0, fix_rows_t, prev.token_ids.index_select(0, fix_src_t))  # type: ignore[union-attr]
+    o = len(head)
     tables_t = take(num_seqs * width).to(torch.int32).view(num_seqs, width)
-    num_decodes = sched_out.num_decodes
     meta = AttentionMetadata(
         slot_mapping=slot_t,
         query_start_loc=qsl_t,
@@ -124,4 +157,4 @@ def prepare_inputs(sched_out: SchedulerOutput, block_size: int, device: torch.de
         max_query_len=max((qsl[i + 1] - qsl[i] for i in range(num_seqs)), default=0),
         max_seq_len=max(seq_lens, default=0),
     )
-    return StepInputs(ids_t, pos_t, meta, sample_rows, plp)
+    return StepInputs(ids_t, pos_t, meta, rows_t, plp)

@@ -26,6 +26,6 @@ class FakeRunner:
         self.next_token = next_token or (lambda seq: 1000 + seq.seq_id)
         self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (seq_id, num_tokens, sample)
 
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched_out: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
         self.steps.append([(s.seq.seq_id, s.num_tokens, s.sample) for s in sched_out.scheduled])
         return ModelRunnerOutput([SampledToken(self.next_token(s.seq)) for s in sched_out.scheduled if s.sample])

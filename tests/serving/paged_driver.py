@@ -49,7 +49,7 @@ class PagedDriver:
             need = (seq.num_computed_tokens + n + self.block_size - 1) // self.block_size
             while len(seq.block_table) < need:
                 seq.block_table.append(self.free.pop())
-            items.append(ScheduledSequence(seq, n, sample=seq.num_computed_tokens + n == seq.num_tokens))
+            items.append(ScheduledSequence(seq, n, seq.num_computed_tokens + n == seq.num_tokens, seq.num_computed_tokens))
         decodes = [i for i in items if i.num_tokens == 1]
         return SchedulerOutput(decodes + [i for i in items if i.num_tokens != 1], num_decodes=len(decodes))
 

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 BLOCK_SIZE = 8
 MAX_NEW = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+# Both engine loops: synchronous, and async scheduling (step N+1 planned before step N's tokens
+# are read; placeholders in the inputs; one extra step per stop), which CUDA uses by default.
+BOTH_LOOPS = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,23 +107,27 @@ def test_one_at_a_time(make_llm, expected) -> None:  # noqa: ANN001
         _check(llm.generate([prompt], GREEDY, use_tqdm=False), [prompt], expected)
 
 
-def test_all_together(make_llm, expected) -> None:  # noqa: ANN001
-    llm = make_llm(enable_prefix_caching=False)
+@BOTH_LOOPS
+def test_all_together(make_llm, async_scheduling, expected) -> None:  # noqa: ANN001
+    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     _check(outputs, PROMPTS, expected)
     assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outputs)
 
 
-def test_chunked_prefill(make_llm, expected) -> None:  # noqa: ANN001
+@BOTH_LOOPS
+def test_chunked_prefill(make_llm, async_scheduling, expected) -> None:  # noqa: ANN001
     # 48-token budget: the long prompts are prefilled over 8 steps, mixed with decodes.
-    llm = make_llm(enable_prefix_caching=False, max_num_batched_tokens=48, max_num_seqs=8)
+    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False, max_num_batched_tokens=48,
+                   max_num_seqs=8)
     prompts = [PROMPTS[0], LONG_A, PROMPTS[2], LONG_B, PROMPTS[5]]
     _check(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, expected)
     assert llm.llm_engine.num_steps >= MAX_NEW + 373 // 48
 
 
-def test_prefix_cache_hits(make_llm, expected) -> None:  # noqa: ANN001
-    llm = make_llm(enable_prefix_caching=True)
+@BOTH_LOOPS
+def test_prefix_cache_hits(make_llm, async_scheduling, expected) -> None:  # noqa: ANN001
+    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=True)
     first = llm.generate([LONG_A], SamplingParams(max_tokens=1), use_tqdm=False)  # fills the cache
     assert first[0].num_cached_tokens == 0
     prompts = [LONG_B, PROMPTS[0], LONG_A]
@@ -131,16 +138,18 @@ def test_prefix_cache_hits(make_llm, expected) -> None:  # noqa: ANN001
     llm.llm_engine.block_manager.reset_prefix_cache()  # the runner's KV is shared with other engines
 
 
-def test_forced_preemption(make_llm, expected) -> None:  # noqa: ANN001
+@BOTH_LOOPS
+def test_forced_preemption(make_llm, async_scheduling, expected) -> None:  # noqa: ANN001
     # 60 blocks x 8 = 480 tokens: each prompt fits alone (<= 373 + 64), together they do not.
-    llm = make_llm(enable_prefix_caching=False, num_gpu_blocks_override=60)
+    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False, num_gpu_blocks_override=60)
     prompts = [PROMPTS[0], LONG_A, PROMPTS[5], LONG_B]
     _check(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, expected)
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
-def test_seeded_sampling_alone_equals_in_batch(make_llm) -> None:  # noqa: ANN001
-    llm = make_llm(enable_prefix_caching=False)
+@BOTH_LOOPS
+def test_seeded_sampling_alone_equals_in_batch(make_llm, async_scheduling) -> None:  # noqa: ANN001
+    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False)
     prompts = [f"Write a short poem about the number {i}:" for i in range(16)]
     params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=12) for i in range(16)]
     batch = llm.generate(prompts, params, use_tqdm=False)
@@ -161,8 +170,9 @@ def test_request_that_cannot_fit_is_rejected(make_llm) -> None:  # noqa: ANN001
     assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_stop_strings_text_and_logprobs(make_llm, tokenizer) -> None:  # noqa: ANN001
-    llm = make_llm(enable_prefix_caching=False)
+@BOTH_LOOPS
+def test_stop_strings_text_and_logprobs(make_llm, async_scheduling, tokenizer) -> None:  # noqa: ANN001
+    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False)
     prompt = PROMPTS[0]
     full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, logprobs=3), use_tqdm=False)[0]
     out = full.outputs[0]

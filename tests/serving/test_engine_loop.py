@@ -31,7 +31,7 @@ class FakeRunner:
         self.num_steps = 0
         self.freed: list[int] = []
 
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched_out: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
         self.num_steps += 1
         if self.gate is not None:
             self.gate.wait(10)

@@ -3,7 +3,8 @@
 Llama (llama3 rope scaling, legacy rope keys), Mistral, Qwen2 (qkv bias, tied embeddings) and
 Phi-3 (fused qkv/gate_up), each saved by transformers as >= 2 safetensors shards. All prompts
 run together with block size 4 and a 32-token budget, so prefills are chunked and mixed with
-decodes; a second run forces preemption. Every block must be free afterwards.
+decodes; a second run forces preemption, a third runs on a 2-token budget with async
+scheduling. Every block must be free afterwards.
 """
 
 from __future__ import annotations
@@ -61,3 +62,10 @@ def test_tiny_arch_greedy_identity(arch: str, tiny_models) -> None:  # noqa: ANN
     assert [tuple(o.outputs[0].token_ids) for o in outputs] == expected
     assert small.llm_engine.scheduler.num_preemptions > 0
     _assert_all_free(small)
+    # A 2-token budget with 2 sequences: while one decodes, the next prompt goes 1 token per step
+    # (rows that look like decodes but sample nothing), under async scheduling (placeholders).
+    tight = LLM(path, block_size=4, max_num_batched_tokens=2, max_num_seqs=2, num_gpu_blocks_override=256,
+                async_scheduling=True)
+    outputs = tight.generate(PROMPTS, params, use_tqdm=False)
+    assert [tuple(o.outputs[0].token_ids) for o in outputs] == expected
+    _assert_all_free(tight)

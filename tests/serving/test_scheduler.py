@@ -7,7 +7,8 @@ from core_factories import FakeRunner, make_sequence
 
 from serving.block_manager import BlockManager
 from serving.scheduler import Scheduler
-from serving.sequence import FinishReason, SequenceStatus
+from serving.scheduler_output import ModelRunnerOutput, SampledToken
+from serving.sequence import PLACEHOLDER, FinishReason, SequenceStatus
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=8, max_model_len=64, eos=(), **kw):
@@ -223,3 +224,51 @@ def test_chunked_prefill_disabled_admits_whole_prompts_only() -> None:
     assert runner.steps[-1] == [(1, 5, True)]  # b does not fit in the 3 tokens left
     step(sched, runner)
     assert runner.steps[-1] == [(1, 1, True), (2, 5, True)]
+
+
+def test_async_placeholders_length_eos_and_preemption() -> None:
+    # seq 0 ends by length (never scheduled past its last token), seq 1 by EOS (one wasted
+    # step, its placeholder dropped), seq 2 is preempted with a token in flight.
+    sched, _ = make_scheduler(num_blocks=4, block_size=4, budget=32, max_num_seqs=4, eos=(7,))
+    runner = FakeRunner(lambda seq: 7 if seq.seq_id == 1 else 50 + seq.num_output_tokens)
+    s0 = make_sequence(0, [1, 2, 3], max_tokens=3)
+    s1 = make_sequence(1, [4, 5, 6], max_tokens=8)
+    s2 = make_sequence(2, [8, 9, 10, 11, 12, 13, 14], max_tokens=6)
+    for s in (s0, s1, s2):
+        sched.add_sequences([s])
+    out = sched.schedule()
+    runner.execute(out)
+    sched.add_placeholders(out)
+    assert [(i.seq.seq_id, i.start, i.num_tokens) for i in out.scheduled] == [(0, 0, 3), (1, 0, 3), (2, 0, 7)]
+    assert s0.token_ids == [1, 2, 3, PLACEHOLDER] and s0.num_computed_tokens == 3
+    nxt = sched.schedule()  # planned before step 1's tokens are known: all three decode their placeholder
+    assert [(i.seq.seq_id, i.start, i.num_tokens) for i in nxt.scheduled] == [(0, 3, 1), (1, 3, 1), (2, 7, 1)]
+    sched.update(out, ModelRunnerOutput([SampledToken(50), SampledToken(7), SampledToken(50)]))
+    assert s1.is_finished and s1.output_token_ids == [7] and s1.finish_reason is FinishReason.EOS
+    assert s0.token_ids == [1, 2, 3, 50] and s2.num_resolved_output_tokens == 1
+    res = runner.execute(nxt)
+    sched.add_placeholders(nxt)  # s1 is finished: its extra token is computed but never stored
+    _async_run_from(sched, runner, (nxt, res))
+    assert s0.output_token_ids == [50, 51, 52] and s0.finish_reason is FinishReason.LENGTH
+    assert [n for step in runner.steps for sid, n, _ in step if sid == 0] == [3, 1, 1]  # no 4th step
+    assert s2.output_token_ids == [50, 51, 52, 53, 54, 55] and s2.num_preemptions >= 1
+    assert PLACEHOLDER not in s0.token_ids + s1.token_ids + s2.token_ids
+    assert sched.block_manager.num_free_blocks == 4 and not sched.has_unfinished()
+
+
+def _async_run_from(sched: Scheduler, runner: FakeRunner, inflight, limit: int = 100) -> None:  # noqa: ANN001
+    """The async engine loop: launch step N (placeholders), then read step N-1's tokens."""
+    for _ in range(limit):
+        out = sched.schedule()
+        if out.is_empty:
+            if inflight is None:
+                return
+            sched.update(*inflight)
+            inflight = None
+            continue
+        res = runner.execute(out)
+        sched.add_placeholders(out)
+        if inflight is not None:
+            sched.update(*inflight)
+        inflight = (out, res)
+    raise AssertionError("async loop did not finish")
