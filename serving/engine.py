@@ -26,7 +26,7 @@ from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
 from serving.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
-from serving.sequence import FinishReason, Sequence
+from serving.sequence import FinishReason, Sequence, SequenceStatus
 from serving.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
@@ -49,6 +49,12 @@ class _Request:
     detokenizers: list[IncrementalDetokenizer | None]
     sent_first: list[bool] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    # Final-only requests (offline `LLM.generate`) get one delta per sample, when it ends,
+    # holding all its tokens: what the per-step deltas would have carried is kept here.
+    final_only: bool = False
+    logprobs: list[list[float]] = field(default_factory=list)
+    top_logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
 
 
 def resolve_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
@@ -151,8 +157,13 @@ class LLMEngine:
         prompt: str | list[int] | None,
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
+        final_only: bool = False,
     ) -> list[Sequence]:
-        """Queue a request: `n` samples sharing the prompt. Raises ValueError if it cannot run."""
+        """Queue a request: `n` samples sharing the prompt. Raises ValueError if it cannot run.
+
+        `final_only`: no per-step deltas; each sample's one delta, when it ends, carries all its
+        tokens, text and logprobs (what offline `generate` needs, at a fraction of the cost).
+        """
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -177,6 +188,9 @@ class LLMEngine:
             request_id, text, prompt_token_ids, params, seqs,
             [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if detok else None for _ in seqs],
             [False] * len(seqs),
+            final_only=final_only,
+            logprobs=[[] for _ in seqs] if final_only else [],
+            top_logprobs=[[] for _ in seqs] if final_only else [],
         )
         return seqs
 
@@ -258,6 +272,10 @@ class LLMEngine:
                         seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
                     else:
                         self.scheduler.finish(seq, FinishReason.STOP, stop)
+            if req.final_only:
+                self._keep(req, seq.index, sampled)
+                if not seq.is_finished:
+                    continue
             deltas.append(self._delta(req, seq, sampled))
             if seq.is_finished:
                 self._release(seq)
@@ -273,9 +291,22 @@ class LLMEngine:
         if free is not None:
             free(seq.seq_id)
 
+    @staticmethod
+    def _keep(req: _Request, index: int, sampled: SampledToken) -> None:
+        """Final-only request: keep this token's logprobs for the sample's one delta."""
+        if sampled.logprob is not None:
+            req.logprobs[index].append(sampled.logprob)
+        if sampled.top_logprobs is not None:
+            req.top_logprobs[index].append(sampled.top_logprobs)
+        if sampled.prompt_logprobs is not None:
+            req.prompt_logprobs = sampled.prompt_logprobs
+
     def _delta(self, req: _Request, seq: Sequence, sampled: SampledToken | None) -> StreamDelta:
-        det = req.detokenizers[seq.index]
-        finished = seq.is_finished
+        if req.final_only:
+            return self._final_delta(req, seq)
+        index = seq.index
+        det = req.detokenizers[index]
+        finished = seq.status is SequenceStatus.FINISHED
         text = det.take_delta(finished) if det is not None else ""
         token_ids: tuple[int, ...] = ()
         logprobs: tuple[float, ...] = ()
@@ -289,24 +320,37 @@ class LLMEngine:
                 top = (sampled.top_logprobs,)
             if det is not None:
                 token_texts = tuple(det.token_texts)
-        first = not req.sent_first[seq.index]
-        req.sent_first[seq.index] = True
-        prompt_logprobs = None
-        if first and sampled is not None and sampled.prompt_logprobs is not None:
-            prompt_logprobs = tuple(sampled.prompt_logprobs)
+        prompt_ids = prompt_logprobs = None
+        if not req.sent_first[index]:
+            req.sent_first[index] = True
+            prompt_ids = tuple(req.prompt_token_ids)
+            if sampled is not None and sampled.prompt_logprobs is not None:
+                prompt_logprobs = tuple(sampled.prompt_logprobs)
+        reason = seq.finish_reason.value if finished and seq.finish_reason else None
         return StreamDelta(
-            request_id=req.request_id,
-            index=seq.index,
-            token_ids=token_ids,
-            text=text,
-            logprobs=logprobs,
-            top_logprobs=top,
-            token_texts=token_texts,
+            request_id=req.request_id, index=index, token_ids=token_ids, text=text, logprobs=logprobs,
+            top_logprobs=top, token_texts=token_texts, finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_resolved_output_tokens,
+            prompt_token_ids=prompt_ids, prompt_logprobs=prompt_logprobs, num_cached_tokens=seq.num_cached_tokens,
+            extra={"stop_reason": seq.stop_reason} if finished and seq.stop_reason is not None else {},
+        )
+
+    def _final_delta(self, req: _Request, seq: Sequence) -> StreamDelta:
+        """The one delta of a final-only sample: everything it generated."""
+        index = seq.index
+        det = req.detokenizers[index]
+        finished = seq.status is SequenceStatus.FINISHED
+        first = not req.sent_first[index]
+        req.sent_first[index] = True
+        output_ids = seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + seq.num_resolved_output_tokens]
+        return StreamDelta(
+            request_id=req.request_id, index=index, token_ids=tuple(output_ids),
+            text=det.take_delta(finished) if det is not None else "",
+            logprobs=tuple(req.logprobs[index]), top_logprobs=tuple(req.top_logprobs[index]),
             finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_resolved_output_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(output_ids),
             prompt_token_ids=tuple(req.prompt_token_ids) if first else None,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=tuple(req.prompt_logprobs) if first and req.prompt_logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
             extra={"stop_reason": seq.stop_reason} if finished and seq.stop_reason is not None else {},
         )

@@ -77,7 +77,7 @@ class LLM:
                 if params.best_of is not None and params.best_of > params.n:
                     # Sample best_of, keep the n with the highest cumulative logprob.
                     run_params = params.replace(n=params.best_of, logprobs=params.logprobs or 0)
-                seqs = engine.add_request(rid, text, run_params, prompt_token_ids=ids)
+                seqs = engine.add_request(rid, text, run_params, prompt_token_ids=ids, final_only=True)
                 order.append(rid)
                 wanted[rid] = params
                 results[rid] = RequestOutput(
@@ -111,7 +111,7 @@ class LLM:
                     out.num_cached_tokens = delta.num_cached_tokens
                 num_out += len(delta.token_ids)
                 self._apply(out, delta)
-                if all(c.finish_reason is not None for c in out.outputs):
+                if delta.finish_reason is not None and all(c.finish_reason is not None for c in out.outputs):
                     out.finished = True
                     remaining.discard(delta.request_id)
                     if pbar is not None:

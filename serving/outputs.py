@@ -52,7 +52,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StreamDelta:
     """News about one sample of one request after an engine step (engine thread -> HTTP thread).
 
@@ -61,7 +61,8 @@ class StreamDelta:
     final text (partly matched stop strings are held back, never sent and retracted).
 
     `finish_reason` uses LMI's vocabulary: 'length' | 'eos_token' | 'stop_sequence' |
-    'abort' | 'error'; it is set on the last delta of a sample only.
+    'abort' | 'error'; it is set on the last delta of a sample only. Read-only by convention
+    (not frozen: one is built per sample per step, and frozen construction costs 2x).
     """
 
     request_id: str

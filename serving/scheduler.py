@@ -68,11 +68,6 @@ class Scheduler:
             return self.max_model_len - seq.num_prompt_tokens
         return seq.params.max_tokens
 
-    def at_limit(self, seq: Sequence, num_tokens: int | None = None) -> bool:
-        """Whether `seq` with `num_tokens` tokens (default: all, placeholders included) is done by length."""
-        n = seq.num_tokens if num_tokens is None else num_tokens
-        return n - seq.num_prompt_tokens >= self.max_tokens(seq) or n >= self.max_model_len
-
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise ValueError when a request could never be scheduled."""
         if num_prompt_tokens == 0:
@@ -108,6 +103,7 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._groups[request_id] = list(seqs)
         for seq in seqs:
+            seq.max_num_tokens = min(seq.num_prompt_tokens + self.max_tokens(seq), self.max_model_len)
             seq.status = SequenceStatus.WAITING
             self.waiting.append(seq)
 
@@ -149,14 +145,25 @@ class Scheduler:
 
         # Running sequences in arrival order; victims are taken from the back, so a sequence
         # already scheduled this step is never preempted.
+        block_size = bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.token_ids[-1] == PLACEHOLDER and self.at_limit(seq):
+            ids = seq.token_ids
+            num_tokens = len(ids)
+            if ids[-1] == PLACEHOLDER and num_tokens >= seq.max_num_tokens:
                 i += 1  # its token in flight is its last: nothing more to compute
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            computed = seq.num_computed_tokens
+            num_new = min(num_tokens - computed, budget)
             assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
+            if computed + num_new <= len(seq.block_table) * block_size:
+                # The common decode: its slots exist already (no new block, nothing to preempt).
+                seq.num_computed_tokens = computed + num_new
+                scheduled.append(ScheduledSequence(seq, num_new, computed + num_new == num_tokens, computed))
+                budget -= num_new
+                i += 1
+                continue
             while not bm.can_append(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -223,24 +230,32 @@ class Scheduler:
         """
         samples = iter(runner_out.sampled)
         results: list[tuple[Sequence, SampledToken]] = []
+        bm = self.block_manager
+        block_size = bm.block_size
+        caching = bm.enable_prefix_caching
+        finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
         for item in sched_out.scheduled:
             seq = item.seq
             sampled = next(samples) if item.sample else None
-            if seq.is_finished:
+            status = seq.status
+            if status is finished:
                 continue  # aborted (or ended by an earlier token) while the step ran
-            if seq.status is SequenceStatus.RUNNING:  # not preempted since: its blocks hold this step's K/V
-                self.block_manager.cache_computed_blocks(seq, item.end)
+            start, end = item.start, item.start + item.num_tokens
+            if caching and status is running and end // block_size > start // block_size:
+                # A block filled up (and the sequence was not preempted since, so its blocks
+                # hold this step's K/V): register it in the prefix cache.
+                bm.cache_computed_blocks(seq, end)
             if sampled is None:
                 continue
             token_id = sampled.token_id
             ids = seq.token_ids
-            if len(ids) == item.end:
+            if len(ids) == end:
                 ids.append(token_id)
             else:
-                assert ids[item.end] == PLACEHOLDER, f"seq {seq.seq_id}: position {item.end} already resolved"
-                ids[item.end] = token_id
+                assert ids[end] == PLACEHOLDER, f"seq {seq.seq_id}: position {end} already resolved"
+                ids[end] = token_id
             results.append((seq, sampled))
-            reason, stop = self._check_stop(seq, item.end + 1, token_id)
+            reason, stop = self._check_stop(seq, end + 1, token_id)
             if reason is not None:
                 self.finish(seq, reason, stop)
         assert next(samples, None) is None, "runner returned more samples than scheduled"
@@ -254,7 +269,7 @@ class Scheduler:
                 return FinishReason.EOS, token_id
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.EOS, None
-        if self.at_limit(seq, num_tokens):
+        if num_tokens >= seq.max_num_tokens:
             return FinishReason.LENGTH, None
         return None, None
 

@@ -55,6 +55,8 @@ class Sequence:
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    # Length limit, prompt included: min(prompt + max_tokens, max_model_len) (set at admission).
+    max_num_tokens: int = 1 << 62
 
     def __post_init__(self) -> None:
         if not self.token_ids:
