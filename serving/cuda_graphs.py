@@ -6,6 +6,10 @@ returns. Buckets are `[1, 2, 4, 8, 16, 32, 48, ...]` up to `max_num_seqs`, captu
 into one shared memory pool; a step with n sequences replays the smallest bucket >= n. The padded
 rows get slot -1 (the cache write skips them) and seq_len 0 (decode attention returns zeros), so
 they cost a little compute and touch no real KV blocks. `enforce_eager` means this is never built.
+
+With `compute_logits`, each graph also runs the LM head on every row into one static float32
+buffer (`logits`, shared by all buckets): the biggest GEMM of a decode step then costs no
+launch or cuBLAS set-up on the host.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from serving.attention_metadata import AttentionMetadata, forward_context
 logger = logging.getLogger(__name__)
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, positions) -> hidden
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # hidden [n, H] -> float32 logits [n, vocab]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -42,8 +47,11 @@ class DecodeGraphRunner:
         hidden_size: int,
         max_seq_len: int,
         device: torch.device,
+        compute_logits: LogitsFn | None = None,
+        vocab_size: int = 0,
     ) -> None:
         self.forward = forward
+        self.compute_logits = compute_logits
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_seq_len = max_seq_len
         n = self.batch_sizes[-1]
@@ -55,6 +63,7 @@ class DecodeGraphRunner:
             self.seq_lens = torch.zeros(n, dtype=torch.int32)
             self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32)
             self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
+            self.logits = torch.zeros(n, vocab_size, dtype=torch.float32) if compute_logits is not None else None
         self.hidden_size = hidden_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -81,11 +90,11 @@ class DecodeGraphRunner:
         for bs in reversed(self.batch_sizes):
             meta = self._meta(bs)
             with forward_context(meta):
-                self.forward(self.input_ids[:bs], self.positions[:bs])  # warm-up: compiles, sizes workspaces
+                self._step(bs)  # warm-up: compiles, sizes workspaces
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.forward(self.input_ids[:bs], self.positions[:bs])
+                    out = self._step(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -93,12 +102,23 @@ class DecodeGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.batch_sizes)
 
+    def _step(self, bs: int) -> torch.Tensor:
+        """What a graph holds: the forward of `bs` rows (+ their logits into the static buffer)."""
+        hidden = self.forward(self.input_ids[:bs], self.positions[:bs])
+        if self.logits is not None:
+            self.logits[:bs].copy_(self.compute_logits(hidden))  # type: ignore[misc]
+        return hidden
+
     def can_run(self, num_seqs: int, block_table_width: int) -> bool:
         """True when a captured bucket fits this decode step."""
         return 0 < num_seqs <= self.batch_sizes[-1] and block_table_width <= self.block_tables.shape[1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay the bucket for this decode step -> hidden [num_seqs, hidden] (a view; copy to keep)."""
+        """Replay the bucket for this decode step -> hidden [num_seqs, hidden] (a view; copy to keep).
+
+        With `compute_logits`, `self.logits[:num_seqs]` then holds the logits of every row
+        (valid until the next replay).
+        """
         n = input_ids.shape[0]
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         width = meta.block_tables.shape[1]

@@ -163,7 +163,7 @@ class ModelRunner:
         runner = DecodeGraphRunner(
             lambda ids, pos: self.model(ids, pos), self.config.max_num_seqs,
             (self.max_model_len + self.block_size - 1) // self.block_size, self.model_args.hidden_size,
-            self.max_model_len, self.device,
+            self.max_model_len, self.device, compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
         )
         runner.capture()
         logger.info("decode CUDA graphs captured in %.1f s", time.monotonic() - t0)
@@ -173,11 +173,18 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states `[num_tokens, hidden]` for one step (a graph runner may replace this)."""
+        return self._run_model(input_ids, positions, meta)[0]
+
+    def _run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states, and the logits of every row when a decode graph computed them too."""
         graphs = self.graph_runner
         if graphs is not None and meta.num_prefills == 0 and graphs.can_run(meta.num_seqs, meta.block_tables.shape[1]):
-            return graphs.run(input_ids, positions, meta)
+            hidden = graphs.run(input_ids, positions, meta)
+            return hidden, None if graphs.logits is None else graphs.logits[: hidden.shape[0]]
         with forward_context(meta):
-            return self.model(input_ids, positions)
+            return self.model(input_ids, positions), None
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
@@ -190,13 +197,18 @@ class ModelRunner:
         if sched_out.is_empty:
             return ModelRunnerOutput([])
         inputs = prepare_inputs(sched_out, self.block_size, self.device, prev)
-        hidden = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden, all_logits = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprob_chunks:
             self._collect_prompt_logprobs(sched_out, inputs, hidden)
         seqs = [item.seq for item in sched_out.scheduled if item.sample]
         if not seqs:
             return ModelRunnerOutput([])
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sampled, vocab] float32
+        if all_logits is None:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sampled, vocab] float32
+        elif len(seqs) == all_logits.shape[0]:
+            logits = all_logits  # every row samples (the usual decode step): no gather
+        else:
+            logits = all_logits[inputs.sample_rows]
         samples = self.sampler.sample(logits, seqs, [self._generator(s) for s in seqs])
         prompt_logprobs = {s.seq_id: self._prompt_logprobs.pop(s.seq_id) for s in seqs if s.seq_id in self._prompt_logprobs}
 
