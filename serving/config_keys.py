@@ -39,6 +39,10 @@ def _bool(text: str) -> bool:
     raise ValueError("")
 
 
+def _optional_bool(text: str) -> bool | None:
+    return None if text.strip().lower() == "auto" else _bool(text)
+
+
 def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text.strip())
@@ -119,6 +123,7 @@ KEYS: tuple[Key, ...] = (
     Key("option.gpu_memory_utilization", "engine.gpu_memory_utilization", _float(0.0, 1.0, lo_open=True),
         "a number in (0, 1]", 0.9),
     Key("option.enforce_eager", "engine.enforce_eager", _bool, "true|false", False),
+    Key("option.async_scheduling", "engine.async_scheduling", _optional_bool, "auto|true|false", None),
     Key("option.enable_prefix_caching", "engine.enable_prefix_caching", _bool, "true|false", True),
     Key("option.enable_chunked_prefill", "engine.enable_chunked_prefill", _bool, "true|false", True),
     Key("option.block_size", "engine.block_size", _int(1, 1024), "a positive integer <= 1024", 16),

@@ -128,9 +128,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%d tokens), max_model_len=%d, max_num_seqs=%d, "
-            "max_num_batched_tokens=%d",
+            "max_num_batched_tokens=%d, async_scheduling=%s",
             num_blocks, cache.block_size, num_blocks * cache.block_size, cache.max_model_len,
-            config.max_num_seqs, self.max_num_batched_tokens,
+            config.max_num_seqs, self.max_num_batched_tokens, self.async_scheduling,
         )
 
     # ---- requests ------------------------------------------------------------------------

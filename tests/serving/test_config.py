@@ -61,6 +61,13 @@ def test_option_mapping_and_vllm_aliases():
     assert cfg.revision == "v2" and e.revision == "v2" and cfg.hf_token == "secret" and "secret" not in repr(cfg)
 
 
+def test_async_scheduling_is_auto_unless_set():
+    assert load_config({}, []).engine.async_scheduling is None
+    assert load_config({"OPTION_ASYNC_SCHEDULING": "true"}, []).engine.async_scheduling is True
+    assert load_config({"OPTION_ASYNC_SCHEDULING": "false"}, []).engine.async_scheduling is False
+    assert load_config({"OPTION_ASYNC_SCHEDULING": "auto"}, []).engine.async_scheduling is None
+
+
 def test_chat_template_from_file(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -113,6 +120,7 @@ INVALID = [
     ("OPTION_GPU_MEMORY_UTILIZATION", "1.5", "a number in (0, 1]"),
     ("OPTION_GPU_MEMORY_UTILIZATION", "0", "a number in (0, 1]"),
     ("OPTION_ENFORCE_EAGER", "maybe", "true|false"),
+    ("OPTION_ASYNC_SCHEDULING", "sometimes", "auto|true|false"),
     ("OPTION_ENABLE_PREFIX_CACHING", "2", "true|false"),
     ("OPTION_ENABLE_STREAMING", "yes please", "true|false|huggingface"),
     ("OPTION_OUTPUT_FORMATTER", "xml", "json|jsonlines|sse"),
