@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from serving.block_manager import BlockManager
 from serving.engine_config import EngineConfig
 from serving.outputs import StreamDelta
+from serving.request_state import RequestState
 from serving.sampling_params import SamplingParams
 from serving.scheduler import Scheduler
-from serving.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
-from serving.sequence import FinishReason, Sequence, SequenceStatus
+from serving.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from serving.sequence import FinishReason, Sequence
 from serving.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
@@ -35,26 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("serving.engine")
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
-
-@dataclass
-class _Request:
-    """Engine-side state of one request: its samples and their detokenizers."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer | None]
-    sent_first: list[bool] = field(default_factory=list)
-    arrival_time: float = field(default_factory=time.monotonic)
-    # Final-only requests (offline `LLM.generate`) get one delta per sample, when it ends,
-    # holding all its tokens: what the per-step deltas would have carried is kept here.
-    final_only: bool = False
-    logprobs: list[list[float]] = field(default_factory=list)
-    top_logprobs: list[list[dict[int, float]]] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None
 
 
 def resolve_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
@@ -112,7 +91,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         # The launched step whose tokens are not read yet (async scheduling), and whether
         # the next step must wait for them (its samples need their own history).
         self._inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
@@ -184,7 +163,7 @@ class LLMEngine:
         ]
         self.scheduler.add_sequences(seqs)
         detok = self.tokenizer is not None and params.detokenize
-        self._requests[request_id] = _Request(
+        self._requests[request_id] = RequestState(
             request_id, text, prompt_token_ids, params, seqs,
             [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if detok else None for _ in seqs],
             [False] * len(seqs),
@@ -200,7 +179,7 @@ class LLMEngine:
         if req is None:
             return []
         ended = self.scheduler.abort_request(request_id)
-        deltas = [self._delta(req, seq, None) for seq in ended]
+        deltas = [req.delta(seq, None) for seq in ended]
         for seq in ended:
             self._release(seq)
         self._requests.pop(request_id, None)
@@ -273,10 +252,10 @@ class LLMEngine:
                     else:
                         self.scheduler.finish(seq, FinishReason.STOP, stop)
             if req.final_only:
-                self._keep(req, seq.index, sampled)
+                req.keep(seq.index, sampled)
                 if not seq.is_finished:
                     continue
-            deltas.append(self._delta(req, seq, sampled))
+            deltas.append(req.delta(seq, sampled))
             if seq.is_finished:
                 self._release(seq)
                 if all(s.is_finished for s in req.seqs):
@@ -290,70 +269,6 @@ class LLMEngine:
         free = getattr(self.runner, "free_sequence", None)
         if free is not None:
             free(seq.seq_id)
-
-    @staticmethod
-    def _keep(req: _Request, index: int, sampled: SampledToken) -> None:
-        """Final-only request: keep this token's logprobs for the sample's one delta."""
-        if sampled.logprob is not None:
-            req.logprobs[index].append(sampled.logprob)
-        if sampled.top_logprobs is not None:
-            req.top_logprobs[index].append(sampled.top_logprobs)
-        if sampled.prompt_logprobs is not None:
-            req.prompt_logprobs = sampled.prompt_logprobs
-
-    def _delta(self, req: _Request, seq: Sequence, sampled: SampledToken | None) -> StreamDelta:
-        if req.final_only:
-            return self._final_delta(req, seq)
-        index = seq.index
-        det = req.detokenizers[index]
-        finished = seq.status is SequenceStatus.FINISHED
-        text = det.take_delta(finished) if det is not None else ""
-        token_ids: tuple[int, ...] = ()
-        logprobs: tuple[float, ...] = ()
-        top: tuple[dict[int, float], ...] = ()
-        token_texts: tuple[str, ...] = ()
-        if sampled is not None:
-            token_ids = (sampled.token_id,)
-            if sampled.logprob is not None:
-                logprobs = (sampled.logprob,)
-            if sampled.top_logprobs is not None:
-                top = (sampled.top_logprobs,)
-            if det is not None:
-                token_texts = tuple(det.token_texts)
-        prompt_ids = prompt_logprobs = None
-        if not req.sent_first[index]:
-            req.sent_first[index] = True
-            prompt_ids = tuple(req.prompt_token_ids)
-            if sampled is not None and sampled.prompt_logprobs is not None:
-                prompt_logprobs = tuple(sampled.prompt_logprobs)
-        reason = seq.finish_reason.value if finished and seq.finish_reason else None
-        return StreamDelta(
-            request_id=req.request_id, index=index, token_ids=token_ids, text=text, logprobs=logprobs,
-            top_logprobs=top, token_texts=token_texts, finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_resolved_output_tokens,
-            prompt_token_ids=prompt_ids, prompt_logprobs=prompt_logprobs, num_cached_tokens=seq.num_cached_tokens,
-            extra={"stop_reason": seq.stop_reason} if finished and seq.stop_reason is not None else {},
-        )
-
-    def _final_delta(self, req: _Request, seq: Sequence) -> StreamDelta:
-        """The one delta of a final-only sample: everything it generated."""
-        index = seq.index
-        det = req.detokenizers[index]
-        finished = seq.status is SequenceStatus.FINISHED
-        first = not req.sent_first[index]
-        req.sent_first[index] = True
-        output_ids = seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + seq.num_resolved_output_tokens]
-        return StreamDelta(
-            request_id=req.request_id, index=index, token_ids=tuple(output_ids),
-            text=det.take_delta(finished) if det is not None else "",
-            logprobs=tuple(req.logprobs[index]), top_logprobs=tuple(req.top_logprobs[index]),
-            finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(output_ids),
-            prompt_token_ids=tuple(req.prompt_token_ids) if first else None,
-            prompt_logprobs=tuple(req.prompt_logprobs) if first and req.prompt_logprobs is not None else None,
-            num_cached_tokens=seq.num_cached_tokens,
-            extra={"stop_reason": seq.stop_reason} if finished and seq.stop_reason is not None else {},
-        )
 
     # ---- observability -------------------------------------------------------------------
 
