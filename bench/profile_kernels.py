@@ -1,0 +1,62 @@
+"""GPU kernel time of engine steps (torch.profiler): where a prefill step and a decode step go.
+
+Runs the reference workload's first prompts through the engine on random weights and profiles
+(1) the first step (a full-budget prefill: `--budget` tokens of many prompts), and (2) a
+decode step with every prompt running. Prints CUDA time per kernel, top first.
+
+  python bench/profile_kernels.py --shape llama-3.2-1b [--budget 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.dummy_model import make_dummy_model_dir  # noqa: E402
+from bench.workload import reference_workload  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
+    ap.add_argument("--budget", type=int, default=16384)
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from serving import LLM, SamplingParams
+
+    model_dir = make_dummy_model_dir(args.shape, Path(args.model_root) / args.shape)
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=args.num_seqs, max_model_len=4096,
+              max_num_batched_tokens=args.budget, skip_tokenizer_init=True)
+    engine = llm.llm_engine
+    prompts, _ = reference_workload(args.num_seqs)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64, detokenize=False)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", None, params, prompt_token_ids=p)
+    for label in ("prefill step", "decode step"):
+        if label == "decode step":
+            while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+                engine.step()  # finish every prefill
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+        print(f"== {args.shape} {label}: {len(engine.scheduler.running)} running")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top,
+                                        max_name_column_width=60))
+    for rid in list(engine._requests):
+        engine.abort_request(rid)
+
+
+if __name__ == "__main__":
+    main()
