@@ -64,37 +64,30 @@ def prepare_inputs(
     `prev` is the previous step's output, needed when this step's decode rows carry
     placeholders for the tokens that step sampled.
     """
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qsl = [0]
-    seq_lens: list[int] = []
-    tables: list[list[int]] = []
-    sample_rows: list[int] = []
-    fix_rows: list[int] = []  # rows whose id is a placeholder ...
-    fix_src: list[int] = []  # ... and the row of `prev.token_ids` holding it
-    plp: list[tuple[int, int, int, int]] = []
     scheduled = sched_out.scheduled
     num_decodes = sched_out.num_decodes
-    # Decodes: one token each; the hot path of every step.
-    for row, item in enumerate(scheduled[:num_decodes]):
-        seq, pos = item.seq, item.start
-        table = seq.block_table
-        token = seq.token_ids[pos]
-        if token == PLACEHOLDER:
-            assert prev is not None and seq.seq_id in prev.row_of, f"seq {seq.seq_id}: placeholder without its step"
-            fix_rows.append(row)
-            fix_src.append(prev.row_of[seq.seq_id])
-        input_ids.append(token)
-        positions.append(pos)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
-        seq_lens.append(pos + 1)
-        tables.append(table)
-        if item.sample:  # (a 1-token chunk in the middle of a prompt is not)
-            sample_rows.append(row)
-        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
-            plp.append((row, row, 1, pos))
-    qsl.extend(range(1, num_decodes + 1))
+    # Decodes (one token each) are the hot path of every step: built by comprehensions, not a loop.
+    decodes = scheduled[:num_decodes]
+    seqs = [item.seq for item in decodes]
+    positions = [item.start for item in decodes]
+    tables = [seq.block_table for seq in seqs]
+    input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions)]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
+    seq_lens = [p + 1 for p in positions]
+    qsl = list(range(num_decodes + 1))
+    # (a 1-token chunk in the middle of a prompt is a "decode" row that samples nothing)
+    sample_rows = [row for row, item in enumerate(decodes) if item.sample]
+    fix_rows: list[int] = []  # rows whose id is a placeholder ...
+    fix_src: list[int] = []  # ... and the row of `prev.token_ids` holding it
+    if PLACEHOLDER in input_ids:
+        fix_rows = [row for row, token in enumerate(input_ids) if token == PLACEHOLDER]
+        assert prev is not None, "placeholders in a step's inputs without the previous step's output"
+        missing = [seqs[r].seq_id for r in fix_rows if seqs[r].seq_id not in prev.row_of]
+        assert not missing, f"seqs {missing}: placeholder without its step"
+        fix_src = [prev.row_of[seqs[r].seq_id] for r in fix_rows]
+    plp = [(row, row, 1, pos) for row, (seq, pos) in enumerate(zip(seqs, positions))
+           if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0]
+    max_query_len = 1 if num_decodes else 0
     for e in range(num_decodes, len(scheduled)):
         item = scheduled[e]
         seq, n, start, end = item.seq, item.num_tokens, item.start, item.end
@@ -110,22 +103,22 @@ def prepare_inputs(
         qsl.append(row0 + n)
         seq_lens.append(end)
         tables.append(table)
+        max_query_len = max(max_query_len, n)
         if item.sample:
             sample_rows.append(row0 + n - 1)
         if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
             plp.append((e, row0, n, start))
     num_tokens = len(input_ids)
     num_seqs = len(seq_lens)
-    # Each row of the block table only needs the blocks its positions touch.
-    lens = np.fromiter(((s + block_size - 1) // block_size for s in seq_lens), dtype=np.int64, count=num_seqs)
+    # Whole block tables (a running sequence holds exactly the blocks its tokens need).
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
     width = int(lens.max()) if num_seqs else 1
     head = input_ids + positions + slots + qsl + seq_lens + sample_rows + fix_rows + fix_src
     packed = np.zeros(len(head) + num_seqs * width, dtype=np.int64)
     packed[: len(head)] = head
     if num_seqs:
         # Block tables are the bulk (num_seqs x width ids): one flat fill, no per-row Python.
-        flat = np.fromiter(chain.from_iterable(t[:k] for t, k in zip(tables, lens.tolist())),
-                           dtype=np.int64, count=int(lens.sum()))
+        flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
         row_starts = np.cumsum(lens) - lens
         cols = np.arange(flat.shape[0]) - np.repeat(row_starts, lens)
         packed[len(head) + np.repeat(np.arange(num_seqs) * width, lens) + cols] = flat
@@ -154,7 +147,7 @@ def prepare_inputs(
         block_tables=tables_t,
         num_decodes=num_decodes,
         num_decode_tokens=num_decodes,
-        max_query_len=max((qsl[i + 1] - qsl[i] for i in range(num_seqs)), default=0),
+        max_query_len=max_query_len,
         max_seq_len=max(seq_lens, default=0),
     )
     return StepInputs(ids_t, pos_t, meta, rows_t, plp)
