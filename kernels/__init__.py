@@ -112,8 +112,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return impl(x)
 
 
+def gumbel_sample(
+    logits: torch.Tensor,  # [num_rows, vocab] float
+    inv_temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy row
+    seeds: torch.Tensor,  # [num_rows] int64: this draw's key per row
+) -> torch.Tensor:
+    """Sample one token per row of softmax(logits * inv_temperature); greedy rows take the argmax."""
+    impl = _mod("sampling").gumbel_sample if use_triton(logits) else reference.gumbel_sample
+    return impl(logits, inv_temperature, seeds)
+
+
 _OPS = frozenset(
-    ("paged_decode_attention", "prefill_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache")
+    ("gumbel_sample", "paged_decode_attention", "prefill_attention", "rms_norm", "rotary_embedding",
+     "silu_and_mul", "write_kv_cache")
 )
 
 
@@ -134,6 +145,7 @@ class _KernelsPackage(ModuleType):
 sys.modules[__name__].__class__ = _KernelsPackage
 
 __all__ = [
+    "gumbel_sample",
     "paged_decode_attention",
     "prefill_attention",
     "rms_norm",

@@ -151,3 +151,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: x = [gate | up] along the last dim -> silu(gate) * up."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def gumbel_sample(
+    logits: torch.Tensor,  # [num_rows, vocab] float
+    inv_temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy row
+    seeds: torch.Tensor,  # [num_rows] int64: this draw's key per row
+) -> torch.Tensor:
+    """Sample one token per row of softmax(logits * inv_temperature); greedy rows take the argmax.
+
+    argmax(logits / T + Gumbel noise), the noise of each row drawn from a generator seeded with
+    the row's seed (the same law as the Triton kernel; a different random stream).
+    """
+    num_rows, vocab = logits.shape
+    x = logits.float()
+    out = x.argmax(dim=-1)
+    inv_t = inv_temperature.tolist()
+    for r, seed in enumerate(seeds.tolist()):
+        if inv_t[r] == 0.0:
+            continue
+        g = torch.Generator(device=logits.device).manual_seed(seed)
+        u = torch.rand(vocab, generator=g, device=logits.device)
+        noise = -torch.log(-torch.log(u))
+        out[r] = (x[r] * inv_t[r] + noise).argmax()
+    return out

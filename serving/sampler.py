@@ -4,6 +4,9 @@ Order of processing, per row (vLLM's): min_tokens masking of stop/EOS ids -> rep
 penalty (HF: divide positive / multiply negative logits of tokens in prompt + output) ->
 frequency and presence penalties (OpenAI: over output tokens) -> greedy argmax, or
 temperature -> top-k -> top-p -> min_p -> exponential race (argmax p / q, q ~ Exp(1)).
+A batch where no row truncates (no top-k/top-p/min_p) samples in one fused Gumbel-max pass
+(`kernels.gumbel_sample`: argmax(logits / T + Gumbel noise), the same law), each row keyed by
+its own seed, so it skips the softmax and every other full pass over the logits.
 
 Seeded rows draw q from their own `torch.Generator` (one per sequence, advanced once per
 token), so a seeded request samples the same tokens alone or in any batch. Returned
@@ -16,10 +19,13 @@ the result (`DeviceSamples`) starts its device->host copy at once; `tokens()` wa
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
+
+import kernels
 
 from serving.scheduler_output import SampledToken
 from serving.sequence import Sequence
@@ -93,8 +99,9 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, eos_token_ids: Seq[int] = ()) -> None:
         self.device = device
         self.eos_token_ids = tuple(eos_token_ids)
-        # Unseeded rows share this one: engine-level determinism from EngineConfig.seed.
+        # Unseeded rows share these: engine-level determinism from EngineConfig.seed.
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._host_rng = random.Random(seed)
 
     def __call__(
         self,
@@ -125,6 +132,13 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) and all(greedy) else None
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
+        elif not any(_truncates(p) for p in params):
+            # Temperature only (the common batch): one fused Gumbel-max pass over the logits.
+            inv_t = to_device([0.0 if g else 1.0 / p.temperature for p, g in zip(params, greedy)],
+                              torch.float32, logits.device)
+            token_ids = kernels.gumbel_sample(logits, inv_t, to_device(self._row_seeds(seqs), torch.long, logits.device))
+            if any(want_logprobs):
+                logprobs = torch.log_softmax(logits * torch.where(inv_t > 0, inv_t, 1.0)[:, None], dim=-1)
         else:
             temps = to_device([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                               torch.float32, logits.device)
@@ -145,6 +159,22 @@ class Sampler:
         return self._outputs(token_ids, params, logprobs).start_copy()
 
     # --- steps -------------------------------------------------------------------------
+
+    def _row_seeds(self, seqs: list[Sequence]) -> list[int]:
+        """Each row's key for this draw: seeded requests from (seed, sample, position) only, so
+        the same request samples the same tokens alone or in any batch; others from the engine's
+        seeded host RNG."""
+        out = []
+        base = None
+        for row, seq in enumerate(seqs):
+            seed = seq.params.seed
+            if seed is None:
+                if base is None:
+                    base = self._host_rng.getrandbits(62)
+                out.append(base + row)
+            else:
+                out.append(_mix64(seed, seq.index, seq.num_tokens))
+        return out
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
@@ -205,6 +235,22 @@ class Sampler:
         k_max = max(ks)
         top_vals, top_ids = sub.topk(k_max, dim=-1) if k_max > 0 else (None, None)
         return DeviceSamples(token_ids, rows, ks, chosen, top_vals, top_ids)
+
+
+def _mix64(*values: int) -> int:
+    """A well-spread 63-bit key from a few integers (splitmix64 finalizer over a running sum)."""
+    h = 0
+    for v in values:
+        h = (h + (v & 0xFFFFFFFFFFFFFFFF) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def _truncates(p) -> bool:  # noqa: ANN001
+    """Whether top-k, top-p or min-p cut this row's distribution (the fused path does not)."""
+    return 0 < p.top_k or p.top_p < 1.0 or p.min_p > 0.0
 
 
 def _truncate(logits: torch.Tensor, params: list) -> torch.Tensor:

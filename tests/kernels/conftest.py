@@ -22,6 +22,7 @@ _TRITON_MODULES = (
     "kernels.rms_norm",
     "kernels.rotary",
     "kernels.activation",
+    "kernels.sampling",
 )
 
 if not torch.cuda.is_available():

@@ -101,13 +101,14 @@ def test_min_tokens_bans_eos_and_stop_ids():
     assert got[2, 2] == 10.0  # ignore_eos: EOS is just a token
 
 
-def test_seeded_rows_reproduce_alone_and_in_any_batch():
+@pytest.mark.parametrize("top_p", [0.95, 1.0], ids=["truncated", "fused-gumbel"])
+def test_seeded_rows_reproduce_alone_and_in_any_batch(top_p):
     vocab = 64
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(7))
 
     def run(batch_seeds, steps=12):
         sampler = Sampler(CPU, seed=11)
-        seqs = [seq(seq_id=i, index=0, seed=sd, temperature=1.0, top_p=0.95) for i, sd in enumerate(batch_seeds)]
+        seqs = [seq(seq_id=i, index=0, seed=sd, temperature=1.0, top_p=top_p) for i, sd in enumerate(batch_seeds)]
         g = gens(seqs)
         for step in range(steps):
             logits = (base + 0.1 * step).repeat(len(seqs), 1)
@@ -119,6 +120,18 @@ def test_seeded_rows_reproduce_alone_and_in_any_batch():
     assert run([None, 42, 7, None])[1] == alone
     assert run([7, None, None, 3, 42, 1, None, None, 9, 10, 11, 12, 13, 14, 15, 16])[4] == alone
     assert run([42, 43])[1] != alone  # a different seed gives a different stream
+
+
+def test_temperature_only_batch_follows_softmax_law():
+    # The fused path (no truncation): 3000 draws of one 8-token distribution at T=0.5.
+    base = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -2.0, 0.5, 1.2])
+    sampler = Sampler(CPU, seed=3)
+    seqs = [seq(seq_id=i, temperature=0.5) for i in range(3000)]
+    got = torch.tensor([o.token_id for o in sampler(base.repeat(3000, 1), seqs, gens(seqs))])
+    probs = torch.softmax(base / 0.5, dim=-1)
+    counts = torch.bincount(got, minlength=8).double()
+    sigma = (3000 * probs * (1 - probs)).sqrt()
+    assert ((counts - 3000 * probs).abs() <= 5 * sigma + 1).all(), (counts, 3000 * probs)
 
 
 def test_n_samples_get_distinct_generators():
