@@ -30,6 +30,13 @@ def _best_of_chunk(logits_ptr, row_off, first, lanes, vocab, u, inv_t, greedy):
 
 
 @triton.jit
+def _keep_best(best_val, best_idx, val, idx):
+    """The running (max, argmax) after one more candidate; strict > keeps the first of a tie."""
+    better = val > best_val
+    return tl.where(better, val, best_val), tl.where(better, idx, best_idx)
+
+
+@triton.jit
 def _gumbel_sample_kernel(
     logits_ptr,
     inv_temp_ptr,
@@ -55,19 +62,10 @@ def _gumbel_sample_kernel(
         v1, i1 = _best_of_chunk(logits_ptr, row_off, start + QUARTER, lanes, vocab, u1, inv_t, greedy)
         v2, i2 = _best_of_chunk(logits_ptr, row_off, start + 2 * QUARTER, lanes, vocab, u2, inv_t, greedy)
         v3, i3 = _best_of_chunk(logits_ptr, row_off, start + 3 * QUARTER, lanes, vocab, u3, inv_t, greedy)
-        # Strict > keeps the first column of a tie, as argmax does.
-        better = v0 > best_val
-        best_idx = tl.where(better, i0, best_idx)
-        best_val = tl.where(better, v0, best_val)
-        better = v1 > best_val
-        best_idx = tl.where(better, i1, best_idx)
-        best_val = tl.where(better, v1, best_val)
-        better = v2 > best_val
-        best_idx = tl.where(better, i2, best_idx)
-        best_val = tl.where(better, v2, best_val)
-        better = v3 > best_val
-        best_idx = tl.where(better, i3, best_idx)
-        best_val = tl.where(better, v3, best_val)
+        best_val, best_idx = _keep_best(best_val, best_idx, v0, i0)
+        best_val, best_idx = _keep_best(best_val, best_idx, v1, i1)
+        best_val, best_idx = _keep_best(best_val, best_idx, v2, i2)
+        best_val, best_idx = _keep_best(best_val, best_idx, v3, i3)
     tl.store(out_ptr + row, best_idx)
 
 
