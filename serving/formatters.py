@@ -2,7 +2,9 @@
 
 `Result` accumulates the `StreamDelta`s of one prompt (all its samples). A `Formatter` turns them
 into the body of one response: `body()` for a plain answer, `start()` / `chunk()` / `end()` for a
-stream (every record ends in a newline). JSON is written with `json.dumps` defaults, as LMI does.
+stream (every record ends in a newline). JSON is written with `json.dumps` defaults, as LMI does;
+the common mid-stream record (one per token per stream, on the HTTP thread, holding the GIL) is
+filled into a string template instead, the same bytes at a fraction of the cost (`_fast_chunk`).
 Finish reasons stay LMI's (`length|eos_token|stop_sequence|error`) on /invocations and become
 OpenAI's (`length|stop`) on /v1.
 """
@@ -10,9 +12,11 @@ OpenAI's (`length|stop`) on /v1.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str
 
 from serving.outputs import StreamDelta
 from serving.protocol import GenerateRequest
@@ -31,6 +35,19 @@ _OPENAI_FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "lengt
 def dumps(obj: object) -> str:
     """LMI writes every record with Python's json.dumps defaults (', ' / ': ', ASCII escapes)."""
     return json.dumps(obj)
+
+
+# Template records write strings with `_json_str`, the function json.dumps itself uses for them.
+def _json_scalar(x: object) -> str:
+    """json.dumps(x), byte for byte, for a token record's scalars (None, int, float), minus its overhead."""
+    t = type(x)
+    if t is float and math.isfinite(x):  # json writes NaN / Infinity its own way
+        return float.__repr__(x)
+    if t is int:
+        return int.__repr__(x)
+    if x is None:
+        return "null"
+    return json.dumps(x)
 
 
 @dataclass
@@ -59,18 +76,27 @@ class Result:
     decode_token: Callable[[int], str] | None = None
 
     def add(self, delta: StreamDelta) -> Sample:
-        s = self.samples.setdefault(delta.index, Sample(delta.index))
-        ids = list(delta.token_ids)
-        s.token_ids += ids
-        if len(delta.token_texts) == len(ids):
-            s.token_texts += list(delta.token_texts)
-        elif len(ids) == 1:
-            s.token_texts.append(delta.text)
-        else:
-            s.token_texts += [self.decode_token(t) if self.decode_token else "" for t in ids]
-        lps = list(delta.logprobs) + [None] * (len(ids) - len(delta.logprobs))
-        s.logprobs += lps[: len(ids)]
-        s.top_logprobs += list(delta.top_logprobs)
+        # Once per token per stream on the HTTP thread: no throwaway Sample, no list copies.
+        s = self.samples.get(delta.index)
+        if s is None:
+            s = self.samples[delta.index] = Sample(delta.index)
+        ids = delta.token_ids
+        n = len(ids)
+        if n:
+            s.token_ids += ids
+            if len(delta.token_texts) == n:
+                s.token_texts += delta.token_texts
+            elif n == 1:
+                s.token_texts.append(delta.text)
+            else:
+                s.token_texts += [self.decode_token(t) if self.decode_token else "" for t in ids]
+            lps = delta.logprobs
+            if len(lps) >= n:
+                s.logprobs += lps[:n] if len(lps) > n else lps
+            else:
+                s.logprobs += list(lps) + [None] * (n - len(lps))
+        if delta.top_logprobs:
+            s.top_logprobs += delta.top_logprobs
         s.text += delta.text
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
@@ -88,14 +114,22 @@ class Result:
 
     @property
     def finished(self) -> bool:
-        return len(self.samples) >= self.n and all(s.finish_reason for s in self.samples.values())
+        if len(self.samples) < self.n:
+            return False
+        for s in self.samples.values():
+            if not s.finish_reason:
+                return False
+        return True
 
     @property
     def num_output_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples.values())
 
     def sample(self, i: int = 0) -> Sample:
-        return self.samples.setdefault(i, Sample(i))
+        s = self.samples.get(i)
+        if s is None:
+            s = self.samples[i] = Sample(i)
+        return s
 
 
 class Formatter:
@@ -114,6 +148,11 @@ class Formatter:
         self.decode_token = decode_token or (lambda t: "")
         self.content_type = CONTENT_TYPES[self.fmt]
         self._role_sent: set[int] = set()
+        self._prefix: str | None = None  # the constant start of every OpenAI chunk (see _fast_chunk)
+        tgi = self.fmt.startswith("tgi")  # the constant parts of an LMI / TGI token record
+        self._lp_json = '"logprob": ' if tgi else '"log_prob": '
+        self._special_json = ', "special": true' if tgi else ', "special_token": true'
+        self._open, self._close = ("", "\n") if self.fmt in ("jsonlines", "jsonlines_chat") else ("data: ", "\n\n")
 
     # ---- LMI / TGI token records --------------------------------------------------------------
     def _token(self, tid: int, text: str, lp: float | None) -> dict:
@@ -244,6 +283,45 @@ class Formatter:
     def chunk(self, r: Result, delta: StreamDelta, prompt_index: int = 0) -> bytes:
         """One record for one delta (already added to `r`)."""
         s = r.sample(delta.index)
+        if delta.finish_reason is None and type(delta.text) is str and not s.error:
+            rec = self._fast_chunk(r, s, delta, prompt_index)
+            if rec is not None:
+                return rec
+        return self._chunk(r, s, delta, prompt_index)
+
+    def _fast_chunk(self, r: Result, s: Sample, delta: StreamDelta, prompt_index: int) -> bytes | None:
+        """The common mid-stream record (one per token per stream) as a string template: the same
+        bytes `_chunk` writes through dicts and json.dumps, at a third of the cost. None: not a
+        common record, `_chunk` writes it."""
+        fmt = self.fmt
+        if fmt in ("jsonlines", "sse", "tgi_sse"):
+            if not delta.token_ids:
+                return None
+            tid = delta.token_ids[-1]
+            special = self._special_json if tid in self.special_ids else ""
+            return (f'{self._open}{{"token": {{"id": {_json_scalar(tid)}, "text": {_json_str(delta.text)}, '
+                    f'{self._lp_json}{_json_scalar(s.logprobs[-1])}{special}}}}}{self._close}').encode()
+        if self.req.top_logprobs is not None:
+            return None
+        if fmt in ("jsonlines_chat", "chat_sse"):
+            if delta.index not in self._role_sent:
+                return None
+            if self._prefix is None:
+                self._prefix = dumps(self._head("chat.completion.chunk"))[:-1] + ', "choices": [{"index": '
+            return (f'{self._open}{self._prefix}{_json_scalar(delta.index)}, "delta": {{"content": '
+                    f'{_json_str(delta.text)}}}, "logprobs": null, "finish_reason": null}}]}}{self._close}').encode()
+        if fmt == "completion_sse":
+            n_new = len(delta.token_ids)
+            if self.req.echo and n_new and len(s.token_ids) == n_new:
+                return None
+            if self._prefix is None:
+                self._prefix = dumps(self._head("text_completion"))[:-1] + ', "choices": [{"index": '
+            return (f'data: {self._prefix}{_json_scalar(prompt_index * r.n + delta.index)}, "text": '
+                    f'{_json_str(delta.text)}, "logprobs": null, "finish_reason": null, "stop_reason": null}}]}}\n\n'
+                    ).encode()
+        return None
+
+    def _chunk(self, r: Result, s: Sample, delta: StreamDelta, prompt_index: int) -> bytes:
         n_new = len(delta.token_ids)
         end = len(s.token_ids)
         done = delta.finish_reason is not None

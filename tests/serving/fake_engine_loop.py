@@ -38,6 +38,12 @@ class FakeStream:
     def get(self, timeout: float | None = None) -> StreamDelta:
         return self.q.get(timeout=timeout)
 
+    def get_nowait(self) -> StreamDelta | None:
+        try:
+            return self.q.get_nowait()
+        except queue.Empty:
+            return None
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
