@@ -64,6 +64,16 @@ def make_dummy_model_dir(shape: str, out_dir: str | Path, tokenizer_dir: str | P
     return out
 
 
+def dummy_llm(shape: str, model_root: str | Path, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384):  # noqa: ANN201
+    """An offline `LLM` on random bf16 weights of `shape` (the profiling scripts' engine)."""
+    from serving import LLM
+
+    model_dir = make_dummy_model_dir(shape, Path(model_root) / shape)
+    max_model_len = min(4096, SHAPES[shape]["max_position_embeddings"])
+    return LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=max_num_seqs,
+               max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, skip_tokenizer_init=True)
+
+
 def weight_bytes(shape: str, dtype_bytes: int = 2) -> int:
     """Bytes of all weights of a shape (what one batch-1 decode step must read)."""
     c = {**_COMMON, **SHAPES[shape]}

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dummy_model import make_dummy_model_dir  # noqa: E402
+from bench.dummy_model import dummy_llm  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 
 
@@ -31,11 +31,9 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from serving import LLM, SamplingParams
+    from serving import SamplingParams
 
-    model_dir = make_dummy_model_dir(args.shape, Path(args.model_root) / args.shape)
-    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=args.num_seqs, max_model_len=4096,
-              max_num_batched_tokens=args.budget, skip_tokenizer_init=True)
+    llm = dummy_llm(args.shape, args.model_root, args.num_seqs, args.budget)
     engine = llm.llm_engine
     prompts, _ = reference_workload(args.num_seqs)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dummy_model import make_dummy_model_dir  # noqa: E402
+from bench.dummy_model import dummy_llm  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 
 
@@ -30,11 +30,9 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    from serving import LLM, SamplingParams
+    from serving import SamplingParams
 
-    model_dir = make_dummy_model_dir(args.shape, Path(args.model_root) / args.shape)
-    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=256, max_model_len=4096,
-              max_num_batched_tokens=16384, skip_tokenizer_init=True)
+    llm = dummy_llm(args.shape, args.model_root)
     prompts, out_lens = reference_workload(args.num_seqs)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, detokenize=False) for n in out_lens]
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
