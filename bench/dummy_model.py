@@ -64,6 +64,13 @@ def make_dummy_model_dir(shape: str, out_dir: str | Path, tokenizer_dir: str | P
     return out
 
 
+def add_dummy_model_args(ap) -> None:  # noqa: ANN001 - an argparse.ArgumentParser
+    """The profiling scripts' shared options: which shape, and where its model dir goes."""
+    ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
+    ap.add_argument("--num-seqs", type=int, default=256)
+
+
 def dummy_llm(shape: str, model_root: str | Path, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384):  # noqa: ANN201
     """An offline `LLM` on random bf16 weights of `shape` (the profiling scripts' engine)."""
     from serving import LLM

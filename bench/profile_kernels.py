@@ -16,16 +16,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dummy_model import dummy_llm  # noqa: E402
+from bench.dummy_model import add_dummy_model_args, dummy_llm  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-3.2-1b")
-    ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
+    add_dummy_model_args(ap)
     ap.add_argument("--budget", type=int, default=16384)
-    ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     import torch

@@ -19,15 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dummy_model import dummy_llm  # noqa: E402
+from bench.dummy_model import add_dummy_model_args, dummy_llm  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-3.2-1b")
-    ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
-    ap.add_argument("--num-seqs", type=int, default=256)
+    add_dummy_model_args(ap)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
     from serving import SamplingParams

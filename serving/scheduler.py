@@ -159,8 +159,7 @@ class Scheduler:
             assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
             if computed + num_new <= len(seq.block_table) * block_size:
                 # The common decode: its slots exist already (no new block, nothing to preempt).
-                seq.num_computed_tokens = computed + num_new
-                scheduled.append(ScheduledSequence(seq, num_new, computed + num_new == num_tokens, computed))
+                scheduled.append(self._advance(seq, num_new))
                 budget -= num_new
                 i += 1
                 continue
