@@ -138,6 +138,13 @@ class RequestRunner:
         with self._lock:
             self._inflight -= n
 
+    @staticmethod
+    def _accept(job: _Job, delta: StreamDelta) -> None:
+        """Fold a delta into the job's result (and note when its first token came)."""
+        if job.first_token_at is None and delta.token_ids:
+            job.first_token_at = time.monotonic()
+        job.result.add(delta)
+
     def _next(self, job: _Job, deadline: float) -> StreamDelta:
         """The next delta of a job; raises TimeoutError / RuntimeError (engine dead)."""
         while True:
@@ -152,9 +159,7 @@ class RequestRunner:
                 continue
             if delta is None:
                 raise RuntimeError("the engine closed the request stream")
-            if job.first_token_at is None and delta.token_ids:
-                job.first_token_at = time.monotonic()
-            job.result.add(delta)
+            self._accept(job, delta)
             return delta
 
     def _observe(self, jobs: list[_Job], start: float) -> None:
@@ -261,9 +266,7 @@ class RequestRunner:
         out = [rec]
         result = job.result
         while delta is not None:
-            if job.first_token_at is None and delta.token_ids:
-                job.first_token_at = time.monotonic()
-            result.add(delta)
+            RequestRunner._accept(job, delta)
             out.append(fmt.chunk(result, delta, p))
             delta = None if result.finished else ready()
         return b"".join(out)
