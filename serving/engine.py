@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from serving.block_manager import BlockManager
@@ -102,6 +103,9 @@ class LLMEngine:
             else getattr(device, "type", "cpu") == "cuda"
         )
         self._seq_ids = itertools.count()
+        # Requests whose work is in the step being run (for `recover`), and recent failures.
+        self._involved: set[str] = set()
+        self._failures: list[float] = []
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -124,6 +128,9 @@ class LLMEngine:
         """Raise ValueError for a request that can never run (thread-safe: reads config only)."""
         if self.vocab_size and any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size] if self.vocab_size else []
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}) (the vocabulary), got {bad[:8]}")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}, got {params.logprobs}")
         if self.tokenizer is None and params.stop:
@@ -198,9 +205,11 @@ class LLMEngine:
         """Schedule and launch one step; deltas for samples whose tokens came back."""
         deltas: list[StreamDelta] = []
         had_inflight = self._inflight is not None
+        self._involved = {item.seq.request_id for item in self._inflight[0].scheduled} if had_inflight else set()
         if had_inflight and self._inflight_blocks_next:
             deltas = self._process(*self._take_inflight())
         sched_out = self.scheduler.schedule()
+        self._involved.update(item.seq.request_id for item in sched_out.scheduled)
         if sched_out.is_empty:
             if self._inflight is not None:
                 return deltas + self._process(*self._take_inflight())
@@ -230,6 +239,51 @@ class LLMEngine:
             deltas += self._process(*last)
         return deltas
 
+    def recover(self, exc: BaseException) -> list[StreamDelta]:
+        """After `step()` raised: keep serving, failing only the request that caused it.
+
+        Every running sequence is requeued (its KV is recomputed). When the failed step held
+        one request, or one suspect, that request ends with an error record; otherwise every
+        request of the step becomes a suspect, and suspects run one at a time until the next
+        failure names the culprit. Re-raises when the device itself failed or failures keep
+        coming (>= 8 within 60 s): then the engine is dead.
+        """
+        now = time.monotonic()
+        self._failures = [t for t in self._failures if now - t < 60.0] + [now]
+        if _device_failed(exc) or len(self._failures) >= 8:
+            raise exc
+        involved = self._involved & self._requests.keys()
+        self._inflight = None
+        self.scheduler.requeue_all()
+        self.runner.reset()
+        suspects = self.scheduler.suspects
+        suspects.intersection_update(self._requests)
+        culprits = involved if len(involved) == 1 else (involved & suspects if len(involved & suspects) == 1 else set())
+        logger.error("a step failed with %s: %s; %s", type(exc).__name__, exc,
+                     f"failing request {sorted(culprits)}" if culprits else
+                     f"{len(involved)} requests are suspects; they run one at a time")
+        if not culprits:
+            suspects.update(involved)
+            return []
+        (request_id,) = culprits
+        suspects.discard(request_id)
+        return self.fail_request(request_id, f"this request failed inside the engine: {type(exc).__name__}: {exc}")
+
+    def fail_request(self, request_id: str, message: str) -> list[StreamDelta]:
+        """End a request now with finish_reason 'error' and `message` (frees its KV blocks)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return []
+        ended = self.scheduler.abort_request(request_id)
+        deltas = []
+        for seq in ended:
+            seq.finish_reason = FinishReason.ERROR
+            delta = req.delta(seq, None)
+            delta.error = message
+            deltas.append(delta)
+            self._release(seq)
+        return deltas
+
     def _take_inflight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         assert self._inflight is not None
         last, self._inflight = self._inflight, None
@@ -240,8 +294,11 @@ class LLMEngine:
         results = self.scheduler.update(sched_out, runner_out)
         deltas: list[StreamDelta] = []
         done: list[str] = []
+        suspects = self.scheduler.suspects
         for seq, sampled in results:
             req = self._requests[seq.request_id]
+            if suspects:
+                suspects.discard(seq.request_id)  # it got through a step: cleared
             self.num_generated_tokens += 1
             det = req.detokenizers[seq.index]
             if det is not None:
@@ -290,3 +347,12 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens_computed,
             "num_generation_tokens": self.num_generated_tokens,
         }
+
+
+def _device_failed(exc: BaseException) -> bool:
+    """Whether `exc` leaves the device unusable (a CUDA error poisons the whole context)."""
+    import torch
+
+    accel = getattr(torch, "AcceleratorError", None)
+    text = str(exc)
+    return (accel is not None and isinstance(exc, accel)) or "CUDA error" in text or "device-side assert" in text

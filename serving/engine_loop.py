@@ -124,6 +124,8 @@ class EngineLoop:
         self._factory = engine_factory
         self.max_queue_size = max_queue_size
         self.state = EngineState.LOADING
+        self.was_ready = False  # it served at some point (a later death is a crash, not a load failure)
+        self.closing = False  # close() was called: a DEAD state is a shutdown, not a crash
         self.error: BaseException | None = None
         self.engine: LLMEngine | None = None
         self._lock = threading.Lock()
@@ -150,6 +152,7 @@ class EngineLoop:
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Abort every request (final 'abort' deltas), stop the thread."""
+        self.closing = True
         self._submit.put(_STOP)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -232,6 +235,7 @@ class EngineLoop:
         with self._lock:
             if self.state is EngineState.LOADING:
                 self.state = EngineState.READY
+                self.was_ready = True
         self._ready.set()
         try:
             while True:
@@ -239,9 +243,14 @@ class EngineLoop:
                     self._abort_all()
                     return
                 if engine.has_unfinished_requests():
-                    for delta in engine.step():
+                    try:
+                        deltas = engine.step()
+                    except Exception as exc:  # noqa: BLE001 - one request's failure is not the engine's
+                        logger.exception("engine step failed; recovering")
+                        deltas = engine.recover(exc)  # re-raises when the engine cannot go on
+                    for delta in deltas:
                         self._deliver(delta)
-        except BaseException as exc:  # noqa: BLE001 - a failed step kills the engine, loudly
+        except BaseException as exc:  # noqa: BLE001 - an unrecoverable failure kills the engine, loudly
             logger.exception("engine step failed; the engine is now dead")
             self._die(exc)
 

@@ -248,6 +248,11 @@ class ModelRunner:
                 values = lp.gather(1, targets[:, None])[:, 0].tolist()
                 buf[start + c0 + 1 : start + c1 + 1] = values
 
+    def reset(self) -> None:
+        """Forget all per-sequence state (after a failed step every sequence is recomputed)."""
+        self._generators.clear()
+        self._prompt_logprobs.clear()
+
     def free_sequence(self, seq_id: int) -> None:
         """Forget per-sequence sampling state (seeded generator, partial prompt logprobs)."""
         self._generators.pop(seq_id, None)

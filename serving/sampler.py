@@ -187,7 +187,9 @@ class Sampler:
         dev = logits.device
         for i in min_tok_rows:
             p = params[i]
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+            # (ids outside the vocabulary are refused at admission; never index with one here)
+            vocab = logits.shape[1]
+            banned = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)) if 0 <= t < vocab]
             if banned:
                 logits[i, to_device(banned, torch.long, dev)] = _NEG_INF
         if rep_rows:

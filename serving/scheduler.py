@@ -59,6 +59,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by seq_id (= arrival order)
         self._groups: dict[str, list[Sequence]] = {}  # request_id -> its n samples
         self.num_preemptions = 0
+        # Requests that were in a step that failed (see LLMEngine.recover): at most one of
+        # them runs at a time, so the next failure names its culprit.
+        self.suspects: set[str] = set()
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -182,7 +185,7 @@ class Scheduler:
             seq = self.waiting[j]
             assert seq.token_ids[-1] != PLACEHOLDER, f"seq {seq.seq_id} waits with a token in flight"
             leader = self._leader(seq)
-            if self._waits_for_leader(seq, leader):
+            if self._waits_for_leader(seq, leader) or (self.suspects and self._another_suspect_runs(seq)):
                 j += 1
                 continue
             donor = leader if leader is not None and not leader.is_finished else None
@@ -205,6 +208,24 @@ class Scheduler:
         decodes = [s for s in scheduled if s.num_tokens == 1]
         others = [s for s in scheduled if s.num_tokens != 1]
         return SchedulerOutput(scheduled=decodes + others, num_decodes=len(decodes), preempted=preempted)
+
+    def _another_suspect_runs(self, seq: Sequence) -> bool:
+        """Whether `seq` is a suspect and a different suspect request is already running."""
+        rid = seq.request_id
+        return rid in self.suspects and any(
+            s.request_id in self.suspects and s.request_id != rid for s in self.running)
+
+    def requeue_all(self) -> None:
+        """Forget every step in flight: drop placeholders, preempt every running sequence (recompute).
+
+        Used after a failed step, whose device state cannot be trusted: each sequence keeps
+        its resolved tokens and recomputes its KV cache when it is admitted again.
+        """
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
+        for seq in self.waiting:
+            seq.drop_placeholders()
+        assert not self.running
 
     @staticmethod
     def _advance(seq: Sequence, num_new: int) -> ScheduledSequence:

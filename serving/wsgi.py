@@ -65,11 +65,24 @@ def _engine_factory(config: ServingConfig):  # noqa: ANN202
 
 
 def _watch(served: ServedEngine) -> None:
-    """SERVING_FAIL_FAST: once the engine is dead, take the whole server down (SageMaker restarts it)."""
+    """Once the engine is dead: with SERVING_FAIL_FAST, take the whole server down (SageMaker
+    restarts it); otherwise, if it had been serving, end this worker so gunicorn starts a fresh
+    one (a model that never loaded stays dead: /ping answers 500 rather than reload forever)."""
     while served.state is not EngineState.DEAD:
-        time.sleep(1.0)
-    logger.error("engine is dead (%s); fail_fast is on: stopping the server", served.error)
-    os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(0.2)
+    if config.fail_fast:
+        logger.error("engine is dead (%s); fail_fast is on: stopping the server", served.error)
+        os.kill(os.getppid(), signal.SIGTERM)
+        return
+    if not served.loop.was_ready or served.loop.closing:
+        return
+    logger.error("engine died while serving (%s); this worker exits so gunicorn starts a new one", served.error)
+    time.sleep(1.0)  # let open streams write their final error records
+    closer = threading.Thread(target=stop, name="engine-close", daemon=True)
+    closer.start()
+    closer.join(5.0)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _setup_logging() -> None:
@@ -93,8 +106,7 @@ def start() -> None:
         return
     engine_loop.started_at = time.monotonic()
     engine_loop.loop.start()
-    if config.fail_fast:
-        threading.Thread(target=_watch, args=(engine_loop,), name="fail-fast", daemon=True).start()
+    threading.Thread(target=_watch, args=(engine_loop,), name="engine-watch", daemon=True).start()
 
 
 def stop() -> None:

@@ -260,3 +260,29 @@ def test_sigterm_drains_in_flight_stream(server):
     assert server.proc.returncode is not None and took["s"] < 30
     with pytest.raises(requests.ConnectionError):
         requests.get(server.url + "/ping", timeout=2)
+
+
+@pytest.mark.parametrize("bad_id", [49152, 10**9, -1])
+def test_out_of_vocabulary_token_ids_are_400_and_the_engine_lives_on(server, bad_id):
+    """A stop id outside the vocabulary (with min_tokens, once an IndexError in the sampler that
+    killed the engine for everyone) is a 400 on every route, while another stream runs on."""
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream_lines, server.url + "/invocations",
+                              {"inputs": "Count to twenty:", "parameters": {"max_new_tokens": 24}, "stream": True})
+        bodies = [
+            ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "min_tokens": 1, "stop_token_ids": [bad_id]}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                      "min_tokens": 1, "stop_token_ids": [bad_id]}),
+            ("/invocations", {"inputs": "Hi", "parameters": {"max_new_tokens": 4, "min_tokens": 1,
+                                                             "stop_token_ids": [bad_id]}}),
+            ("/v1/completions", {"prompt": [1, 2, bad_id], "max_tokens": 2}),
+        ]
+        for path, body in bodies:
+            r = post(server, path, body)
+            assert r.status_code == 400, (path, r.status_code, r.text)
+            assert "stop_token_ids" in r.text or "token" in r.text, r.text
+        r, lines = running.result(timeout=120)
+    assert r.status_code == 200 and check_jsonlines(lines)["generated_text"]
+    assert requests.get(server.url + "/ping", timeout=2).status_code == 200
+    assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "min_tokens": 1,
+                                            "stop_token_ids": [2]}).status_code == 200

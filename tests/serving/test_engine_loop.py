@@ -21,7 +21,8 @@ CONFIG = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, s
 class FakeRunner:
     """Emits token 100 + output index; can block on an event or raise on a given step."""
 
-    def __init__(self, fail_on_step: int | None = None, gate: threading.Event | None = None) -> None:
+    def __init__(self, fail_on_step: int | None = None, gate: threading.Event | None = None,
+                 poison_min_tokens: int | None = None) -> None:
         self.cache_config = CacheConfig(4, 32, 1, 1, 1, "float32", 128)
         self.model_path = Path(".")
         self.eos_token_ids = (2,)
@@ -30,6 +31,10 @@ class FakeRunner:
         self.gate = gate
         self.num_steps = 0
         self.freed: list[int] = []
+        # A request whose min_tokens equals this makes any step that samples it raise (a bug in
+        # one request's path, as an out-of-vocabulary stop id once was).
+        self.poison_min_tokens = poison_min_tokens
+        self.num_resets = 0
 
     def execute(self, sched_out: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
         self.num_steps += 1
@@ -37,12 +42,17 @@ class FakeRunner:
             self.gate.wait(10)
         if self.fail_on_step is not None and self.num_steps >= self.fail_on_step:
             raise RuntimeError("boom: CUDA error (simulated)")
+        if any(s.sample and s.seq.params.min_tokens == self.poison_min_tokens for s in sched_out.scheduled):
+            raise IndexError("index 49152 is out of bounds (simulated)")
         return ModelRunnerOutput(
             [SampledToken(100 + s.seq.num_output_tokens, logprob=-0.5) for s in sched_out.scheduled if s.sample]
         )
 
     def free_sequence(self, seq_id: int) -> None:
         self.freed.append(seq_id)
+
+    def reset(self) -> None:
+        self.num_resets += 1
 
 
 def start_loop(runner: FakeRunner, **kw) -> EngineLoop:
@@ -186,3 +196,41 @@ def test_close_aborts_running_requests() -> None:
     assert deltas[-1].finish_reason == "abort"
     with pytest.raises(EngineDeadError):
         loop.add_request("z2", [1], SamplingParams(max_tokens=1))
+
+
+def test_a_failing_request_is_failed_alone_and_the_engine_stays_healthy() -> None:
+    """One request that breaks the step: it gets an error record, the others finish whole."""
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate, poison_min_tokens=3)
+    loop = start_loop(runner)
+    try:
+        good = [loop.add_request(f"g{i}", [1, 2, 3 + i], SamplingParams(max_tokens=6)) for i in range(3)]
+        bad = loop.add_request("bad", [4, 5], SamplingParams(max_tokens=6, min_tokens=3))
+        gate.set()
+        bad_deltas = collect(bad)
+        assert bad_deltas[-1].finish_reason == "error" and "IndexError" in bad_deltas[-1].error
+        for stream in good:
+            deltas = collect(stream)
+            assert [t for d in deltas for t in d.token_ids] == [100, 101, 102, 103, 104, 105]
+            assert deltas[-1].finish_reason == "length"
+        assert loop.state is EngineState.READY and runner.num_resets >= 1
+        assert collect(loop.add_request("after", [7], SamplingParams(max_tokens=2)))[-1].finish_reason == "length"
+        stats = loop.stats()
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_unfinished_requests"] == 0
+    finally:
+        gate.set()
+        loop.close()
+
+
+def test_failures_that_keep_coming_kill_the_engine() -> None:
+    runner = FakeRunner(poison_min_tokens=1)
+    loop = start_loop(runner)
+    try:
+        for i in range(8):
+            deltas = collect(loop.add_request(f"p{i}", [1, 2], SamplingParams(max_tokens=4, min_tokens=1)))
+            assert deltas[-1].finish_reason == "error"
+            if loop.state is EngineState.DEAD:
+                break
+        assert loop.state is EngineState.DEAD
+    finally:
+        loop.close()
