@@ -1,7 +1,7 @@
 """Server-side cost of one streamed token: how much Python (GIL) time the HTTP path spends per token.
 
 The server is a real gunicorn gthread worker with the container's settings (container/gunicorn.conf.py)
-running the real Flask app (serving/app.py), RequestRunner, formatters and EngineLoop; only the
+running the real Flask app (serving/server/app.py), RequestRunner, formatters and EngineLoop; only the
 LLMEngine is fake: each `step()` emits one token for every running request, after `--host-us` of
 GIL-holding busy work (the engine's Python) and `--gpu-ms` of GIL-free sleep (waiting on the GPU).
 A client process (raw sockets + selectors, so it costs the box little) opens N streams at once,
@@ -153,7 +153,7 @@ def full_batch_rate(steps: list[tuple[float, int]], n: int) -> tuple[int, float]
 
 def engine_alone(n: int, tokens: int, host_us: float, gpu_ms: float) -> dict:
     from serving.engine_config import EngineConfig
-    from serving.engine_loop import EngineLoop
+    from serving.engine.engine_loop import EngineLoop
     from serving.sampling_params import SamplingParams
 
     engine = FakeEngine(host_us, gpu_ms)
@@ -199,10 +199,10 @@ def serve(port: int, threads: int) -> None:
 def build_app():  # noqa: ANN201
     from flask import Response, request
 
-    from serving.app import create_app
+    from serving.server.app import create_app
     from serving.config import load_config
     from serving.engine_config import EngineConfig
-    from serving.engine_loop import EngineLoop
+    from serving.engine.engine_loop import EngineLoop
 
     engine = FakeEngine()
     loop = EngineLoop(EngineConfig(), engine_factory=lambda cfg: engine).start()
@@ -372,9 +372,9 @@ def python_per_record(fmt: str, backlog: bool, tokens: int = 2000) -> tuple[floa
     get, Result.add and formatting; and the engine loop's put of one delta. `backlog`: the whole
     stream is queued before it is read (coalesced); else every record is its own write."""
     from serving.config import load_config
-    from serving.engine_loop import RequestStream
-    from serving.protocol import parse_chat, parse_invocations
-    from serving.request_runner import RequestRunner
+    from serving.engine.engine_loop import RequestStream
+    from serving.server.protocol import parse_chat, parse_invocations
+    from serving.server.request_runner import RequestRunner
 
     class Loop:  # the EngineLoop surface RequestRunner uses; add_request queues the whole stream
         state, error, max_model_len, put_s = "ready", None, 1 << 20, 0.0

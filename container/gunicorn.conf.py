@@ -30,18 +30,18 @@ control_socket_disable = True  # several servers may run on one host (tests); no
 
 def post_worker_init(worker):  # noqa: ANN001, ANN201 - gunicorn hook
     """Start model download/loading on the engine thread, now that we are in the worker."""
-    from serving import wsgi
+    from serving.server import wsgi
 
     wsgi.start()
 
 
 def worker_int(worker):  # noqa: ANN001, ANN201
-    from serving import wsgi
+    from serving.server import wsgi
 
     wsgi.stop()
 
 
 def worker_exit(server, worker):  # noqa: ANN001, ANN201
-    from serving import wsgi
+    from serving.server import wsgi
 
     wsgi.stop()

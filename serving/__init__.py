@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from serving.engine import LLMEngine
+    from serving.engine.llm_engine import LLMEngine
     from serving.engine_config import EngineConfig
     from serving.llm import LLM
     from serving.outputs import CompletionOutput, RequestOutput
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "LLM": "serving.llm",
-    "LLMEngine": "serving.engine",
+    "LLMEngine": "serving.engine.llm_engine",
     "EngineConfig": "serving.engine_config",
     "SamplingParams": "serving.sampling_params",
     "RequestOutput": "serving.outputs",

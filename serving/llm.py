@@ -11,7 +11,7 @@ import itertools
 import time
 from collections.abc import Sequence as Seq
 
-from serving.engine import LLMEngine
+from serving.engine.llm_engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
 from serving.sampling_params import SamplingParams

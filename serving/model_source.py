@@ -57,7 +57,7 @@ def check_no_remote_code(path: Path, trust_remote_code: bool) -> None:
     if not cfg_file.is_file():
         raise ModelSourceError(f"{path} has no config.json: not a Hugging Face model directory")
     cfg = json.loads(cfg_file.read_text())
-    from serving.models import UnsupportedModelError, check_supported
+    from serving.model_config import UnsupportedModelError, check_supported
 
     try:
         check_supported(cfg)

@@ -2,7 +2,7 @@
 
 `RequestOutput` / `CompletionOutput` mirror vLLM so offline user code runs unchanged.
 `StreamDelta` is the per-step message the engine loop puts on a request's queue; the HTTP
-layer turns it into LMI / OpenAI wire records (`serving/protocol.py`).
+layer turns it into LMI / OpenAI wire records (`serving/server/protocol.py`).
 """
 
 from __future__ import annotations

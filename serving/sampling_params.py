@@ -2,7 +2,7 @@
 
 `SamplingParams` is what `LLM.generate` takes and what the engine runs on. LMI/TGI names
 (`max_new_tokens`, `stop_sequences`, `do_sample`) are translated into it once, at the HTTP
-edge (`serving/protocol.py`), never here. Every check raises `ValueError` with a message that
+edge (`serving/server/protocol.py`), never here. Every check raises `ValueError` with a message that
 names the field, so the server can answer 400 without disturbing other requests.
 """
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from serving.sampling_params import SamplingParams
-from serving.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
-from serving.sequence import Sequence
+from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from serving.engine.sequence import Sequence
 
 
 def make_sequence(seq_id: int, token_ids: list[int], request_id: str | None = None, index: int = 0, **params) -> Sequence:

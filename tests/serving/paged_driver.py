@@ -14,9 +14,9 @@ import random
 import torch
 
 from serving.sampling_params import SamplingParams
-from serving.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
-from serving.sequence import Sequence, SequenceStatus
-from serving.step_inputs import prepare_inputs
+from serving.engine.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from serving.engine.sequence import Sequence, SequenceStatus
+from serving.executor.step_inputs import prepare_inputs
 
 
 _SEQ_IDS = itertools.count()  # unique across drivers: the runner keys seeded state by seq_id

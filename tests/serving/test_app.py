@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from serving.app import create_app
+from serving.server.app import create_app
 from serving.config import load_config
 from fake_engine_loop import FakeEngineLoop
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serving.block_manager import BlockManager
+from serving.engine.block_manager import BlockManager
 from core_factories import make_sequence
 
 

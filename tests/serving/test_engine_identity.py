@@ -12,7 +12,7 @@ import pytest
 from hf_oracle import hf_greedy
 from identity_prompts import LONG_A, LONG_B, PROMPTS
 
-from serving.engine import LLMEngine
+from serving.engine.llm_engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.llm import LLM
 from serving.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ def smol_dir() -> str:
 
 @pytest.fixture(scope="module")
 def runner(smol_dir: str):  # noqa: ANN201
-    from serving.model_runner import ModelRunner
+    from serving.executor.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(model=smol_dir, block_size=BLOCK_SIZE, num_gpu_blocks_override=400, dtype="float32"))
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from serving.engine import LLMEngine
+from serving.engine.llm_engine import LLMEngine
 from serving.engine_config import CacheConfig, EngineConfig
-from serving.engine_loop import EngineDeadError, EngineLoop, EngineState, QueueFullError
+from serving.engine.engine_loop import EngineDeadError, EngineLoop, EngineState, QueueFullError
 from serving.sampling_params import SamplingParams
-from serving.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 
 CONFIG = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, skip_tokenizer_init=True)
 

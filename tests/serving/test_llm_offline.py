@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_engine_loop import CONFIG, FakeRunner
 
-from serving.engine import LLMEngine
+from serving.engine.llm_engine import LLMEngine
 from serving.llm import LLM
 from serving.sampling_params import SamplingParams
 

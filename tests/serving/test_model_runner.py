@@ -9,7 +9,7 @@ from model_fixtures import tiny_models  # noqa: F401  (fixture)
 from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig
-from serving.model_runner import ModelRunner
+from serving.executor.model_runner import ModelRunner
 from serving.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

@@ -14,7 +14,7 @@ from model_fixtures import TINY_ARCHS, smollm2_path, tiny_models  # noqa: F401  
 from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig
-from serving.model_runner import ModelRunner
+from serving.executor.model_runner import ModelRunner
 
 ATOL = 2e-4
 
@@ -72,7 +72,7 @@ def test_smollm2_logits_match_transformers(smollm2_path):  # noqa: F811
 def test_weights_loaded_from_shards(tiny_models):  # noqa: F811
     from safetensors import safe_open
 
-    from serving.weights import checkpoint_files
+    from serving.executor.weights import checkpoint_files
 
     path = tiny_models("phi3")  # fused qkv_proj / gate_up_proj straight from the checkpoint
     files = checkpoint_files(path)
@@ -88,7 +88,7 @@ def test_weights_loaded_from_shards(tiny_models):  # noqa: F811
 def test_packed_qkv_from_separate_tensors(tiny_models):  # noqa: F811
     from safetensors import safe_open
 
-    from serving.weights import checkpoint_files
+    from serving.executor.weights import checkpoint_files
 
     path = tiny_models("qwen2")  # separate q/k/v with biases, tied embeddings
     runner = ModelRunner(EngineConfig(model=str(path), block_size=4, kv_cache_memory_gb=0.01, device="cpu"))

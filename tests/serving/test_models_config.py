@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from serving.models import UnsupportedModelError, build_model, check_supported
-from serving.models.model_args import ModelArgs
-from serving.models.rotary import build_cos_sin_cache
+from serving.executor.models import build_model
+from serving.model_config import UnsupportedModelError, check_supported
+from serving.model_config import ModelArgs
+from serving.executor.models.rotary import build_cos_sin_cache
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 256,
@@ -84,7 +85,7 @@ def test_registry_errors():
 
 def test_runner_rejects_unsupported_dir(tmp_path):
     from serving.engine_config import EngineConfig
-    from serving.model_runner import ModelRunner
+    from serving.executor.model_runner import ModelRunner
 
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["FalconForCausalLM"]}))
     with pytest.raises(UnsupportedModelError, match="FalconForCausalLM"):

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from serving.formatters import Formatter, Result
+from serving.server.formatters import Formatter, Result
 from serving.outputs import StreamDelta
-from serving.protocol import (
+from serving.server.protocol import (
     loads_body,
     parse_chat,
     parse_completions,

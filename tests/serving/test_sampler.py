@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from serving.sampler import Sampler, _truncate, generator_seed
+from serving.executor.sampler import Sampler, _truncate, generator_seed
 from serving.sampling_params import SamplingParams
-from serving.sequence import Sequence
+from serving.engine.sequence import Sequence
 
 CPU = torch.device("cpu")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from core_factories import FakeRunner, make_sequence
 
-from serving.block_manager import BlockManager
-from serving.scheduler import Scheduler
-from serving.scheduler_output import ModelRunnerOutput, SampledToken
-from serving.sequence import PLACEHOLDER, FinishReason, SequenceStatus
+from serving.engine.block_manager import BlockManager
+from serving.engine.scheduler import Scheduler
+from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken
+from serving.engine.sequence import PLACEHOLDER, FinishReason, SequenceStatus
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=8, max_model_len=64, eos=(), **kw):

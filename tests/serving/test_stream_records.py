@@ -10,11 +10,11 @@ import pytest
 from fake_engine_loop import FakeEngineLoop, FakeStream
 
 from serving.config import load_config
-from serving.engine_loop import RequestStream
-from serving.formatters import Formatter, Result
+from serving.engine.engine_loop import RequestStream
+from serving.server.formatters import Formatter, Result
 from serving.outputs import StreamDelta
-from serving.protocol import parse_chat, parse_completions, parse_invocations
-from serving.request_runner import RequestRunner
+from serving.server.protocol import parse_chat, parse_completions, parse_invocations
+from serving.server.request_runner import RequestRunner
 
 TEXTS = ["", " the", "caf\u00e9", '"q"', "back\\slash", "\n", "\t\x00\x1f", "\u2028", "\U0001f600",
          "</script>", "\u00fc" * 40, " "]

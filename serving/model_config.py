@@ -150,3 +150,29 @@ def _rope_args(d: dict[str, Any]) -> RopeArgs:
         original_max_position_embeddings=int(orig) if orig else None,
         partial_rotary_factor=float(partial),
     )
+
+
+# The architectures the executor implements (serving/executor/models checks it agrees).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one we implement."""
+
+
+def check_supported(config: dict) -> None:
+    """Raise UnsupportedModelError unless config.json describes an architecture we run."""
+    archs = config.get("architectures") or []
+    known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    if any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        return
+    if config.get("auto_map"):
+        raise UnsupportedModelError(
+            f"model architecture {archs or config.get('model_type')!r} needs remote code (auto_map in config.json); "
+            f"open-lmi does not run remote code. Supported architectures: {known}"
+        )
+    if not archs and config.get("model_type") in ("llama", "mistral", "qwen2", "phi3"):
+        return
+    raise UnsupportedModelError(
+        f"model architecture {archs or config.get('model_type')!r} is not supported; supported: {known}"
+    )

@@ -16,9 +16,9 @@ from itertools import chain
 import numpy as np
 import torch
 
-from serving.attention_metadata import AttentionMetadata
-from serving.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from serving.sequence import PLACEHOLDER
+from serving.executor.attention_metadata import AttentionMetadata
+from serving.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from serving.engine.sequence import PLACEHOLDER
 
 
 @dataclass

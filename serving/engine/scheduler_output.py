@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.sequence import Sequence
+from serving.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Building blocks of Llama-family decoders, on top of `kernels` ops.
 
-Linear layers carry a `weight_loader` on each parameter so `serving/weights.py` can fill packed
+Linear layers carry a `weight_loader` on each parameter so `serving/executor/weights.py` can fill packed
 parameters (q|k|v -> qkv_proj, gate|up -> gate_up_proj) from separate HF tensors, or copy a
 checkpoint that is already fused (Phi-3). `PagedAttention` writes this step's K/V into the
 paged cache, then runs decode attention for the leading one-token sequences and prefill
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from serving.attention_metadata import get_attention_metadata
+from serving.executor.attention_metadata import get_attention_metadata
 
 
 def _param(*shape: int) -> nn.Parameter:

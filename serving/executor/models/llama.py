@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm, _param, default_weight_loader
-from serving.models.model_args import ModelArgs
-from serving.models.rotary import build_cos_sin_cache
+from serving.executor.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm, _param, default_weight_loader
+from serving.model_config import ModelArgs
+from serving.executor.models.rotary import build_cos_sin_cache
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -27,8 +27,8 @@ import torch
 
 import kernels
 
-from serving.scheduler_output import SampledToken
-from serving.sequence import Sequence
+from serving.engine.scheduler_output import SampledToken
+from serving.engine.sequence import Sequence
 
 _NEG_INF = float("-inf")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str
 
 from serving.outputs import StreamDelta
-from serving.protocol import GenerateRequest
+from serving.server.protocol import GenerateRequest
 
 CONTENT_TYPES = {
     "json": "application/json", "tgi_json": "application/json", "json_chat": "application/json",

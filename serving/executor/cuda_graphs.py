@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving.attention_metadata import AttentionMetadata, forward_context
+from serving.executor.attention_metadata import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
 

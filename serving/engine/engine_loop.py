@@ -21,9 +21,9 @@ from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from serving.engine import LLMEngine
+    from serving.engine.llm_engine import LLMEngine
 
-logger = logging.getLogger("serving.engine_loop")
+logger = logging.getLogger("serving.engine.engine_loop")
 
 
 class EngineState(str, enum.Enum):
@@ -255,7 +255,7 @@ class EngineLoop:
             self._die(exc)
 
     def _default_engine(self) -> LLMEngine:
-        from serving.engine import LLMEngine
+        from serving.engine.llm_engine import LLMEngine
 
         return LLMEngine(self.config)
 

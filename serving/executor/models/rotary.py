@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from serving.models.model_args import RopeArgs
+from serving.model_config import RopeArgs
 
 logger = logging.getLogger(__name__)
 

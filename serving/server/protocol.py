@@ -4,7 +4,7 @@ In: the JSON body of `POST /invocations` (`{"inputs","parameters","stream"}` or 
 `messages`), `/v1/completions` or `/v1/chat/completions`. Out: a frozen `GenerateRequest` holding
 vLLM-named `SamplingParams`, the prompts, and how to answer (wire format, details, ...). Every
 problem raises `ValueError` naming the field, which the app answers with 400. The response side
-(the same names in the other direction) is `serving/formatters.py`.
+(the same names in the other direction) is `serving/server/formatters.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Literal
 
 from serving.sampling_params import SamplingParams
 
-logger = logging.getLogger("serving.protocol")
+logger = logging.getLogger("serving.server.protocol")
 
 Route = Literal["invocations", "completions", "chat"]
 LMI_DEFAULT_MAX_NEW_TOKENS = 30  # LMI 0.28: a missing max_new_tokens becomes 30
@@ -35,7 +35,7 @@ class GenerateRequest:
 
     Exactly one of `prompts` (text per input), `prompt_token_ids` (OpenAI token prompts) or
     `messages` (chat, rendered with the tokenizer's template) is set. `batch` means the client
-    sent a list and gets a list back. `fmt` is the wire format (see `serving/formatters.py`).
+    sent a list and gets a list back. `fmt` is the wire format (see `serving/server/formatters.py`).
     """
 
     route: Route

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from serving.sequence import Sequence
+from serving.engine.sequence import Sequence
 
 # A prefix-cache key: (hash of the chained parent key or None for the first block, block's ids).
 # The dict compares keys by equality, so the token ids of the block itself are compared and a

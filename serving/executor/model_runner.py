@@ -17,16 +17,17 @@ from pathlib import Path
 
 import torch
 
-from serving.attention_metadata import AttentionMetadata, forward_context
-from serving.cuda_graphs import DecodeGraphRunner
+from serving.executor.attention_metadata import AttentionMetadata, forward_context
+from serving.executor.cuda_graphs import DecodeGraphRunner
 from serving.engine_config import CacheConfig, EngineConfig
 from serving.model_files import resolve_model_dir
-from serving.models import build_model, check_supported
-from serving.models.model_args import ModelArgs
-from serving.sampler import Sampler, generator_seed, to_device
-from serving.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
-from serving.step_inputs import StepInputs, prepare_inputs
-from serving.weights import init_dummy_weights, load_weights
+from serving.executor.models import build_model
+from serving.model_config import check_supported
+from serving.model_config import ModelArgs
+from serving.executor.sampler import Sampler, generator_seed, to_device
+from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from serving.executor.step_inputs import StepInputs, prepare_inputs
+from serving.executor.weights import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
-from serving.block_manager import BlockManager
-from serving.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
-from serving.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
+from serving.engine.block_manager import BlockManager
+from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
+from serving.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
 class Scheduler:

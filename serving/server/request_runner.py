@@ -1,6 +1,6 @@
 """Runs one parsed HTTP request on the engine loop: tokenize, admit, collect deltas, format.
 
-In: a `GenerateRequest` (serving/protocol.py). Out: either whole response bytes, or an iterator
+In: a `GenerateRequest` (serving/server/protocol.py). Out: either whole response bytes, or an iterator
 of byte records for a stream. It owns admission (the job queue bound -> 503), the per-request
 deadline (`predict_timeout`), aborting on client disconnect (the generator's `finally` closes
 the engine stream, which frees its KV blocks), and the latency metrics.
@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from serving.config import ServingConfig
-from serving.formatters import Formatter, Result
-from serving.metrics import Metrics
+from serving.server.formatters import Formatter, Result
+from serving.server.metrics import Metrics
 from serving.outputs import StreamDelta
-from serving.protocol import GenerateRequest
+from serving.server.protocol import GenerateRequest
 
-logger = logging.getLogger("serving.request_runner")
+logger = logging.getLogger("serving.server.request_runner")
 _POLL_S = 0.5  # how often a waiting handler re-checks engine health
 
 
@@ -50,7 +50,7 @@ class _Job:
 
 
 class RequestRunner:
-    """Executes GenerateRequests against an EngineLoop-like object (see `serving/engine_loop.py`)."""
+    """Executes GenerateRequests against an EngineLoop-like object (see `serving/engine/engine_loop.py`)."""
 
     def __init__(self, engine_loop: object, config: ServingConfig, metrics: Metrics | None = None) -> None:
         self.engine = engine_loop

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from serving.models.llama import LlamaForCausalLM
-from serving.models.model_args import ModelArgs
+from serving.executor.models.llama import LlamaForCausalLM
+from serving.model_config import SUPPORTED_ARCHITECTURES, ModelArgs, UnsupportedModelError
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,28 +22,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
 }
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture is not one we implement."""
-
-
-def check_supported(config: dict) -> None:
-    """Raise UnsupportedModelError unless config.json describes an architecture we run."""
-    archs = config.get("architectures") or []
-    known = ", ".join(sorted(MODEL_REGISTRY))
-    if any(a in MODEL_REGISTRY for a in archs):
-        return
-    if config.get("auto_map"):
-        raise UnsupportedModelError(
-            f"model architecture {archs or config.get('model_type')!r} needs remote code (auto_map in config.json); "
-            f"open-lmi does not run remote code. Supported architectures: {known}"
-        )
-    if not archs and config.get("model_type") in ("llama", "mistral", "qwen2", "phi3"):
-        return
-    raise UnsupportedModelError(
-        f"model architecture {archs or config.get('model_type')!r} is not supported; supported: {known}"
-    )
+assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES), "serving/model_config.py lists what we run"
 
 
 def get_model_class(args: ModelArgs) -> type[nn.Module]:

@@ -1,6 +1,6 @@
 """Prometheus metrics of the HTTP server (`GET /metrics`), one registry per app.
 
-Counters and histograms are fed by the request path (`serving/request_runner.py`); queue depth,
+Counters and histograms are fed by the request path (`serving/server/request_runner.py`); queue depth,
 running sequences and KV block usage are read from the engine loop's stats at scrape time.
 """
 

@@ -19,20 +19,20 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from serving.block_manager import BlockManager
+from serving.engine.block_manager import BlockManager
 from serving.engine_config import EngineConfig
 from serving.outputs import StreamDelta
-from serving.request_state import RequestState
+from serving.engine.request_state import RequestState
 from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler
-from serving.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from serving.sequence import FinishReason, Sequence
+from serving.engine.scheduler import Scheduler
+from serving.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from serving.engine.sequence import FinishReason, Sequence
 from serving.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
-    from serving.model_runner import ModelRunner
+    from serving.executor.model_runner import ModelRunner
 
-logger = logging.getLogger("serving.engine")
+logger = logging.getLogger("serving.engine.llm_engine")
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -58,7 +58,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer: object = None) -> None:
         if runner is None:
-            from serving.model_runner import ModelRunner
+            from serving.executor.model_runner import ModelRunner
 
             runner = ModelRunner(config)
         self.config = config

@@ -1,4 +1,4 @@
-"""gunicorn's entry point (`serving.wsgi:app`): config -> EngineLoop -> Flask app, in the worker.
+"""gunicorn's entry point (`serving.server.wsgi:app`): config -> EngineLoop -> Flask app, in the worker.
 
 Importing this module builds the app but starts nothing: `start()` (called from gunicorn's
 `post_worker_init`, i.e. after fork) starts the engine thread, which fetches the model (S3 /
@@ -15,12 +15,12 @@ import signal
 import threading
 import time
 
-from serving.app import create_app
+from serving.server.app import create_app
 from serving.config import ServingConfig, load_config
 from serving.engine_config import EngineConfig
-from serving.engine_loop import EngineLoop, EngineState
+from serving.engine.engine_loop import EngineLoop, EngineState
 
-logger = logging.getLogger("serving.wsgi")
+logger = logging.getLogger("serving.server.wsgi")
 
 
 class ServedEngine:
@@ -52,7 +52,7 @@ class ServedEngine:
 
 def _engine_factory(config: ServingConfig):  # noqa: ANN202
     def build(engine_config: EngineConfig):  # noqa: ANN202 - runs on the engine thread
-        from serving.engine import LLMEngine
+        from serving.engine.llm_engine import LLMEngine
         from serving.model_source import resolve_model
 
         t0 = time.monotonic()

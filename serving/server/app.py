@@ -2,8 +2,8 @@
 
 Routes: `GET /ping`, `POST /invocations` (LMI, TGI-compat and chat bodies), `GET /v1/models`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `GET /metrics`. Parsing is in
-`serving/protocol.py`, output bytes in `serving/formatters.py`, engine interaction in
-`serving/request_runner.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status.
+`serving/server/protocol.py`, output bytes in `serving/server/formatters.py`, engine interaction in
+`serving/server/request_runner.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from serving.config import ServingConfig
-from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from serving.metrics import Metrics
-from serving.protocol import (
+from serving.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from serving.server.metrics import Metrics
+from serving.server.protocol import (
     GenerateRequest,
     loads_body,
     parse_chat,
@@ -28,9 +28,9 @@ from serving.protocol import (
     parse_custom_attributes,
     parse_invocations,
 )
-from serving.request_runner import HTTPError, RequestRunner
+from serving.server.request_runner import HTTPError, RequestRunner
 
-logger = logging.getLogger("serving.app")
+logger = logging.getLogger("serving.server.app")
 _NO_CACHE = {"Cache-Control": "no-cache, no-store, must-revalidate, private", "Pragma": "no-cache"}
 
 
