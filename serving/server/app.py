@@ -31,6 +31,7 @@ from serving.server.protocol import (
 from serving.server.request_runner import HTTPError, RequestRunner
 
 logger = logging.getLogger("serving.server.app")
+UNMATCHED_ROUTE = "unmatched"  # the metrics route label of requests no route/method matched
 _NO_CACHE = {"Cache-Control": "no-cache, no-store, must-revalidate, private", "Pragma": "no-cache"}
 
 
@@ -163,20 +164,29 @@ def create_app(engine_loop: object, config: ServingConfig) -> Flask:
 
     @app.errorhandler(404)
     def not_found(_exc: Exception) -> Response:
-        return error(404, f"no route {request.path}", request.path)
+        return error(404, f"no route {request.path}", _route_label())
 
     @app.errorhandler(405)
     def bad_method(_exc: Exception) -> Response:
-        return error(405, f"{request.method} is not allowed on {request.path}", request.path)
+        return error(405, f"{request.method} is not allowed on {request.path}", _route_label())
 
     @app.errorhandler(Exception)
     def internal(exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
-            return error(exc.code or 500, exc.description or exc.name, request.path)
+            return error(exc.code or 500, exc.description or exc.name, _route_label())
         logger.exception("unhandled error on %s", request.path)
-        return error(500, f"internal error: {exc}", request.path)
+        return error(500, f"internal error: {exc}", _route_label())
 
     return app
+
+
+def _route_label() -> str:
+    """The `route` label of a request: its route template, or one bucket for everything else.
+
+    Never the raw path: every distinct unknown path (or method) would become a new time series.
+    """
+    rule = request.url_rule
+    return rule.rule if rule is not None else UNMATCHED_ROUTE
 
 
 def _flushing(records: Iterator[bytes]) -> Iterator[bytes]:
