@@ -9,8 +9,13 @@ problem raises `ValueError` naming the field, which the app answers with 400. Th
 
 from __future__ import annotations
 
+import array
+import itertools
 import json
 import logging
+import math
+import re
+import reprlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,6 +32,15 @@ LMI_FORMATTERS = ("json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "no
 _DROPPED = {"truncate", "typical_p", "watermark", "top_n_tokens", "grammar", "adapter_id", "num_beams",
             "use_beam_search", "length_penalty", "early_stopping", "logit_bias", "user", "suffix",
             "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice"}
+MAX_JSON_DEPTH = 64  # arrays/objects nested deeper than this are a 400 (real requests nest < 10)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the raw body
+_SURROGATE = re.compile("[\ud800-\udfff]")  # left in a decoded str only when it had no partner
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # as signed bytes: +1 / -1
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[{]}")))
+_SHOW = reprlib.Repr()  # values echoed in error messages: short, and never deeply recursive
+_SHOW.maxstring = _SHOW.maxother = 60
+_SHOW.maxlevel = 3
 
 
 @dataclass(frozen=True)
@@ -61,14 +75,77 @@ class GenerateRequest:
 
 
 def loads_body(raw: bytes) -> dict:
-    """Decode a JSON object body, or raise ValueError ('malformed JSON ...')."""
+    """Decode a JSON object body, or raise ValueError ('malformed JSON ...').
+
+    Also a ValueError: arrays/objects nested deeper than `MAX_JSON_DEPTH`, and a string (or key)
+    holding an unpaired UTF-16 surrogate escape such as `"\\ud800"` (not valid Unicode text).
+    """
     try:
         body = json.loads(raw.decode("utf-8")) if raw.strip() else None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too many digits in an integer
         raise ValueError(f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"malformed JSON body: arrays and objects nest deeper than {MAX_JSON_DEPTH} "
+                         "levels") from None
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
+    # Cheap checks first (C speed); the walk that names the field runs only for a bad body.
+    too_deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _json_depth(raw) > MAX_JSON_DEPTH
+    if too_deep or (_SURROGATE_ESCAPE.search(raw) and not _valid_unicode(body)):
+        _check_tree(body)
     return body
+
+
+def _json_depth(raw: bytes) -> int:
+    """How deeply arrays/objects nest in a valid JSON text (brackets inside strings do not count)."""
+    steps = _JSON_STRING.sub(b"", raw).translate(_BRACKET_STEPS, _NOT_BRACKETS)
+    return max(itertools.accumulate(array.array("b", steps)), default=0)
+
+
+def _valid_unicode(body: dict) -> bool:
+    """False when a decoded string holds a lone surrogate (JSON escapes can make one)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_tree(body: dict) -> None:
+    """Walk the decoded body without recursion: too deep, or a lone surrogate -> ValueError."""
+    stack: list[tuple[object, int, tuple | None]] = [(body, 1, None)]  # (value, depth, (key, parent))
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, str):
+            lone = _SURROGATE.search(value)
+            if lone:
+                raise ValueError(f"{_field(where)} holds an unpaired UTF-16 surrogate escape "
+                                 f"(\\u{ord(lone.group()):04x}): strings must be valid Unicode")
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"{_field(where)}: arrays and objects nest deeper than {MAX_JSON_DEPTH} levels")
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise ValueError(f"a key of {_field(where)} holds an unpaired UTF-16 surrogate escape: "
+                                 "strings must be valid Unicode")
+            if isinstance(item, (str, dict, list)):
+                stack.append((item, depth + 1, (key, where)))
+
+
+def _field(where: tuple | None, most: int = 6) -> str:
+    """`(key, parent)` links -> 'messages[0].content' ('the request body' at the top; at most
+    `most` parts, then '...')."""
+    parts: list[str] = []
+    while where is not None:
+        key, where = where
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{_show(key)[1:-1]}")
+    parts.reverse()
+    return ("".join(parts[:most]) + ("..." if len(parts) > most else "")).lstrip(".") or "the request body"
+
+
+def _show(value: object) -> str:
+    """A user value for an error message: its repr, cut short."""
+    return _SHOW.repr(value)
 
 
 # ---- small typed getters: wrong types -> ValueError naming the field -------------------------
@@ -82,7 +159,7 @@ def _get_bool(d: dict, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ValueError(f"{key} must be a boolean, got {v!r}")
+        raise ValueError(f"{key} must be a boolean, got {_show(v)}")
     return v
 
 
@@ -93,7 +170,7 @@ def _get_int(d: dict, key: str, lo: int | None = None, hi: int | None = None) ->
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        raise ValueError(f"{key} must be an integer, got {v!r}")
+        raise ValueError(f"{key} must be an integer, got {_show(v)}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{key} must be {bounds}, got {v}")
@@ -104,8 +181,8 @@ def _get_num(d: dict, key: str, lo: float | None = None, hi: float | None = None
     v = d.get(key)
     if v is None:
         return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
-        raise ValueError(f"{key} must be a number, got {v!r}")
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise ValueError(f"{key} must be a finite number, got {_show(v)}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ValueError(f"{key} must be in [{lo}, {hi}], got {v}")
     return float(v)
@@ -120,7 +197,7 @@ def _get_stop(d: dict, *keys: str) -> tuple[str, ...]:
             return (v,) if v else ()
         if isinstance(v, list) and all(isinstance(s, str) for s in v):
             return tuple(s for s in v if s)
-        raise ValueError(f"{key} must be a string or a list of strings, got {v!r}")
+        raise ValueError(f"{key} must be a string or a list of strings, got {_show(v)}")
     return ()
 
 
@@ -129,7 +206,7 @@ def _get_ids(d: dict, key: str) -> tuple[int, ...]:
     if v is None:
         return ()
     if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
-        raise ValueError(f"{key} must be a list of non-negative integers, got {v!r}")
+        raise ValueError(f"{key} must be a list of non-negative integers, got {_show(v)}")
     return tuple(v)
 
 
@@ -188,7 +265,7 @@ _LMI_KNOWN = {"max_new_tokens", "max_tokens", "do_sample", "temperature", "top_p
 def lmi_sampling_params(parameters: dict) -> tuple[SamplingParams, tuple[str, ...]]:
     """LMI `parameters` -> SamplingParams with LMI 0.28 semantics (30 tokens, greedy unless do_sample)."""
     if not isinstance(parameters, dict):
-        raise ValueError(f"parameters must be a JSON object, got {parameters!r}")
+        raise ValueError(f"parameters must be a JSON object, got {_show(parameters)}")
     warnings = _warn_unknown(parameters, _LMI_KNOWN, "parameters")
     for key in ("n", "best_of"):
         if (_get_int(parameters, key, 1) or 1) > 1:
@@ -219,7 +296,7 @@ def _lmi_format(stream: bool, chat: bool, tgi_compat: bool, configured: str | No
     name = configured
     if override is not None:
         if override not in LMI_FORMATTERS:
-            raise ValueError(f"output_formatter must be one of {'|'.join(LMI_FORMATTERS)}, got {override!r}")
+            raise ValueError(f"output_formatter must be one of {'|'.join(LMI_FORMATTERS)}, got {_show(override)}")
         name = override  # type: ignore[assignment]
     if name is None:
         if tgi_compat:
@@ -343,7 +420,7 @@ def parse_chat(body: dict, route: Route = "chat") -> GenerateRequest:
         fmt = "chat_sse" if stream else "chat"
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ValueError(f"model must be a string, got {model!r}")
+        raise ValueError(f"model must be a string, got {_show(model)}")
     ignored = {"tools", "tool_choice", "functions", "response_format"}
     return GenerateRequest(
         route=route, params=params, fmt=fmt, messages=messages, details=True, top_logprobs=top_logprobs,
@@ -374,7 +451,7 @@ def parse_completions(body: dict) -> GenerateRequest:
     params = _openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, False)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ValueError(f"model must be a string, got {model!r}")
+        raise ValueError(f"model must be a string, got {_show(model)}")
     return GenerateRequest(
         route="completions", params=params, fmt="completion_sse" if stream else "completion",
         prompts=prompts, prompt_token_ids=ids, batch=len(prompts) + len(ids) > 1, details=True,

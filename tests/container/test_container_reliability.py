@@ -1,11 +1,13 @@
 """Issue 10: one request must never take the server down (nor its metrics, nor its memory).
 
 One server for the module, started with a small job queue. Covers the bounded `route` label of
-`lmi_requests_total` (unknown paths and methods share one bucket).
+`lmi_requests_total` (unknown paths and methods share one bucket) and hostile JSON bodies (deep
+nesting, lone surrogates, NaN / Infinity) answered 400 on every POST route.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 
@@ -58,3 +60,49 @@ def test_metrics_route_label_is_the_route_template_or_one_bucket(server):
     assert after[("unmatched", "405")] - before.get(("unmatched", "405"), 0) == 2
     assert after[("/invocations", "400")] - before.get(("/invocations", "400"), 0) == 1
     assert len(text) < len(before_text) + 500  # at most the new buckets' lines, not one per path
+
+
+# A minimal valid body per POST route, and the field that holds its prompt text.
+BODIES = {
+    "/invocations": ({"inputs": "Hi", "parameters": {"max_new_tokens": 1}}, "inputs"),
+    "/v1/completions": ({"prompt": "Hi", "max_tokens": 1}, "prompt"),
+    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}, "messages[0].content"),
+}
+
+
+def _post_raw(server, path: str, raw: bytes) -> requests.Response:
+    return requests.post(server.url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+def _with_token(path: str, body: dict, name: str, token: str) -> bytes:
+    """`body` with sampling field `name` set to a raw JSON token (NaN is not writable by json.dumps)."""
+    if path == "/invocations":
+        body = {**body, "parameters": {**body["parameters"], "do_sample": True, name: "@@"}}
+    else:
+        body = {**body, name: "@@"}
+    return json.dumps(body).replace('"@@"', token).encode()
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+def test_hostile_json_is_a_400_naming_the_problem_on_every_post_route(server, path):
+    body, prompt_field = BODIES[path]
+    assert requests.post(server.url + path, json=body, timeout=60).status_code == 200
+    cases = [
+        (b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nest deeper than"),  # past Python's recursion limit
+        (json.dumps({**body, "stop": [[[[["x"] * 1] * 1] * 1]]}).replace('"x"', "[" * 80 + "]" * 80).encode(),
+         "stop[0][0][0][0]"),
+    ]
+    surrogate = json.dumps(body).replace('"Hi"', '"abc \\ud800 def"').encode()
+    cases.append((surrogate, f"{prompt_field} holds an unpaired UTF-16 surrogate"))
+    for name in ("temperature", "repetition_penalty", "top_p"):
+        for literal in ("NaN", "Infinity", "-Infinity", "1e999"):
+            cases.append((_with_token(path, body, name, literal), f"{name} must be a finite number"))
+    for raw, needle in cases:
+        r = _post_raw(server, path, raw)
+        assert r.status_code == 400, (raw[:80], r.status_code, r.text[:300])
+        assert r.json()["code"] == 400 and needle in r.json()["error"], (raw[:80], r.json())
+        assert len(r.content) < 500  # the value is not echoed back whole
+    # a surrogate *pair* (what json.dumps writes for an emoji) is valid text
+    emoji = json.dumps(body).replace('"Hi"', '"Hi \\ud83d\\ude00"').encode()
+    assert _post_raw(server, path, emoji).status_code == 200
+    assert requests.get(server.url + "/ping", timeout=2).status_code == 200
