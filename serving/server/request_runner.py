@@ -79,7 +79,17 @@ class RequestRunner:
         return int(cfg) if cfg else 2048
 
     def prompts(self, req: GenerateRequest) -> list[tuple[str, list[int]]]:
-        """(prompt text, prompt ids) per input; chat is rendered with the template. ValueError -> 400."""
+        """(prompt text, prompt ids) per input; chat is rendered with the template. ValueError -> 400.
+
+        A batch larger than the whole job queue is refused first, before any tokenizing: it could
+        never be admitted, so it is a 413 rather than the retryable 503 of a momentarily full queue.
+        """
+        count = len(req.prompts) + len(req.prompt_token_ids) + (1 if req.messages else 0)
+        if count > self.config.job_queue_size:
+            field = "inputs" if req.route == "invocations" else "prompt"
+            raise HTTPError(413, f"{field} holds {count} prompts, more than this server ever admits at once "
+                                 f"(job_queue_size={self.config.job_queue_size}): send at most "
+                                 f"{self.config.job_queue_size} per request")
         tok = self.tokenizer
         out: list[tuple[str, list[int]]] = []
         if req.messages:

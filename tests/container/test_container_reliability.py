@@ -1,14 +1,17 @@
 """Issue 10: one request must never take the server down (nor its metrics, nor its memory).
 
 One server for the module, started with a small job queue. Covers the bounded `route` label of
-`lmi_requests_total` (unknown paths and methods share one bucket) and hostile JSON bodies (deep
-nesting, lone surrogates, NaN / Infinity) answered 400 on every POST route.
+`lmi_requests_total` (unknown paths and methods share one bucket), hostile JSON bodies (deep
+nesting, lone surrogates, NaN / Infinity) answered 400 on every POST route, and batches larger
+than the whole job queue (413, never the retryable 503 of a momentarily full queue).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import time
 import uuid
 
 import pytest
@@ -106,3 +109,40 @@ def test_hostile_json_is_a_400_naming_the_problem_on_every_post_route(server, pa
     emoji = json.dumps(body).replace('"Hi"', '"Hi \\ud83d\\ude00"').encode()
     assert _post_raw(server, path, emoji).status_code == 200
     assert requests.get(server.url + "/ping", timeout=2).status_code == 200
+
+
+def _open_stream(server, i: int) -> http.client.HTTPConnection:
+    """A long stream that holds one job-queue slot until its connection is closed."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/invocations", body=json.dumps({
+        "inputs": f"Count to one hundred, attempt {i}:", "stream": True,
+        "parameters": {"max_new_tokens": 400, "ignore_eos_token": True}}),
+        headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and b'{"token"' in resp.read1(4096)
+    return conn
+
+
+def test_a_batch_larger_than_the_job_queue_is_a_413_a_full_queue_still_a_503(server):
+    for n in (QUEUE + 1, 2000):
+        t0 = time.monotonic()
+        r = requests.post(server.url + "/invocations", json={"inputs": ["Hi"] * n}, timeout=60)
+        assert r.status_code == 413 and r.json()["code"] == 413, r.text
+        assert f"inputs holds {n} prompts" in r.json()["error"] and f"job_queue_size={QUEUE}" in r.json()["error"]
+        assert time.monotonic() - t0 < 5
+    r = requests.post(server.url + "/v1/completions", json={"prompt": ["Hi"] * (QUEUE + 1), "max_tokens": 1},
+                      timeout=60)
+    assert r.status_code == 413 and f"prompt holds {QUEUE + 1} prompts" in r.json()["error"]
+    r = requests.post(server.url + "/invocations", json={"inputs": ["Hi"] * QUEUE, "parameters": {
+        "max_new_tokens": 1}}, timeout=60)
+    assert r.status_code == 200 and len(r.json()) == QUEUE  # exactly the queue size fits
+    conns = []
+    try:
+        conns = [_open_stream(server, i) for i in range(QUEUE - 1)]
+        r = requests.post(server.url + "/invocations", json={"inputs": ["Hi", "Ho"]}, timeout=60)
+        assert r.status_code == 503 and "capacity" in r.json()["error"]  # fits, but not right now: retry
+    finally:
+        for c in conns:
+            c.sock.close()
+            c.close()
+    server.wait_idle(timeout=30)
