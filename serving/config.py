@@ -290,8 +290,8 @@ def describe(config: ServingConfig) -> list[tuple[str, str, str]]:
             value = getattr(config, target, None)
         if target == "hf_token" and value:
             value = "***"
-        if target == "chat_template" and isinstance(value, str) and len(value) > 40:
-            value = value[:37].replace("\n", " ") + "..."
+        if target == "chat_template" and value:  # where it came from, never its text
+            value = f"{getattr(value, 'origin', 'inline')} ({len(value)} chars)"
         rows.append((key.name, str(value), config.sources.get(target, "default")))
     return rows
 

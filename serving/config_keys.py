@@ -7,6 +7,7 @@ and the "accepts" text used in start-up error messages. `serving/config.py` appl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,15 +88,86 @@ def _optional_int(lo: int) -> Callable[[str], int | None]:
     return parse
 
 
-def _chat_template(text: str) -> str:
-    """A path to a Jinja file (read now), or an inline Jinja template."""
+CHAT_TEMPLATE_MAX_BYTES = 256 * 1024  # the largest hub chat templates are ~20 KB
+_CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # not in a text file
+
+
+class ChatTemplate(str):
+    """A checked Jinja chat template; `origin` is the file it was read from, or 'inline'.
+
+    The start-up log shows `origin` and the length, never the text.
+    """
+
+    origin: str
+
+    def __new__(cls, text: str, origin: str = "inline") -> ChatTemplate:
+        obj = super().__new__(cls, text)
+        obj.origin = origin
+        return obj
+
+    def __getnewargs__(self) -> tuple[str, str]:  # copy / pickle keep the origin
+        return str(self), self.origin
+
+
+def _chat_template(text: str) -> ChatTemplate:
+    """A path to a Jinja file (read now), or an inline Jinja template; either must be a chat template.
+
+    A file must be a regular UTF-8 text file of at most `CHAT_TEMPLATE_MAX_BYTES`; the template
+    must parse as Jinja and use `messages`. Errors about a file never quote what it holds (it may
+    be any file this process can read): a syntax error gives its line only.
+    """
     value = text.strip()
-    path = Path(value)
-    if len(value) < 4096 and "\n" not in value and path.is_file():
-        return path.read_text(encoding="utf-8")
+    path = Path(value).expanduser()
+    if len(value) < 4096 and "\n" not in value and path.exists():
+        if not path.is_file():
+            raise ValueError(f"{path} is not a regular file")
+        try:
+            with path.open("rb") as f:
+                data = f.read(CHAT_TEMPLATE_MAX_BYTES + 1)
+        except OSError as exc:
+            raise ValueError(f"{path} cannot be read: {exc.strerror}") from None
+        if len(data) > CHAT_TEMPLATE_MAX_BYTES:
+            raise ValueError(f"{path} is larger than {CHAT_TEMPLATE_MAX_BYTES // 1024} KiB: not a chat template")
+        try:
+            source = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not UTF-8 text: not a chat template") from None
+        if _CONTROL_CHARS.search(source):
+            raise ValueError(f"{path} holds control characters: not a text file")
+        return ChatTemplate(_check_jinja(source, str(path)), str(path))
     if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"{value!r} is neither a readable file nor a Jinja template")
+        return ChatTemplate(_check_jinja(value, "inline"))
+    raise ValueError(f"{value[:200]!r} is neither an existing file nor a Jinja template ({{{{ ... }}}} / {{% ... %}})")
+
+
+def _check_jinja(source: str, origin: str) -> str:
+    """`source` if it parses as a Jinja chat template (as transformers compiles it) using `messages`."""
+    import jinja2
+    import jinja2.meta
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` block (only parsed here)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, loopcontrols])
+    what = "the inline template" if origin == "inline" else origin
+    try:
+        ast = env.parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        detail = f": {exc.message}" if origin == "inline" else ""  # never echo a file's text
+        raise ValueError(f"{what} is not a valid Jinja template (syntax error at line {exc.lineno}{detail})") from None
+    if "messages" not in jinja2.meta.find_undeclared_variables(ast):
+        raise ValueError(f"{what} does not use `messages`: not a chat template")
+    return source
 
 
 def _load_format(text: str) -> str:
@@ -144,7 +216,8 @@ KEYS: tuple[Key, ...] = (
         _choice("json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "none"),
         "json|jsonlines|sse|json_chat|jsonlines_chat|none"),
     Key("option.tgi_compat", "tgi_compat", _bool, "true|false", False),
-    Key("option.chat_template", "chat_template", _chat_template, "a path to a Jinja file or an inline template"),
+    Key("option.chat_template", "chat_template", _chat_template,
+        "a Jinja chat template file (UTF-8, at most 256 KiB) or an inline template, using `messages`"),
     Key("option.served_model_name", "served_model_name", _str, "a model name for the /v1 routes"),
     Key("option.model_loading_timeout", "model_loading_timeout", _float(1.0, 1e7), "seconds (a positive number)",
         1200.0),

@@ -2,31 +2,41 @@
 
 One server for the module, started with a small job queue. Covers the bounded `route` label of
 `lmi_requests_total` (unknown paths and methods share one bucket), hostile JSON bodies (deep
-nesting, lone surrogates, NaN / Infinity) answered 400 on every POST route, and batches larger
-than the whole job queue (413, never the retryable 503 of a momentarily full queue).
+nesting, lone surrogates, NaN / Infinity) answered 400 on every POST route, batches larger
+than the whole job queue (413, never the retryable 503 of a momentarily full queue), and
+`OPTION_CHAT_TEMPLATE` (a file is used only if it is a Jinja chat template; its text is never logged).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import requests
-from lmi_server import LMIServer
+from lmi_server import SERVE, LMIServer, free_port
 
 pytestmark = pytest.mark.slow
 QUEUE = 8  # job_queue_size of the module's server
 ROUTES = {"/invocations", "/v1/completions", "/v1/chat/completions"}
+# The module server's chat template: the message texts only, so a chat prompt is exactly its text.
+TEMPLATE_HEAD = "{#- open-lmi reliability template -#}"
+TEMPLATE = TEMPLATE_HEAD + "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("reliability")
-    srv = LMIServer({"SERVING_JOB_QUEUE_SIZE": str(QUEUE)}, cwd, cwd / "serve.log")
+    (cwd / "chat.jinja").write_text(TEMPLATE)
+    env = {"SERVING_JOB_QUEUE_SIZE": str(QUEUE), "OPTION_CHAT_TEMPLATE": str(cwd / "chat.jinja")}
+    srv = LMIServer(env, cwd, cwd / "serve.log")
     try:
         srv.wait(200)
         yield srv
@@ -146,3 +156,42 @@ def test_a_batch_larger_than_the_job_queue_is_a_413_a_full_queue_still_a_503(ser
             c.sock.close()
             c.close()
     server.wait_idle(timeout=30)
+
+
+def test_chat_template_file_is_used_and_only_named_in_the_log(server):
+    log = server.log()
+    assert f"chat.jinja ({len(TEMPLATE)} chars)" in log
+    assert "reliability template" not in log and "{% for m in messages" not in log
+    chat = requests.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 1}, timeout=60).json()
+    plain = requests.post(server.url + "/v1/completions", json={"prompt": "Hi there", "max_tokens": 1},
+                          timeout=60).json()
+    assert chat["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]  # the template's text, nothing more
+
+
+def test_a_chat_template_file_that_is_not_one_stops_the_start_without_echoing_it(tmp_path):
+    secret = f"canary-{uuid.uuid4().hex}"
+    files = {
+        "notes.txt": (f"password = {secret}\n".encode(), "does not use `messages`: not a chat template"),
+        "broken.jinja": (f"{{% for m in messages %}}\n{{{{ {secret} + }}}}\n{{% endfor %}}".encode(),
+                         "not a valid Jinja template (syntax error at line 2)"),
+        "blob.bin": (b"\x7fELF\x02\x01\x00\x00" + secret.encode(), "control characters: not a text file"),
+        "latin1.jinja": ("{{ messages }} caf\u00e9 ".encode("latin-1") + secret.encode(), "is not UTF-8 text"),
+        "huge.jinja": (b"{{ messages }}" + secret.encode() * (300 * 1024 // len(secret)), "larger than 256 KiB"),
+    }
+    cases = []
+    for name, (data, needle) in files.items():
+        (tmp_path / name).write_bytes(data)
+        cases.append((str(tmp_path / name), needle))
+    cases += [(str(tmp_path), "is not a regular file"),
+              ("/proc/self/environ", "control characters"),  # the server's own environment (holds the secret)
+              (str(tmp_path / "missing.jinja"), "neither an existing file nor a Jinja template")]
+    env = {**os.environ, "LEAK_CANARY": secret, "SAGEMAKER_BIND_TO_PORT": str(free_port()),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for value, needle in cases:
+        p = subprocess.run([str(SERVE), "serve"], env={**env, "OPTION_CHAT_TEMPLATE": value}, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=30)
+        out = p.stdout + p.stderr
+        assert p.returncode == 2, (value, out[-2000:])
+        assert f"OPTION_CHAT_TEMPLATE={value!r} is invalid" in out and needle in out, (value, out[-2000:])
+        assert secret not in out, value

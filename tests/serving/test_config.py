@@ -125,7 +125,7 @@ INVALID = [
     ("OPTION_ENABLE_STREAMING", "yes please", "true|false|huggingface"),
     ("OPTION_OUTPUT_FORMATTER", "xml", "json|jsonlines|sse"),
     ("OPTION_TGI_COMPAT", "sure", "true|false"),
-    ("OPTION_CHAT_TEMPLATE", "/no/such/file.jinja", "a path to a Jinja file or an inline template"),
+    ("OPTION_CHAT_TEMPLATE", "/no/such/file.jinja", "a Jinja chat template file (UTF-8, at most 256 KiB)"),
     ("OPTION_TRUST_REMOTE_CODE", "perhaps", "true|false"),
     ("OPTION_ROLLING_BATCH", "turbo", "auto|vllm|lmi-dist|scheduler|disable"),
     ("TENSOR_PARALLEL_DEGREE", "all", "a positive integer or max"),
