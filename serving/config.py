@@ -72,8 +72,18 @@ class ServingConfig:
     fail_fast: bool = False
     threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
     graceful_timeout: float = 25.0
+    # Engine copies behind the endpoint: visible GPUs // tensor_parallel_degree (1 on CPU).
+    model_copies: int = 1
+    gpu_count: int = 0  # visible GPUs at start (0: the engine runs on the CPU)
     properties_path: str | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
+
+    def copy_devices(self) -> list[tuple[str, ...]]:
+        """The devices of each model copy: copy c holds GPUs c*tp .. c*tp+tp-1 (CPU ranks without GPUs)."""
+        tp = self.engine.tensor_parallel_size
+        if not self.gpu_count:
+            return [("cpu",) * tp]
+        return [tuple(f"cuda:{c * tp + i}" for i in range(tp)) for c in range(self.model_copies)]
 
     @property
     def gunicorn_threads(self) -> int:
@@ -228,8 +238,14 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
            gpu_count: Callable[[], int]) -> ServingConfig:
     engine_kwargs = {k.removeprefix("engine."): v for k, v in values.items() if k.startswith("engine.")}
     tp = engine_kwargs["tensor_parallel_size"]
+    on_cpu = engine_kwargs.get("device") == "cpu"
+    gpus = 0 if on_cpu else gpu_count()
     if tp == "max":
-        engine_kwargs["tensor_parallel_size"] = max(1, gpu_count())
+        tp = engine_kwargs["tensor_parallel_size"] = max(1, gpus)
+    if gpus and tp > gpus:
+        raise ConfigError(f"{_src(sources, 'engine.tensor_parallel_size')}: tensor_parallel_degree={tp} exceeds "
+                          f"the {gpus} visible GPU(s); use at most {gpus} (or max)")
+    copies = max(1, gpus // tp) if gpus else 1
     if values["quantize"] not in (None, "none"):
         raise ConfigError(
             f"{_src(sources, 'quantize')}: option.quantize={values['quantize']!r} is not supported: this "
@@ -248,7 +264,7 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
         sources["served_model_name"] = "derived from option.model_id" if model_id else "default"
     server = {f.name: values[f.name] for f in dataclasses.fields(ServingConfig)
               if f.name in values and f.name not in ("engine", "served_model_name")}
-    return ServingConfig(engine=engine, served_model_name=served,
+    return ServingConfig(engine=engine, served_model_name=served, model_copies=copies, gpu_count=gpus,
                          properties_path=str(props_path) if props_path else None,
                          sources=MappingProxyType(dict(sources)), **server)  # type: ignore[arg-type]
 
@@ -306,6 +322,9 @@ def log_config(config: ServingConfig, log: logging.Logger = logger) -> None:
     log.info("resolved configuration (%s):\n%s",
              config.properties_path or "no serving.properties", "\n".join(lines))
     log.info("option.rolling_batch=%s: %s", config.rolling_batch, ROLLING_BATCH_MEANING[config.rolling_batch])
+    log.info("tensor parallelism: degree %d (one process per rank when > 1); %d model copies: %s",
+             config.engine.tensor_parallel_size, config.model_copies,
+             "; ".join(f"copy {c} on {','.join(d)}" for c, d in enumerate(config.copy_devices())))
     if config.trust_remote_code:
         log.warning("option.trust_remote_code=true accepted, but this server never executes model "
                     "repository code: models run on its own implementations, and a model that needs "

@@ -180,7 +180,7 @@ KEYS: tuple[Key, ...] = (
     Key("option.revision", "revision", _str, "a hub branch, tag or commit"),
     Key("hf_token", "hf_token", _str, "a Hugging Face access token"),
     Key("port", "port", _int(1, 65535), "an integer port 1..65535", 8080),
-    Key("option.tensor_parallel_degree", "engine.tensor_parallel_size", _tp, "a positive integer or max", 1,
+    Key("option.tensor_parallel_degree", "engine.tensor_parallel_size", _tp, "a positive integer or max", "max",
         ("option.tensor_parallel_size",)),
     Key("option.rolling_batch", "rolling_batch",
         _choice("auto", "vllm", "lmi-dist", "scheduler", "disable", "deepspeed", "trtllm", "tnx"),
@@ -248,7 +248,7 @@ TGI_ALIASES: dict[str, tuple[str, Callable[[str], str]]] = {
 # LMI keys that are valid there but change nothing here: accepted and logged, never "unknown".
 IGNORED_KEYS: dict[str, str] = {
     "engine": "one engine serves every model here (no Python/MPI choice)",
-    "option.mpi_mode": "no MPI: tensor parallelism is in-process",
+    "option.mpi_mode": "no MPI: each tensor-parallel rank is a process spawned by the worker (torch.distributed)",
     "option.entryPoint": "custom handlers (model.py) are not executed",
     "option.task": "only text generation is served",
     "option.parallel_loading": "weights load once, in the engine thread",
@@ -267,8 +267,8 @@ IGNORED_KEYS: dict[str, str] = {
     "management_address": "there is no separate management API",
     "wait_model_loading": "/ping answers 503 until the model is ready",
     "retry_threshold": "the engine is not restarted; /ping fails once it is dead",
-    "min_workers": "one worker process owns the accelerator",
-    "max_workers": "one worker process owns the accelerator",
+    "min_workers": "model copies are visible GPUs / tensor_parallel_degree, behind one worker process",
+    "max_workers": "model copies are visible GPUs / tensor_parallel_degree, behind one worker process",
     "minWorkers": "one worker process owns the accelerator",
     "maxWorkers": "one worker process owns the accelerator",
     "batch_size": "requests are batched continuously by the engine",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's per-step token budget with chunked prefill
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPE_ALIASES = {
     "auto": "auto", "fp32": "float32", "float32": "float32", "float": "float32",
@@ -77,6 +78,16 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
+
+    def token_budget(self, max_model_len: int) -> int:
+        """Tokens computed per step (the one place it is derived): the option, else vLLM's
+        default of 2048 with chunked prefill or a whole max-length prompt without, and never
+        fewer than max_num_seqs (the decodes at the back would starve)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+        return max(budget, self.max_num_seqs)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:

@@ -176,3 +176,16 @@ def check_supported(config: dict) -> None:
     raise UnsupportedModelError(
         f"model architecture {archs or config.get('model_type')!r} is not supported; supported: {known}"
     )
+
+
+def eos_token_ids(model_dir: Path, args: ModelArgs) -> tuple[int, ...]:
+    """The model's EOS ids, the one source the engine and workers use: config.json's, then
+    generation_config.json's (union, config's first)."""
+    ids = list(args.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for t in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if int(t) not in ids:
+                ids.append(int(t))
+    return tuple(ids)

@@ -172,6 +172,15 @@ class EngineLoop:
     def max_model_len(self) -> int | None:
         return self.engine.max_model_len if self.engine is not None else None
 
+    @property
+    def num_open_requests(self) -> int:
+        """Requests submitted and not finished (the router's measure of load)."""
+        return len(self._streams)
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def stats(self) -> dict:
         """Engine gauges/counters plus the state; safe from any thread (reads counters)."""
         out: dict = {"state": self.state.value, "num_streams": len(self._streams)}
@@ -232,11 +241,18 @@ class EngineLoop:
             self._die(exc)
             return
         self.engine = engine
+        engine.executor.set_failure_callback(self._die)  # a dead or hung worker, seen by its watchdog
         with self._lock:
             if self.state is EngineState.LOADING:
                 self.state = EngineState.READY
                 self.was_ready = True
         self._ready.set()
+        try:
+            self._serve(engine)
+        finally:
+            engine.shutdown()
+
+    def _serve(self, engine: LLMEngine) -> None:
         try:
             while True:
                 if self._drain(block=not engine.has_unfinished_requests()):
@@ -320,6 +336,8 @@ class EngineLoop:
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
+            if self.state is EngineState.DEAD and self.error is not None and not self._streams:
+                return  # already dead (the watchdog and the engine thread may both report it)
             self.state = EngineState.DEAD
             self.error = exc
             streams = list(self._streams.values())

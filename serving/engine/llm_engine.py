@@ -1,7 +1,8 @@
 """LLMEngine: one step of the rolling batch at a time (single-threaded; EngineLoop drives it).
 
-Wires the ModelRunner (weights, KV cache, forward, sampling), the Scheduler (what runs) and
-one IncrementalDetokenizer per sample (text, stop strings). In: `add_request` (prompt text or
+Wires the Executor (its workers own weights, KV cache, forward, sampling; it gets one
+by-value `StepPlan` per step), the Scheduler (what runs) and one IncrementalDetokenizer per
+sample (text, stop strings). In: `add_request` (prompt text or
 ids + SamplingParams), `abort_request`. Out: `step() -> list[StreamDelta]`, one delta per
 sample that got a token or finished, in LMI's finish-reason vocabulary.
 
@@ -17,35 +18,23 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+import weakref
 
 from serving.engine.block_manager import BlockManager
-from serving.engine_config import EngineConfig
-from serving.outputs import StreamDelta
 from serving.engine.request_state import RequestState
-from serving.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
-from serving.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from serving.engine.plan_builder import build_plan
+from serving.engine.scheduler_output import SchedulerOutput
 from serving.engine.sequence import FinishReason, Sequence
-from serving.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
-
-if TYPE_CHECKING:
-    from serving.executor.model_runner import ModelRunner
+from serving.engine_config import EngineConfig
+from serving.executor.executor import Executor, WorkerFailedError, make_executor
+from serving.executor.plan import StepOutput, StepPlan
+from serving.model_files import resolve_model_dir
+from serving.outputs import StreamDelta
+from serving.sampling_params import SamplingParams
+from serving.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("serving.engine.llm_engine")
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
-
-def resolve_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
-    """The per-step token budget: the option, else 2048 (chunked) or a whole max-length prompt."""
-    if config.max_num_batched_tokens is not None:
-        budget = config.max_num_batched_tokens
-    elif config.enable_chunked_prefill:
-        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    else:
-        budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
-    return max(budget, config.max_num_seqs) if config.max_num_batched_tokens is None else budget
 
 
 class LLMEngine:
@@ -53,37 +42,43 @@ class LLMEngine:
 
     Args:
         config: the engine options.
-        runner: a ready ModelRunner (tests inject one); built from `config` when None.
+        executor: a ready executor (tests inject one); built from `config` when None, on
+            `devices` (default: the first `tensor_parallel_size` GPUs, or the CPU), in worker
+            processes when `multiprocess` (model replicas) or tensor_parallel_size > 1.
+        tokenizer: an HF tokenizer to use instead of loading the model's.
     """
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer: object = None) -> None:
-        if runner is None:
-            from serving.executor.model_runner import ModelRunner
-
-            runner = ModelRunner(config)
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        tokenizer: object = None,
+        devices: tuple[str, ...] | None = None,
+        multiprocess: bool | None = None,
+    ) -> None:
+        if executor is None:
+            model_dir = resolve_model_dir(config.model, config.revision)
+            executor = make_executor(config, str(model_dir), devices, multiprocess)
         self.config = config
-        self.runner = runner
-        cache = runner.cache_config
+        self.executor = executor
+        # Worker processes and device memory go with the engine (offline users `del llm`).
+        self._finalizer = weakref.finalize(self, executor.shutdown)
+        info = executor.info
+        self.info = info
+        cache = info.cache
         self.cache_config = cache
         self.max_model_len = cache.max_model_len
         self.tokenizer = tokenizer
         if tokenizer is None and not config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(
-                config.tokenizer or str(runner.model_path), config.revision, config.trust_remote_code
-            )
-        self.eos_token_ids = list(getattr(runner, "eos_token_ids", None) or eos_token_ids(self.tokenizer, None))
-        self.vocab_size = int(getattr(runner, "vocab_size", 0) or (len(self.tokenizer) if self.tokenizer else 0))
+            self.tokenizer = load_tokenizer(config.tokenizer or info.model_dir, config.revision, config.trust_remote_code)
+        self.eos_token_ids = list(info.eos_token_ids)
+        self.vocab_size = info.vocab_size
         num_blocks = cache.num_blocks
         if config.num_gpu_blocks_override is not None:
             # A runner shared between engines (tests) may hold more blocks than this one uses.
             num_blocks = min(num_blocks, config.num_gpu_blocks_override)
         self.block_manager = BlockManager(num_blocks, cache.block_size, config.enable_prefix_caching)
-        if config.max_num_batched_tokens is not None:
-            self.max_num_batched_tokens = config.max_num_batched_tokens
-        else:
-            self.max_num_batched_tokens = int(
-                getattr(runner, "max_num_batched_tokens", 0) or resolve_max_num_batched_tokens(config, self.max_model_len)
-            )
+        self.max_num_batched_tokens = config.token_budget(self.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -95,13 +90,14 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         # The launched step whose tokens are not read yet (async scheduling), and whether
         # the next step must wait for them (its samples need their own history).
-        self._inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self._inflight: tuple[SchedulerOutput, StepOutput] | None = None
         self._inflight_blocks_next = False
-        device = getattr(runner, "device", None)
         self.async_scheduling = (
-            config.async_scheduling if config.async_scheduling is not None
-            else getattr(device, "type", "cpu") == "cuda"
+            config.async_scheduling if config.async_scheduling is not None else info.device_type == "cuda"
         )
+        # Sent with the next plan: sequences the workers can forget entirely / until re-admitted.
+        self._finished_ids: list[int] = []
+        self._preempted_ids: list[int] = []
         self._seq_ids = itertools.count()
         # Requests whose work is in the step being run (for `recover`), and recent failures.
         self._involved: set[str] = set()
@@ -111,9 +107,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%d tokens), max_model_len=%d, max_num_seqs=%d, "
-            "max_num_batched_tokens=%d, async_scheduling=%s",
+            "max_num_batched_tokens=%d, async_scheduling=%s, devices=%s",
             num_blocks, cache.block_size, num_blocks * cache.block_size, cache.max_model_len,
-            config.max_num_seqs, self.max_num_batched_tokens, self.async_scheduling,
+            config.max_num_seqs, self.max_num_batched_tokens, self.async_scheduling, ",".join(info.devices),
         )
 
     # ---- requests ------------------------------------------------------------------------
@@ -221,8 +217,7 @@ class LLMEngine:
                     f"{len(self.scheduler.running)} running, {self.block_manager.num_free_blocks} free blocks"
                 )
             return deltas
-        prev = self._inflight[1] if self._inflight is not None else None
-        runner_out = self.runner.execute(sched_out, prev)
+        runner_out = self.executor.execute(self._plan(sched_out))
         self.num_steps += 1
         self.num_prompt_tokens_computed += sum(
             s.num_tokens for s in sched_out.scheduled if s.start < s.seq.num_prompt_tokens
@@ -250,12 +245,17 @@ class LLMEngine:
         """
         now = time.monotonic()
         self._failures = [t for t in self._failures if now - t < 60.0] + [now]
-        if _device_failed(exc) or len(self._failures) >= 8:
+        if isinstance(exc, WorkerFailedError) or _device_failed(exc) or len(self._failures) >= 8:
             raise exc
         involved = self._involved & self._requests.keys()
         self._inflight = None
         self.scheduler.requeue_all()
-        self.runner.reset()
+        self.executor.reset()
+        for req in self._requests.values():
+            for seq in req.seqs:
+                seq.in_worker = False
+        self._preempted_ids.clear()
+        self._finished_ids.clear()
         suspects = self.scheduler.suspects
         suspects.intersection_update(self._requests)
         culprits = involved if len(involved) == 1 else (involved & suspects if len(involved & suspects) == 1 else set())
@@ -284,12 +284,12 @@ class LLMEngine:
             self._release(seq)
         return deltas
 
-    def _take_inflight(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+    def _take_inflight(self) -> tuple[SchedulerOutput, StepOutput]:
         assert self._inflight is not None
         last, self._inflight = self._inflight, None
         return last
 
-    def _process(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[StreamDelta]:
+    def _process(self, sched_out: SchedulerOutput, runner_out: StepOutput) -> list[StreamDelta]:
         """Read one step's tokens (waits for the device), detokenize, apply stops; its deltas."""
         results = self.scheduler.update(sched_out, runner_out)
         deltas: list[StreamDelta] = []
@@ -322,10 +322,22 @@ class LLMEngine:
         return deltas
 
     def _release(self, seq: Sequence) -> None:
-        """Let the runner drop per-sequence state (seeded generator, prompt logprobs)."""
-        free = getattr(self.runner, "free_sequence", None)
-        if free is not None:
-            free(seq.seq_id)
+        """The workers drop the sequence's state (mirror, seeded generator) with the next plan."""
+        seq.in_worker = False
+        self._finished_ids.append(seq.seq_id)
+
+    def _plan(self, sched_out: SchedulerOutput) -> StepPlan:
+        for seq in sched_out.preempted:
+            if seq.in_worker:
+                seq.in_worker = False
+                self._preempted_ids.append(seq.seq_id)
+        plan = build_plan(self.num_steps, sched_out, self._finished_ids, self._preempted_ids)
+        self._finished_ids, self._preempted_ids = [], []
+        return plan
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers and free the devices (idempotent)."""
+        self._finalizer()
 
     # ---- observability -------------------------------------------------------------------
 

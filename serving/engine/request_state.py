@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
-from serving.engine.scheduler_output import SampledToken
+from serving.executor.plan import SampledToken
 from serving.engine.sequence import Sequence, SequenceStatus
 from serving.tokenizer import IncrementalDetokenizer
 

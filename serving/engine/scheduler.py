@@ -18,7 +18,8 @@ import bisect
 from collections.abc import Iterable
 
 from serving.engine.block_manager import BlockManager
-from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
+from serving.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from serving.executor.plan import SampledToken, StepOutput
 from serving.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
@@ -241,7 +242,7 @@ class Scheduler:
                 assert item.seq.num_tokens == item.end, f"seq {item.seq.seq_id}: sampled token out of order"
                 item.seq.token_ids.append(PLACEHOLDER)
 
-    def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[tuple[Sequence, SampledToken]]:
+    def update(self, sched_out: SchedulerOutput, runner_out: StepOutput) -> list[tuple[Sequence, SampledToken]]:
         """Store sampled tokens, register computed blocks, finish sequences that hit EOS / length.
 
         Returns:

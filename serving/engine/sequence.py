@@ -14,11 +14,7 @@ from dataclasses import dataclass, field
 from serving.sampling_params import SamplingParams
 
 
-PLACEHOLDER = -1
-"""Stands in `token_ids` for a token still being sampled on the device (async scheduling).
-
-The scheduler counts it like any token (the next step computes it), the model runner takes
-its id from the previous step's device tensor, and `Scheduler.update` writes the real id."""
+from serving.executor.plan import PLACEHOLDER  # noqa: E402  (re-exported for the engine)
 
 
 class SequenceStatus(enum.Enum):
@@ -57,6 +53,11 @@ class Sequence:
     num_preemptions: int = 0
     # Length limit, prompt included: min(prompt + max_tokens, max_model_len) (set at admission).
     max_num_tokens: int = 1 << 62
+    # What the workers hold of it (see LLMEngine._plan): whether they know it at all, how many
+    # leading ids they hold resolved, how many of its blocks they were sent.
+    in_worker: bool = False
+    num_synced: int = 0
+    num_blocks_sent: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,7 +1,8 @@
-"""ModelRunner: owns the device, the model and its weights, the one KV cache tensor, sampling.
+"""ModelRunner: one worker's device, model shard and weights, its KV cache tensor, sampling.
 
-In: an `EngineConfig` at start; a `SchedulerOutput` per step. Out: `ModelRunnerOutput` with one
-`SampledToken` per entry that samples. At start it resolves the model dir, picks device and
+In: an `EngineConfig` at start; a `StepPlan` per step, applied to the worker's `BatchState`
+mirror of the running sequences. Out: a `StepOutput` with one `SampledToken` per chunk that
+samples (under tensor parallelism rank 0 samples and broadcasts the ids to the other ranks). At start it resolves the model dir, picks device and
 dtype, builds and loads the model, sizes the KV cache (CPU: `kv_cache_memory_gb`; GPU:
 `gpu_memory_utilization` after a profiling forward; `num_gpu_blocks_override` wins) and
 allocates it once: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
@@ -22,10 +23,12 @@ from serving.executor.cuda_graphs import DecodeGraphRunner
 from serving.engine_config import CacheConfig, EngineConfig
 from serving.model_files import resolve_model_dir
 from serving.executor.models import build_model
-from serving.model_config import check_supported
+from serving.executor import parallel
+from serving.model_config import check_supported, eos_token_ids
 from serving.model_config import ModelArgs
 from serving.executor.sampler import Sampler, generator_seed, to_device
-from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from serving.executor.batch_state import BatchState, WorkerSeq
+from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPlan
 from serving.executor.step_inputs import StepInputs, prepare_inputs
 from serving.executor.weights import init_dummy_weights, load_weights
 
@@ -35,31 +38,36 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _LOGITS_CHUNK = 256  # rows per lm_head call when prompt logprobs need many rows
 
 
-def default_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
-    """vLLM's default token budget: 2048 with chunked prefill, else enough for a whole prompt."""
-    if config.max_num_batched_tokens is not None:
-        return config.max_num_batched_tokens
-    budget = 2048 if config.enable_chunked_prefill else max(2048, max_model_len)
-    return max(budget, config.max_num_seqs)
-
-
 class ModelRunner:
     """Runs the model for the scheduler; see the module docstring for what it owns."""
 
-    def __init__(self, config: EngineConfig, model_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str | Path | None = None,
+        device: torch.device | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         t0 = time.monotonic()
         self.config = config
+        self.rank, self.world_size = rank, world_size
         self.model_dir = Path(model_dir) if model_dir is not None else resolve_model_dir(config.model, config.revision)
         raw = json.loads((self.model_dir / "config.json").read_text())
         check_supported(raw)
         self.model_args = args = ModelArgs.from_dict(raw)
-        self.device = _pick_device(config.device)
+        self.device = device if device is not None else pick_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = _pick_dtype(config.dtype, args.torch_dtype, self.device)
         self.max_model_len = _max_model_len(config.max_model_len, args)
-        self.max_num_batched_tokens = default_max_num_batched_tokens(config, self.max_model_len)
-        self.eos_token_ids = _eos_token_ids(self.model_dir, args)
+        self.max_num_batched_tokens = config.token_budget(self.max_model_len)
+        self.eos_token_ids = eos_token_ids(self.model_dir, args)
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
+        self.num_kv_heads = parallel.kv_heads_per_rank(args, world_size)
+        self.batch = BatchState()
+        self._prev: StepOutput | None = None
         self.model = build_model(args, self.dtype, self.device, max(self.max_model_len, args.max_position_embeddings))
         if config.load_format == "dummy":
             init_dummy_weights(self.model, seed=config.seed)
@@ -69,11 +77,11 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self._prompt_logprobs: dict[int, list[float | None]] = {}
         self.graph_runner: DecodeGraphRunner | None = None  # set after the KV cache exists
-        num_blocks = self._num_kv_blocks()
+        num_blocks = parallel.min_over_ranks(self._num_kv_blocks(), self.device)  # every rank holds as many
         self.kv_cache = self._allocate_kv_cache(num_blocks)
         self.cache_config = CacheConfig(
             block_size=self.block_size, num_blocks=num_blocks, num_layers=args.num_hidden_layers,
-            num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
+            num_kv_heads=self.num_kv_heads, head_dim=args.head_dim,
             dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
         )
         logger.info(
@@ -85,17 +93,21 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = self._capture_decode_graphs()
 
-    @property
-    def model_path(self) -> Path:
-        """The resolved local model dir (also where the tokenizer files are)."""
-        return self.model_dir
+    def info(self, devices: tuple[str, ...] = ()) -> ExecutorInfo:
+        """What the engine needs from this worker's model (the KV block count is already the
+        minimum over ranks)."""
+        return ExecutorInfo(
+            model_dir=str(self.model_dir), cache=self.cache_config, vocab_size=self.vocab_size,
+            eos_token_ids=tuple(self.eos_token_ids), max_num_batched_tokens=self.max_num_batched_tokens,
+            device_type=self.device.type, devices=devices or (str(self.device),),
+        )
 
     # ---- KV cache ------------------------------------------------------------------------
 
     def kv_block_bytes(self) -> int:
         a = self.model_args
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        return 2 * a.num_hidden_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
@@ -114,7 +126,7 @@ class ModelRunner:
         a = self.model_args
         # Zeroed, not empty: attention reads whole blocks and masks the tail, and 0 * NaN
         # garbage in a never-written slot would still poison the weighted sum.
-        kv = torch.zeros(2, a.num_hidden_layers, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim,
+        kv = torch.zeros(2, a.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads, a.head_dim,
                          dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers):
             layer.bind_kv_cache(kv[0, i], kv[1, i])
@@ -188,39 +200,57 @@ class ModelRunner:
             return self.model(input_ids, positions), None
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+    def execute(self, plan: StepPlan) -> StepOutput:
         """Launch one step: inputs, forward, logits of sampled rows, sampling; never waits for the GPU.
 
-        `prev` is the previous step's output when this step's decode rows hold placeholders for
-        its tokens. The returned output resolves to host tokens on first access of `.sampled`
+        Decode rows holding a placeholder take the id this worker's previous step sampled, on
+        the device. The returned output resolves to host tokens on first access of `.sampled`
         (prompt logprobs, when asked for, are the one synchronous exception).
         """
-        if sched_out.is_empty:
-            return ModelRunnerOutput([])
-        inputs = prepare_inputs(sched_out, self.block_size, self.device, prev)
+        seqs = self.batch.apply(plan)
+        for seq_id in plan.finished_seq_ids:
+            self.free_sequence(seq_id)
+        prev, self._prev = self._prev, None
+        if plan.is_empty:
+            return StepOutput([])
+        inputs = prepare_inputs(plan, seqs, self.block_size, self.device, prev)
         hidden, all_logits = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprob_chunks:
-            self._collect_prompt_logprobs(sched_out, inputs, hidden)
-        seqs = [item.seq for item in sched_out.scheduled if item.sample]
-        if not seqs:
-            return ModelRunnerOutput([])
+            self._collect_prompt_logprobs(seqs, inputs, hidden)
+        sampled_seqs = [seq for chunk, seq in zip(plan.chunks, seqs) if chunk.sample]
+        if not sampled_seqs:
+            return StepOutput([])
         if all_logits is None:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sampled, vocab] float32
-        elif len(seqs) == all_logits.shape[0]:
+        elif len(sampled_seqs) == all_logits.shape[0]:
             logits = all_logits  # every row samples (the usual decode step): no gather
         else:
             logits = all_logits[inputs.sample_rows]
-        samples = self.sampler.sample(logits, seqs, [self._generator(s) for s in seqs])
-        prompt_logprobs = {s.seq_id: self._prompt_logprobs.pop(s.seq_id) for s in seqs if s.seq_id in self._prompt_logprobs}
+        row_of = {seq.seq_id: i for i, seq in enumerate(sampled_seqs)}
+        if self.rank != 0:
+            # Rank 0 samples; the others take its ids (inputs of their next step's placeholders).
+            token_ids = torch.empty(len(sampled_seqs), dtype=torch.long, device=self.device)
+            parallel.broadcast_from_driver(token_ids)
+            self._prev = StepOutput([], token_ids=token_ids, row_of=row_of)
+            return self._prev
+        try:
+            samples = self.sampler.sample(logits, sampled_seqs, [self._generator(s) for s in sampled_seqs])
+        finally:
+            if self.world_size > 1:  # the other ranks wait in the broadcast even if sampling failed
+                ids = samples.token_ids if "samples" in locals() else torch.zeros(
+                    len(sampled_seqs), dtype=torch.long, device=self.device)
+                parallel.broadcast_from_driver(ids)
+        prompt_logprobs = {s.seq_id: self._prompt_logprobs.pop(s.seq_id)
+                           for s in sampled_seqs if s.seq_id in self._prompt_logprobs}
 
         def resolve() -> list[SampledToken]:
             out = samples.tokens()
-            for i, seq in enumerate(seqs) if prompt_logprobs else ():
+            for i, seq in enumerate(sampled_seqs) if prompt_logprobs else ():
                 out[i].prompt_logprobs = prompt_logprobs.get(seq.seq_id)
             return out
 
-        row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
-        return ModelRunnerOutput(resolve=resolve, token_ids=samples.token_ids, row_of=row_of)
+        self._prev = StepOutput(resolve=resolve, token_ids=samples.token_ids, row_of=row_of)
+        return self._prev
 
     def _generator(self, seq) -> torch.Generator | None:
         if seq.params.seed is None:
@@ -231,14 +261,14 @@ class ModelRunner:
             self._generators[seq.seq_id] = g
         return g
 
-    def _collect_prompt_logprobs(self, sched_out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> None:
+    def _collect_prompt_logprobs(self, seqs: list[WorkerSeq], inputs: StepInputs, hidden: torch.Tensor) -> None:
         """Logprob of each next prompt token, from the raw logits (no penalties, temperature 1).
 
         Kept per sequence across prefill chunks; handed out with its first sampled token.
         Positions served from the prefix cache are never computed and stay None.
         """
         for entry, row0, n, start in inputs.prompt_logprob_chunks:
-            seq = sched_out.scheduled[entry].seq
+            seq = seqs[entry]
             buf = self._prompt_logprobs.setdefault(seq.seq_id, [None] * seq.num_prompt_tokens)
             # Row j predicts prompt token start + j + 1; the last prompt row predicts the output.
             count = min(n, seq.num_prompt_tokens - 1 - start)
@@ -251,16 +281,19 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget all per-sequence state (after a failed step every sequence is recomputed)."""
+        self.batch.clear()
+        self._prev = None
         self._generators.clear()
         self._prompt_logprobs.clear()
 
     def free_sequence(self, seq_id: int) -> None:
-        """Forget per-sequence sampling state (seeded generator, partial prompt logprobs)."""
+        """Forget a finished sequence: its mirror, seeded generator and partial prompt logprobs."""
+        self.batch.seqs.pop(seq_id, None)
         self._generators.pop(seq_id, None)
         self._prompt_logprobs.pop(seq_id, None)
 
 
-def _pick_device(option: str) -> torch.device:
+def pick_device(option: str) -> torch.device:
     if option == "cuda" or (option == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("device='cuda' was asked for but CUDA is not available")
@@ -289,15 +322,3 @@ def _max_model_len(option: int | None, args: ModelArgs) -> int:
         logger.warning("model uses sliding-window attention (%d); open-lmi attends over the full context "
                        "up to max_model_len %d", args.sliding_window, length)
     return length
-
-
-def _eos_token_ids(model_dir: Path, args: ModelArgs) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json (union, config's first)."""
-    ids = list(args.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        for t in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
-            if int(t) not in ids:
-                ids.append(int(t))
-    return tuple(ids)

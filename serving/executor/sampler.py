@@ -27,8 +27,8 @@ import torch
 
 import kernels
 
-from serving.engine.scheduler_output import SampledToken
-from serving.engine.sequence import Sequence
+from serving.executor.batch_state import WorkerSeq
+from serving.executor.plan import SampledToken
 
 _NEG_INF = float("-inf")
 
@@ -106,7 +106,7 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,  # [N, V] float32
-        seqs: list[Sequence],
+        seqs: list[WorkerSeq],
         generators: list[torch.Generator | None],
     ) -> list[SampledToken]:
         """Sample one token per row and wait for the result (see `sample` for the async form)."""
@@ -118,7 +118,7 @@ class Sampler:
     def sample(
         self,
         logits: torch.Tensor,  # [N, V] float32
-        seqs: list[Sequence],
+        seqs: list[WorkerSeq],
         generators: list[torch.Generator | None],
     ) -> DeviceSamples:
         """Sample one token per row on the device; `generators[i]` is row i's own generator when seeded."""
@@ -160,7 +160,7 @@ class Sampler:
 
     # --- steps -------------------------------------------------------------------------
 
-    def _row_seeds(self, seqs: list[Sequence]) -> list[int]:
+    def _row_seeds(self, seqs: list[WorkerSeq]) -> list[int]:
         """Each row's key for this draw: seeded requests from (seed, sample, position) only, so
         the same request samples the same tokens alone or in any batch; others from the engine's
         seeded host RNG."""
@@ -176,7 +176,7 @@ class Sampler:
                 out.append(_mix64(seed, seq.index, seq.num_tokens))
         return out
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[WorkerSeq]) -> torch.Tensor:
         params = [s.params for s in seqs]
         min_tok_rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]

@@ -1,4 +1,4 @@
-"""Flatten one `SchedulerOutput` into the model's inputs: `StepInputs`.
+"""Flatten one `StepPlan` (with the worker's sequences) into the model's inputs: `StepInputs`.
 
 Token rows are laid out sequence after sequence (decodes first, as scheduled). All integer
 inputs are packed into one int64 host array and moved with a single host->device copy, then
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from serving.executor.attention_metadata import AttentionMetadata
-from serving.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from serving.engine.sequence import PLACEHOLDER
+from serving.executor.batch_state import WorkerSeq
+from serving.executor.plan import PLACEHOLDER, StepOutput, StepPlan
 
 
 @dataclass
@@ -57,18 +57,18 @@ def _to_device(packed: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def prepare_inputs(
-    sched_out: SchedulerOutput, block_size: int, device: torch.device, prev: ModelRunnerOutput | None = None
+    plan: StepPlan, all_seqs: list[WorkerSeq], block_size: int, device: torch.device, prev: StepOutput | None = None
 ) -> StepInputs:
-    """Build `StepInputs` for `sched_out` (host work in Python lists, one H2D copy).
+    """Build `StepInputs` for `plan` (host work in Python lists, one H2D copy).
 
-    `prev` is the previous step's output, needed when this step's decode rows carry
-    placeholders for the tokens that step sampled.
+    `all_seqs[i]` is the worker's sequence of `plan.chunks[i]`. `prev` is the previous step's
+    output, needed when this step's decode rows carry placeholders for the tokens it sampled.
     """
-    scheduled = sched_out.scheduled
-    num_decodes = sched_out.num_decodes
+    scheduled = plan.chunks
+    num_decodes = plan.num_decodes
     # Decodes (one token each) are the hot path of every step: built by comprehensions, not a loop.
     decodes = scheduled[:num_decodes]
-    seqs = [item.seq for item in decodes]
+    seqs = all_seqs[:num_decodes]
     positions = [item.start for item in decodes]
     tables = [seq.block_table for seq in seqs]
     input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions)]
@@ -90,7 +90,7 @@ def prepare_inputs(
     max_query_len = 1 if num_decodes else 0
     for e in range(num_decodes, len(scheduled)):
         item = scheduled[e]
-        seq, n, start, end = item.seq, item.num_tokens, item.start, item.end
+        seq, n, start, end = all_seqs[e], item.num_tokens, item.start, item.end
         table = seq.block_table
         assert len(table) * block_size >= end, f"seq {seq.seq_id}: {len(table)} blocks for {end} tokens"
         row0 = len(input_ids)

@@ -18,7 +18,9 @@ import time
 from serving.server.app import create_app
 from serving.config import ServingConfig, load_config
 from serving.engine_config import EngineConfig
+from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineLoop, EngineState
+from serving.engine.replicas import ReplicaSet
 
 logger = logging.getLogger("serving.server.wsgi")
 
@@ -26,7 +28,7 @@ logger = logging.getLogger("serving.server.wsgi")
 class ServedEngine:
     """The EngineLoop as the app sees it, plus the model-loading deadline of the container."""
 
-    def __init__(self, loop: EngineLoop, config: ServingConfig) -> None:
+    def __init__(self, loop: EngineClient, config: ServingConfig) -> None:
         self.loop = loop
         self.config = config
         self.started_at: float | None = None
@@ -50,18 +52,42 @@ class ServedEngine:
         return getattr(self.loop, name)
 
 
-def _engine_factory(config: ServingConfig):  # noqa: ANN202
+def _engine_factory(config: ServingConfig, devices: tuple[str, ...], copy: int):  # noqa: ANN202
+    """Builds copy `copy` of the engine on `devices` (on its engine thread; the model is fetched once)."""
     def build(engine_config: EngineConfig):  # noqa: ANN202 - runs on the engine thread
         from serving.engine.llm_engine import LLMEngine
-        from serving.model_source import resolve_model
 
         t0 = time.monotonic()
-        path = resolve_model(config)
-        engine = LLMEngine(dataclasses.replace(engine_config, model=str(path) if path else None))
-        logger.info("model %s ready in %.1f s", path or "(embedded default SmolLM2-135M-Instruct)",
-                    time.monotonic() - t0)
+        path = _resolved_model()
+        engine = LLMEngine(dataclasses.replace(engine_config, model=str(path) if path else None),
+                           devices=devices, multiprocess=config.model_copies > 1)
+        logger.info("model %s ready in %.1f s (copy %d of %d on %s)",
+                    path or "(embedded default SmolLM2-135M-Instruct)", time.monotonic() - t0,
+                    copy, config.model_copies, ",".join(devices))
         return engine
     return build
+
+
+_resolve_lock = threading.Lock()
+_resolved: list = []
+
+
+def _resolved_model():  # noqa: ANN202 - Path | None
+    """Fetch the model (S3 / hub / local / default) once for every copy."""
+    from serving.model_source import resolve_model
+
+    with _resolve_lock:
+        if not _resolved:
+            _resolved.append(resolve_model(config))
+        return _resolved[0]
+
+
+def _engine_client(config: ServingConfig) -> EngineClient:
+    """One EngineLoop, or a ReplicaSet of one loop per model copy (GPUs / tensor-parallel degree)."""
+    loops = [EngineLoop(config.engine, engine_factory=_engine_factory(config, devices, c),
+                        max_queue_size=config.job_queue_size)
+             for c, devices in enumerate(config.copy_devices())]
+    return loops[0] if len(loops) == 1 else ReplicaSet(loops)
 
 
 def _watch(served: ServedEngine) -> None:
@@ -94,8 +120,7 @@ def _setup_logging() -> None:
 
 _setup_logging()
 config = load_config(os.environ)
-engine_loop = ServedEngine(EngineLoop(config.engine, engine_factory=_engine_factory(config),
-                                      max_queue_size=config.job_queue_size), config)
+engine_loop = ServedEngine(_engine_client(config), config)
 app = create_app(engine_loop, config)
 _started = threading.Lock()
 
@@ -111,5 +136,5 @@ def start() -> None:
 
 def stop() -> None:
     """Close the engine (aborts what is left); called when the worker exits."""
-    if engine_loop.loop._thread is not None:  # noqa: SLF001 - started?
+    if engine_loop.loop.started:
         engine_loop.loop.close(timeout=5.0)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from serving.sampling_params import SamplingParams
-from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from serving.engine.scheduler_output import SchedulerOutput
+from serving.executor.plan import SampledToken, StepOutput
 from serving.engine.sequence import Sequence
 
 
@@ -26,6 +27,6 @@ class FakeRunner:
         self.next_token = next_token or (lambda seq: 1000 + seq.seq_id)
         self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (seq_id, num_tokens, sample)
 
-    def execute(self, sched_out: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+    def execute(self, sched_out: SchedulerOutput, prev: StepOutput | None = None) -> StepOutput:
         self.steps.append([(s.seq.seq_id, s.num_tokens, s.sample) for s in sched_out.scheduled])
-        return ModelRunnerOutput([SampledToken(self.next_token(s.seq)) for s in sched_out.scheduled if s.sample])
+        return StepOutput([SampledToken(self.next_token(s.seq)) for s in sched_out.scheduled if s.sample])

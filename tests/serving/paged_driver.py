@@ -14,7 +14,9 @@ import random
 import torch
 
 from serving.sampling_params import SamplingParams
-from serving.engine.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from serving.engine.plan_builder import build_plan
+from serving.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from serving.executor.plan import StepOutput
 from serving.engine.sequence import Sequence, SequenceStatus
 from serving.executor.step_inputs import prepare_inputs
 
@@ -53,10 +55,10 @@ class PagedDriver:
         decodes = [i for i in items if i.num_tokens == 1]
         return SchedulerOutput(decodes + [i for i in items if i.num_tokens != 1], num_decodes=len(decodes))
 
-    def step(self, work: list[tuple[Sequence, int]]) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+    def step(self, work: list[tuple[Sequence, int]]) -> tuple[SchedulerOutput, StepOutput]:
         """Run one step; sampled tokens are appended to their sequences."""
         out = self._schedule(work)
-        res = self.runner.execute(out)
+        res = self.runner.execute(build_plan(0, out))
         samples = iter(res.sampled)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
@@ -68,7 +70,8 @@ class PagedDriver:
     def logits(self, work: list[tuple[Sequence, int]]) -> dict[int, torch.Tensor]:
         """Forward one step and return {seq_id: logits [num_tokens, vocab]} without sampling."""
         out = self._schedule(work)
-        inputs = prepare_inputs(out, self.block_size, self.runner.device)
+        plan = build_plan(0, out)
+        inputs = prepare_inputs(plan, self.runner.batch.apply(plan), self.block_size, self.runner.device)
         hidden = self.runner._forward(inputs.input_ids, inputs.positions, inputs.meta)
         logits = self.runner.model.compute_logits(hidden).cpu()
         result, row = {}, 0

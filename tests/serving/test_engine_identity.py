@@ -13,6 +13,7 @@ from hf_oracle import hf_greedy
 from identity_prompts import LONG_A, LONG_B, PROMPTS
 
 from serving.engine.llm_engine import LLMEngine
+from serving.executor.executor import InProcessExecutor
 from serving.engine_config import EngineConfig
 from serving.llm import LLM
 from serving.sampling_params import SamplingParams
@@ -73,7 +74,8 @@ def make_llm(smol_dir: str, runner, tokenizer):  # noqa: ANN001, ANN201
     def make(**options: object) -> LLM:
         options.setdefault("block_size", BLOCK_SIZE)
         options.setdefault("max_num_seqs", 16)
-        llm = LLM.from_engine(LLMEngine(EngineConfig(model=smol_dir, **options), runner, tokenizer))
+        llm = LLM.from_engine(LLMEngine(EngineConfig(model=smol_dir, **options), InProcessExecutor.from_runner(runner),
+                                        tokenizer))
         made.append(llm)
         return llm
 

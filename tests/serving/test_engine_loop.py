@@ -5,7 +5,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -13,20 +12,25 @@ from serving.engine.llm_engine import LLMEngine
 from serving.engine_config import CacheConfig, EngineConfig
 from serving.engine.engine_loop import EngineDeadError, EngineLoop, EngineState, QueueFullError
 from serving.sampling_params import SamplingParams
-from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from serving.executor.batch_state import BatchState
+from serving.executor.executor import Executor
+from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPlan
 
 CONFIG = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, skip_tokenizer_init=True)
 
 
-class FakeRunner:
-    """Emits token 100 + output index; can block on an event or raise on a given step."""
+class FakeRunner(Executor):
+    """An executor that emits token 100 + output index; can block on an event or raise on a step.
+
+    It keeps the workers' mirror of the sequences (`BatchState`) from the plans, as a real
+    worker does, so it also checks that the plans carry what a worker needs.
+    """
 
     def __init__(self, fail_on_step: int | None = None, gate: threading.Event | None = None,
                  poison_min_tokens: int | None = None) -> None:
-        self.cache_config = CacheConfig(4, 32, 1, 1, 1, "float32", 128)
-        self.model_path = Path(".")
-        self.eos_token_ids = (2,)
-        self.vocab_size = 1000
+        self.info = ExecutorInfo(model_dir=".", cache=CacheConfig(4, 32, 1, 1, 1, "float32", 128), vocab_size=1000,
+                                 eos_token_ids=(2,), max_num_batched_tokens=64, device_type="cpu", devices=("cpu",))
+        self.batch = BatchState()
         self.fail_on_step = fail_on_step
         self.gate = gate
         self.num_steps = 0
@@ -36,22 +40,23 @@ class FakeRunner:
         self.poison_min_tokens = poison_min_tokens
         self.num_resets = 0
 
-    def execute(self, sched_out: SchedulerOutput, prev: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.freed.extend(plan.finished_seq_ids)
+        seqs = self.batch.apply(plan)
         self.num_steps += 1
         if self.gate is not None:
             self.gate.wait(10)
         if self.fail_on_step is not None and self.num_steps >= self.fail_on_step:
             raise RuntimeError("boom: CUDA error (simulated)")
-        if any(s.sample and s.seq.params.min_tokens == self.poison_min_tokens for s in sched_out.scheduled):
+        sampled = [seq for chunk, seq in zip(plan.chunks, seqs) if chunk.sample]
+        if any(seq.params.min_tokens == self.poison_min_tokens for seq in sampled):
             raise IndexError("index 49152 is out of bounds (simulated)")
-        return ModelRunnerOutput(
-            [SampledToken(100 + s.seq.num_output_tokens, logprob=-0.5) for s in sched_out.scheduled if s.sample]
-        )
-
-    def free_sequence(self, seq_id: int) -> None:
-        self.freed.append(seq_id)
+        for chunk, seq in zip(plan.chunks, seqs):
+            assert seq.token_ids[chunk.start:chunk.end] and len(seq.token_ids) >= chunk.end, "plan out of sync"
+        return StepOutput([SampledToken(100 + seq.num_output_tokens, logprob=-0.5) for seq in sampled])
 
     def reset(self) -> None:
+        self.batch.clear()
         self.num_resets += 1
 
 

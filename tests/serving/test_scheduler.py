@@ -7,7 +7,7 @@ from core_factories import FakeRunner, make_sequence
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.scheduler import Scheduler
-from serving.engine.scheduler_output import ModelRunnerOutput, SampledToken
+from serving.executor.plan import SampledToken, StepOutput
 from serving.engine.sequence import PLACEHOLDER, FinishReason, SequenceStatus
 
 
@@ -243,7 +243,7 @@ def test_async_placeholders_length_eos_and_preemption() -> None:
     assert s0.token_ids == [1, 2, 3, PLACEHOLDER] and s0.num_computed_tokens == 3
     nxt = sched.schedule()  # planned before step 1's tokens are known: all three decode their placeholder
     assert [(i.seq.seq_id, i.start, i.num_tokens) for i in nxt.scheduled] == [(0, 3, 1), (1, 3, 1), (2, 7, 1)]
-    sched.update(out, ModelRunnerOutput([SampledToken(50), SampledToken(7), SampledToken(50)]))
+    sched.update(out, StepOutput([SampledToken(50), SampledToken(7), SampledToken(50)]))
     assert s1.is_finished and s1.output_token_ids == [7] and s1.finish_reason is FinishReason.EOS
     assert s0.token_ids == [1, 2, 3, 50] and s2.num_resolved_output_tokens == 1
     res = runner.execute(nxt)

@@ -1,0 +1,135 @@
+"""`ReplicaSet`: several model copies (one `EngineLoop` each) behind one endpoint.
+
+As LMI does when the GPUs outnumber the tensor-parallel degree, the container runs
+GPUs ÷ degree engine copies; this object routes each request to the copy with the fewest
+open requests. Prefix affinity: a prompt whose first blocks were routed to a copy before goes
+to that copy again (its prefix cache holds them) unless that copy is busier than the least
+loaded one by more than `affinity_slack` requests. The set is healthy only while every copy
+is: one dead copy marks the whole set dead (the worker then restarts, as for one copy).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+
+from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
+from serving.sampling_params import SamplingParams
+
+_AFFINITY_ENTRIES = 16384  # remembered prompt prefixes (LRU)
+
+
+class ReplicaSet:
+    """An `EngineClient` over `loops`; see the module docstring for the routing rule."""
+
+    def __init__(self, loops: list[EngineLoop], affinity_tokens: int = 64, affinity_slack: int = 4) -> None:
+        assert loops, "a replica set needs at least one engine loop"
+        self.loops = loops
+        self.affinity_tokens = affinity_tokens  # 0 disables prefix affinity
+        self.affinity_slack = affinity_slack
+        self._affinity: OrderedDict[int, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._next = itertools.count()
+        self.num_routed = [0] * len(loops)
+        self.num_affinity_hits = 0
+
+    # ---- health --------------------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        states = [loop.state for loop in self.loops]
+        if EngineState.DEAD in states:
+            return EngineState.DEAD
+        if EngineState.LOADING in states:
+            return EngineState.LOADING
+        return EngineState.READY
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((loop.error for loop in self.loops if loop.error is not None), None)
+
+    @property
+    def was_ready(self) -> bool:
+        return any(loop.was_ready for loop in self.loops)
+
+    @property
+    def closing(self) -> bool:
+        return any(loop.closing for loop in self.loops)
+
+    @property
+    def started(self) -> bool:
+        return any(loop.started for loop in self.loops)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - HF tokenizer or None while loading
+        return next((loop.tokenizer for loop in self.loops if loop.tokenizer is not None), None)
+
+    @property
+    def max_model_len(self) -> int | None:
+        return next((loop.max_model_len for loop in self.loops if loop.max_model_len is not None), None)
+
+    def start(self) -> ReplicaSet:
+        for loop in self.loops:
+            loop.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return all(loop.wait_ready(timeout) for loop in self.loops)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        closers = [threading.Thread(target=loop.close, args=(timeout,), daemon=True) for loop in self.loops]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
+
+    def stats(self) -> dict:
+        """Counters and gauges summed over the copies (the cache usage is the mean)."""
+        per_copy = [loop.stats() for loop in self.loops]
+        out: dict = {"state": self.state.value, "num_copies": len(self.loops)}
+        for stats in per_copy:
+            for key, value in stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out[key] = out.get(key, 0) + value
+        if "kv_cache_usage" in out:
+            out["kv_cache_usage"] /= len(per_copy)
+        out["routed_per_copy"] = list(self.num_routed)
+        out["prefix_affinity_hits"] = self.num_affinity_hits
+        return out
+
+    # ---- routing -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+                    ) -> RequestStream:
+        index = self.route(prompt)
+        stream = self.loops[index].add_request(request_id, prompt, params)
+        self.num_routed[index] += 1
+        return stream
+
+    def route(self, prompt: str | list[int]) -> int:
+        """The copy for a prompt: the least loaded, or the one that saw its prefix (see module doc)."""
+        loads = [loop.num_open_requests if loop.state is EngineState.READY else 1 << 30 for loop in self.loops]
+        least = min(loads)
+        candidates = [i for i, load in enumerate(loads) if load == least]
+        choice = candidates[next(self._next) % len(candidates)]
+        key = self._prefix_key(prompt)
+        if key is None:
+            return choice
+        with self._lock:
+            known = self._affinity.get(key)
+            if known is not None and loads[known] <= least + self.affinity_slack:
+                choice = known
+                self.num_affinity_hits += 1
+            self._affinity[key] = choice
+            self._affinity.move_to_end(key)
+            if len(self._affinity) > _AFFINITY_ENTRIES:
+                self._affinity.popitem(last=False)
+        return choice
+
+    def _prefix_key(self, prompt: str | list[int]) -> int | None:
+        n = self.affinity_tokens
+        if n <= 0 or len(prompt) < n:
+            return None  # too short to share a cached block worth steering for
+        head = prompt[:n]
+        return hash(head if isinstance(head, str) else tuple(head))

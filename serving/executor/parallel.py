@@ -1,0 +1,210 @@
+"""Tensor parallelism (Megatron-style): this process's rank, the collectives, and how shapes split.
+
+One process per GPU, all ranks in one group (the default process group unless one is given).
+Each rank holds a slice of every large weight: attention heads, MLP columns and vocab rows
+(`serving/executor/models/layers.py`). Activations meet in two collectives per layer (sum after
+o_proj and after down_proj) plus one after the embedding and a gather of the logits.
+
+Single process is the default and costs nothing: until `init_tensor_parallel` runs,
+`tp_world_size()` is 1, `tp_shard()` is `TPShard(0, 1)` and every collective below returns its
+input without calling torch.distributed. The collectives are plain
+`torch.distributed` calls with no host synchronisation and no branching on tensor values, so
+they can be captured in CUDA graphs (NCCL), and run on CPU with gloo for tests.
+
+How shapes split over `tp` ranks (`validate_tensor_parallel` rejects the rest):
+- query heads: `num_heads // tp` per rank, rank r holds heads [r * H/tp, (r+1) * H/tp);
+- KV heads: `num_kv_heads // tp` per rank when tp <= num_kv_heads; when tp > num_kv_heads
+  (tp a multiple of it) each rank holds ONE KV head, replicated: rank r holds head
+  r * num_kv_heads // tp, the one its query heads read;
+- MLP: `intermediate_size // tp` columns of gate/up, the same rows of down_proj;
+- vocab: `ceil(vocab / tp)` rows per rank (the last rank's tail is zero padding); logits are
+  gathered to `tp * ceil(vocab / tp)` columns and cut back to `vocab`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from serving.model_config import ModelArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Which slice of the model this process holds: `rank` of `world_size` tensor-parallel ranks."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"bad tensor-parallel shard: rank {self.rank} of world size {self.world_size}")
+
+    def split(self, size: int) -> tuple[int, int]:
+        """(start, length) of this rank's even share of a dimension of `size`."""
+        if size % self.world_size:
+            raise ValueError(f"dimension {size} does not split evenly over {self.world_size} ranks")
+        n = size // self.world_size
+        return self.rank * n, n
+
+
+_shard = TPShard()
+_group: dist.ProcessGroup | None = None  # None: the default process group
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.10
+
+
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    init_method: str = "env://",
+    backend: str | None = None,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> TPShard:
+    """Join the tensor-parallel group as `rank` of `world_size`; returns this process's shard.
+
+    Initialises the default process group (unless one exists already, e.g. under torchrun) with
+    `backend`: default "nccl" when CUDA is available, else "gloo". NCCL runs on `device`,
+    default the current CUDA device: set it first (`torch.cuda.set_device`), one GPU per rank.
+    `group` makes the collectives use a sub-group instead of the default group. One warm-up
+    all-reduce runs eagerly, so the communicator exists before any CUDA-graph capture.
+    `world_size == 1` initialises nothing.
+    """
+    global _shard, _group
+    shard = TPShard(rank, world_size)
+    if world_size == 1:
+        _shard, _group = shard, None
+        return shard
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        extra = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **extra)
+    if dist.get_world_size(group) != world_size or dist.get_rank(group) != rank:
+        raise ValueError(f"process group has rank {dist.get_rank(group)} of {dist.get_world_size(group)}, "
+                         f"asked for rank {rank} of {world_size}")
+    _shard, _group = shard, group
+    all_reduce(torch.ones(1, device=device))
+    logger.info("tensor parallel: rank %d of %d (%s on %s)", rank, world_size, backend, device)
+    return shard
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (destroys the default process group if one exists); back to single process."""
+    global _shard, _group
+    _shard, _group = TPShard(), None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_shard() -> TPShard:
+    """This process's shard: `TPShard(0, 1)` unless `init_tensor_parallel` ran."""
+    return _shard
+
+
+def tp_rank() -> int:
+    return _shard.rank
+
+
+def tp_world_size() -> int:
+    return _shard.world_size
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over the tensor-parallel ranks, in place; returns `t` (untouched on one rank)."""
+    if _shard.world_size > 1:
+        dist.all_reduce(t, group=_group)
+    return t
+
+
+def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's `t` along the last dim in rank order: [..., n] -> [..., tp * n]."""
+    ws = _shard.world_size
+    if ws == 1:
+        return t
+    flat = t.contiguous().view(-1)  # the flat form works on every backend (gloo rejects stacked shapes)
+    out = torch.empty(ws * flat.numel(), dtype=t.dtype, device=t.device)
+    _all_gather_single(out, flat, group=_group)
+    return out.view(ws, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], ws * t.shape[-1])
+
+
+# ---- how the model splits --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionShard:
+    """The attention heads one rank holds (global head indices start at the *_start fields)."""
+
+    num_heads: int
+    num_kv_heads: int
+    q_head_start: int
+    kv_head_start: int
+
+
+def attention_shard(num_heads: int, num_kv_heads: int, shard: TPShard) -> AttentionShard:
+    """This rank's query heads and KV heads (one replicated KV head when tp > num_kv_heads)."""
+    tp, r = shard.world_size, shard.rank
+    _check_heads(num_heads, num_kv_heads, tp)
+    if tp <= num_kv_heads:
+        kv, kv_start = num_kv_heads // tp, r * (num_kv_heads // tp)
+    else:
+        kv, kv_start = 1, r * num_kv_heads // tp
+    return AttentionShard(num_heads // tp, kv, r * (num_heads // tp), kv_start)
+
+
+def kv_heads_per_rank(args: ModelArgs, tp: int) -> int:
+    """KV heads in each rank's cache: `[.., num_blocks, block_size, kv_heads_per_rank, head_dim]`."""
+    return attention_shard(args.num_attention_heads, args.num_key_value_heads, TPShard(0, tp)).num_kv_heads
+
+
+def vocab_per_rank(vocab_size: int, tp: int) -> int:
+    """Embedding / LM-head rows on each rank: ceil(vocab / tp), the last rank zero-padded."""
+    return -(-vocab_size // tp)
+
+
+def validate_tensor_parallel(args: ModelArgs, tp: int) -> None:
+    """Raise ValueError, naming the numbers, unless the model splits over `tp` ranks."""
+    if tp < 1:
+        raise ValueError(f"tensor parallel degree must be >= 1, got {tp}")
+    _check_heads(args.num_attention_heads, args.num_key_value_heads, tp)
+    if args.intermediate_size % tp:
+        raise ValueError(f"tensor parallel degree {tp} does not divide intermediate_size ({args.intermediate_size})")
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    if num_heads % tp:
+        raise ValueError(f"tensor parallel degree {tp} does not divide num_attention_heads ({num_heads})")
+    if tp > num_kv_heads and tp % num_kv_heads:
+        raise ValueError(f"tensor parallel degree {tp} is larger than num_key_value_heads ({num_kv_heads}) but "
+                         "not a multiple of it, so KV heads cannot be replicated evenly")
+    if tp <= num_kv_heads and num_kv_heads % tp:
+        raise ValueError(f"tensor parallel degree {tp} does not divide num_key_value_heads ({num_kv_heads})")
+
+
+# ---- what the executor's workers exchange besides activations ---------------------------------
+
+def broadcast_from_driver(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `t` on every rank, in place (the ids rank 0 sampled); untouched on one rank."""
+    if _shard.world_size > 1:
+        dist.broadcast(t, src=dist.get_global_rank(_group, 0) if _group is not None else 0, group=_group)
+    return t
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest `value` over the ranks (KV blocks: every rank must hold as many)."""
+    if _shard.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group)
+    return int(t.item())

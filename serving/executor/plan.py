@@ -1,0 +1,153 @@
+"""The engine -> executor hand-off for one step (`StepPlan`), and the executor's answer.
+
+It exists so a step can cross a process boundary cheaply: everything here is plain data
+(ints, lists, frozen `SamplingParams`), picklable, with no reference to the engine's live
+objects. Workers keep a mirror of each running sequence (`serving/executor/batch_state.py`)
+and the plan carries only what changed since the last step, as vLLM v1's `SchedulerOutput`
+does: the sequences the workers have not seen (whole), and for the others the new block ids
+and the token ids the engine resolved since it last sent them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.engine_config import CacheConfig
+from serving.sampling_params import SamplingParams
+
+PLACEHOLDER = -1
+"""Stands in for a token still being sampled on the device (async scheduling).
+
+The engine counts it like any token (the next step computes it); a worker takes its id from
+its previous step's device tensor; the engine later writes the real id and sends it on."""
+
+
+@dataclass(slots=True)
+class NewSeq:
+    """A sequence the workers do not hold: first admission, or re-admission after preemption.
+
+    `token_ids` are every id known so far (prompt, then resolved outputs); `block_ids` its whole
+    block table at this step.
+    """
+
+    seq_id: int
+    index: int  # which sample of its request (seeded generators)
+    num_prompt_tokens: int
+    token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Compute positions `[start, start + num_tokens)` of sequence `seq_id`.
+
+    `sample`: the chunk reaches the last known token, so a token is drawn for position
+    `start + num_tokens`. `new_block_ids` extend the worker's block table. `sync_from` /
+    `token_ids`: the engine's ids from index `sync_from` on (they replace the worker's tail;
+    may end with a PLACEHOLDER); `sync_from == -1` means nothing changed.
+    """
+
+    seq_id: int
+    start: int
+    num_tokens: int
+    sample: bool
+    new_block_ids: list[int] = field(default_factory=list)
+    sync_from: int = -1
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step for every worker: what to forget, what is new, which chunks to compute.
+
+    Workers apply it in that order: drop `finished_seq_ids` (ended or aborted since the last
+    plan: all their state goes) and `preempted_seq_ids` (their seeded generators stay, for when
+    they come back as new sequences), add `new_seqs`, then run `chunks` (decodes first).
+    """
+
+    step_id: int
+    chunks: list[ScheduledChunk]
+    num_decodes: int
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+    preempted_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """The executor's result for one sampled sequence."""
+
+    token_id: int
+    logprob: float | None = None  # chosen token's logprob (when params.logprobs is not None)
+    top_logprobs: dict[int, float] | None = None  # top-k id -> logprob
+    prompt_logprobs: list[float | None] | None = None  # first step only, with prompt_logprobs
+
+
+class StepOutput:
+    """Sampled tokens, aligned with the `sample=True` chunks of the plan, in order.
+
+    It exists so the engine can launch step N+1 before step N's tokens reach the host: a GPU
+    worker returns it with `resolve` (waits for the device->host copy on first access of
+    `sampled`) and keeps `token_ids` (the ids still on the device, row i for `row_of[seq_id]`)
+    to fill the next step's placeholders.
+    """
+
+    __slots__ = ("_sampled", "_resolve", "token_ids", "row_of")
+
+    def __init__(
+        self,
+        sampled: list[SampledToken] | None = None,
+        *,
+        resolve: Callable[[], list[SampledToken]] | None = None,
+        token_ids: Any = None,
+        row_of: dict[int, int] | None = None,
+    ) -> None:
+        assert (sampled is None) != (resolve is None), "give the tokens, or a way to resolve them"
+        self._sampled = sampled
+        self._resolve = resolve
+        self.token_ids = token_ids
+        self.row_of = row_of or {}
+
+    @property
+    def sampled(self) -> list[SampledToken]:
+        if self._sampled is None:
+            self._sampled = self._resolve()  # type: ignore[misc]
+            self._resolve = None
+        return self._sampled
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """What the engine learns from the loaded model, once, from the executor.
+
+    The one source of these values: the KV geometry (blocks are the minimum over ranks and
+    replicas' own), the vocabulary, EOS ids (config.json + generation_config.json), the token
+    budget per step, and where the model and tokenizer files are.
+    """
+
+    model_dir: str
+    cache: CacheConfig
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_num_batched_tokens: int
+    device_type: str  # "cuda" | "cpu"
+    devices: tuple[str, ...] = ()  # one per rank, e.g. ("cuda:0", "cuda:1")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return max(1, len(self.devices))
