@@ -94,6 +94,7 @@ def build_tiny_model(
     tokenizer_dir: Path | None = None,
     max_shard_size: str = "8MB",
     legacy_rope_keys: bool | None = None,
+    overrides: dict[str, object] | None = None,
 ) -> Path:
     """Write a random tiny `arch` model as an HF dir at `out_dir` and return it.
 
@@ -101,12 +102,15 @@ def build_tiny_model(
         tokenizer_dir: where to copy tokenizer files from (default: the converted SmolLM2 dir).
         legacy_rope_keys: write `rope_scaling`/`rope_theta` (transformers 4.x style) instead of
             `rope_parameters`; default True for llama so both config styles are covered.
+        overrides: config attributes to change (head counts, vocab_size, head_dim, ...).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = tiny_config(arch)
     config.head_dim = HEAD_DIMS[arch]
-    assert config.hidden_size == config.num_attention_heads * HEAD_DIMS[arch]
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    assert config.hidden_size == config.num_attention_heads * config.head_dim
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)

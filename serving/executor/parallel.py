@@ -57,7 +57,7 @@ class TPShard:
 
 _shard = TPShard()
 _group: dist.ProcessGroup | None = None  # None: the default process group
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.10
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch
 
 
 def init_tensor_parallel(

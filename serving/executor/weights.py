@@ -5,6 +5,14 @@ HF names map to ours one-to-one except packed projections, which go through each
 the model's `packed_modules_mapping`). Every parameter (every shard of a packed one) must be
 filled, or loading fails naming what is missing. `load_format="dummy"` fills random weights
 of the right shapes on the device instead (benchmarks without a checkpoint).
+
+Tensor parallel: tensors are handed to the loaders as lazy safetensors slices (`get_slice`), so
+each rank reads from disk only the rows/columns its parameters hold (a replicated parameter,
+e.g. a norm weight, is read whole). Dummy weights are deterministic per (seed, rank, name): a
+parameter that holds a per-rank slice (`tp_sharded`) is drawn from a generator seeded with the
+rank too, so ranks together do NOT hold the slices of the one model a single GPU would draw
+(that would mean every rank drawing every full tensor, too slow for 70B); replicated parameters
+are the same on every rank, and with one rank everything is as it always was.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from serving.executor.models.layers import TensorSlice
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +56,17 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     )
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, CPU tensor) for every tensor of the checkpoint, shard by shard."""
+def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, TensorSlice]]:
+    """Yield (HF name, lazy slice) for every tensor of the checkpoint, shard file by shard file.
+
+    Nothing is read until the slice is indexed (`slice[a:b]`, `slice[:, a:b]`, `slice[:]`).
+    """
     from safetensors import safe_open
 
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
@@ -65,7 +78,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     filled: dict[str, set[str | None]] = {}
     unexpected: list[str] = []
     with torch.no_grad():
-        for name, tensor in iterate_weights(model_dir):
+        for name, loaded in iterate_checkpoint(model_dir):
             if name.endswith(_SKIP_SUFFIXES) or (tied and name.startswith("lm_head.")):
                 continue
             target, shard = name, None
@@ -78,7 +91,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 unexpected.append(name)
                 continue
             try:
-                param.weight_loader(param, tensor, shard)
+                param.weight_loader(param, loaded, shard)
             except ValueError as e:
                 raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
             filled.setdefault(target, set()).add(shard)
@@ -103,8 +116,10 @@ def _complete(model: nn.Module, name: str, shards: set[str | None] | None) -> bo
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights of the right shapes, made on the parameters' device, deterministic by seed.
 
-    Norm weights are ones and biases zeros, as a freshly initialised HF model has them.
+    Norm weights are ones and biases zeros, as a freshly initialised HF model has them. Under
+    tensor parallelism a per-rank slice is seeded by (seed, rank, name) (see the module docstring).
     """
+    shard = getattr(model, "tp_shard", None)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if "norm" in name:
@@ -112,7 +127,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
+                key = name
+                if shard is not None and shard.world_size > 1 and getattr(param, "tp_sharded", False):
+                    key = f"{name}@rank{shard.rank}/{shard.world_size}"
+                gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(key))
                 param.normal_(0.0, std, generator=gen)
 
 

@@ -3,6 +3,10 @@
 Every supported architecture is a Llama-family decoder; the differences are options in
 `ModelArgs`. An unknown architecture, or a config that points at remote code (`auto_map`),
 raises `UnsupportedModelError` naming what was found and what is supported.
+
+Tensor parallel: `build_model` builds this process's slice of the model. The shard is the
+explicit `shard` argument, else the process state set by `parallel.init_tensor_parallel`
+(single process, `TPShard(0, 1)`, when that never ran).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.parallel import TPShard
 from serving.model_config import SUPPORTED_ARCHITECTURES, ModelArgs, UnsupportedModelError
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -44,9 +49,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(prev)
 
 
-def build_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_position: int | None = None) -> nn.Module:
-    """Instantiate the model with uninitialised parameters of `dtype` directly on `device`."""
+def build_model(
+    args: ModelArgs, dtype: torch.dtype, device: torch.device, max_position: int | None = None,
+    shard: TPShard | None = None,
+) -> nn.Module:
+    """Instantiate the model (this rank's slice) with uninitialised parameters of `dtype` directly on `device`.
+
+    Raises ValueError when the model does not split over the tensor-parallel degree.
+    """
     cls = get_model_class(args)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(args, max_position=max_position)
+        model = cls(args, max_position=max_position, shard=shard)
     return model.eval()

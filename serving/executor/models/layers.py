@@ -1,20 +1,70 @@
-"""Building blocks of Llama-family decoders, on top of `kernels` ops.
+"""Building blocks of Llama-family decoders, on top of `kernels` ops, tensor-parallel aware.
 
-Linear layers carry a `weight_loader` on each parameter so `serving/executor/weights.py` can fill packed
-parameters (q|k|v -> qkv_proj, gate|up -> gate_up_proj) from separate HF tensors, or copy a
-checkpoint that is already fused (Phi-3). `PagedAttention` writes this step's K/V into the
-paged cache, then runs decode attention for the leading one-token sequences and prefill
-attention for the rest, as described by the ambient `AttentionMetadata`.
+Every layer takes the `TPShard` of this process (default: single process, `TPShard(0, 1)`) and
+holds only its slice (`serving/executor/parallel.py` says how shapes split):
+- `ColumnParallelLinear` / `PackedColumnParallelLinear`: output rows split, no communication
+  (qkv_proj holds this rank's query heads and its KV heads; gate_up_proj its MLP columns);
+- `RowParallelLinear`: input columns split, partial outputs summed with one all-reduce
+  (o_proj, down_proj; a bias is added by rank 0 only, so once);
+- `VocabParallelEmbedding` / `ParallelLMHead`: vocab rows split; the embedding zeroes ids
+  outside this rank's rows and all-reduces, the head all-gathers full-vocab float32 logits.
+With one rank every layer runs exactly the single-process ops (no collective, no masking).
+
+Parameters carry a `weight_loader(param, loaded, shard_id)` that `serving/executor/weights.py`
+calls with a checkpoint tensor or a lazy safetensors slice (`get_slice`): a loader indexes only
+the rows/columns its rank holds, so a rank never reads a whole sharded tensor. Packed
+parameters are filled from separate HF tensors (q|k|v -> qkv_proj, gate|up -> gate_up_proj,
+`shard_id` = the part) or from a checkpoint that is already fused (Phi-3, `shard_id` None).
+Parameters that hold a per-rank slice are marked `tp_sharded = True` (for dummy weights).
+`PagedAttention` writes this step's K/V into the paged cache, then runs decode attention for the
+leading one-token sequences and prefill attention for the rest, as described by the ambient
+`AttentionMetadata`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from serving.executor import parallel
 from serving.executor.attention_metadata import get_attention_metadata
+from serving.executor.parallel import TPShard, attention_shard, vocab_per_rank
+
+SINGLE = TPShard()  # one process holds everything
+
+
+class TensorSlice(Protocol):
+    """A lazily read checkpoint tensor (safetensors `safe_open(...).get_slice(name)`)."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: object) -> torch.Tensor: ...
+
+
+Loaded = torch.Tensor | TensorSlice
+
+
+def checkpoint_shape(loaded: Loaded) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def read_checkpoint(loaded: Loaded, dim: int = 0, start: int = 0, size: int | None = None) -> torch.Tensor:
+    """Elements [start, start + size) of `loaded` along `dim` (all when size is None); only those are read."""
+    if size is None:
+        return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def _check_shape(loaded: Loaded, expected: tuple[int, ...], what: str = "parameter") -> None:
+    if checkpoint_shape(loaded) != expected:
+        raise ValueError(f"checkpoint tensor shape {checkpoint_shape(loaded)} != {what} shape {expected}")
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -22,16 +72,21 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-    """Copy a whole checkpoint tensor into `param` (shapes must match exactly)."""
+def _mark_sharded(sharded: bool, *params: nn.Parameter | None) -> None:
+    for p in params:
+        if p is not None:
+            p.tp_sharded = sharded
+
+
+def default_weight_loader(param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
+    """Copy a whole checkpoint tensor into `param` (replicated parameters; shapes must match)."""
     assert shard_id is None, f"unexpected shard {shard_id!r} for an unpacked parameter"
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    _check_shape(loaded, tuple(param.shape))
+    param.data.copy_(read_checkpoint(loaded))
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), W stored [out_features, in_features] as in HF."""
+    """y = x W^T (+ b), W stored [out_features, in_features] as in HF; replicated on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -41,41 +96,153 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-class PackedLinear(Linear):
-    """Several HF projections stacked along the output dim (shards named by `shard_names`).
+@dataclass(frozen=True)
+class OutputPart:
+    """The output rows [start, start + size) that this rank holds of a projection with `full` rows."""
 
-    A checkpoint may hold the shards separately (q_proj/k_proj/v_proj) or already fused
-    (Phi-3's qkv_proj): the loader takes `shard_id=None` for the latter.
+    full: int
+    start: int
+    size: int
+
+
+def even_part(full: int, shard: TPShard) -> OutputPart:
+    """This rank's even share of `full` output rows."""
+    start, size = shard.split(full)
+    return OutputPart(full, start, size)
+
+
+class ColumnParallelLinear(Linear):
+    """Output dim split over ranks: y_local = x W_local^T (+ b_local), no communication.
+
+    `parts` (used by `PackedColumnParallelLinear`) stacks several checkpoint projections along the
+    output dim, each contributing the rows of its `OutputPart`; `shard_offsets[name]` is where a
+    part's rows sit in this rank's weight.
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias)
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, shard: TPShard = SINGLE,
+        *, parts: dict[str, OutputPart] | None = None,
+    ) -> None:
+        parts = parts if parts is not None else {"": even_part(out_features, shard)}
+        assert sum(p.full for p in parts.values()) == out_features
+        super().__init__(in_features, sum(p.size for p in parts.values()), bias)
+        self.parts = parts
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
-        for name, size in shard_sizes.items():
-            self.shard_offsets[name] = (offset, size)
-            offset += size
+        for name, part in parts.items():
+            self.shard_offsets[name] = (offset, part.size)
+            offset += part.size
+        _mark_sharded(any(p.size != p.full for p in parts.values()), self.weight, self.bias)
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
+        """`shard_id` None: the whole (possibly fused, parts in order) tensor; else that part alone."""
         if shard_id is None:
-            default_weight_loader(param, loaded)
+            names = list(self.parts)
+        elif str(shard_id) in self.parts:
+            names = [str(shard_id)]
+        else:
+            raise ValueError(f"unknown shard {shard_id!r} (parts: {list(self.parts)})")
+        _check_shape(loaded, (sum(self.parts[n].full for n in names), *param.shape[1:]),
+                     "parameter" if shard_id is None else f"shard {shard_id!r}")
+        row = 0  # where this part starts in the checkpoint tensor
+        for name in names:
+            part, (offset, size) = self.parts[name], self.shard_offsets[name]
+            param.data.narrow(0, offset, size).copy_(read_checkpoint(loaded, 0, row + part.start, size))
+            row += part.full
+
+
+class PackedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections in one GEMM (q|k|v, gate|up), one `OutputPart` each.
+
+    A checkpoint may hold the parts separately (q_proj/k_proj/v_proj, loaded with shard_id = the
+    part's name) or already fused in `parts` order (Phi-3's qkv_proj, shard_id None).
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, OutputPart], bias: bool = False) -> None:
+        super().__init__(in_features, sum(p.full for p in parts.values()), bias, parts=parts)
+
+
+class RowParallelLinear(Linear):
+    """Input dim split over ranks: y = all_reduce(x_local W_local^T) (+ b, added by rank 0 only)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TPShard = SINGLE) -> None:
+        in_start, size = shard.split(in_features)
+        super().__init__(size, out_features, bias)
+        self.in_start, self.full_in_features = in_start, in_features
+        self.reduce = shard.world_size > 1
+        self.bias_rank = shard.rank == 0
+        _mark_sharded(self.reduce, self.weight)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
+        if param.dim() == 1:  # the bias: replicated
+            default_weight_loader(param, loaded, shard_id)
             return
-        offset, size = self.shard_offsets[str(shard_id)]
-        target = param.data.narrow(0, offset, size)
-        if target.shape != loaded.shape:
-            raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} != {tuple(target.shape)}")
-        target.copy_(loaded)
+        assert shard_id is None, f"unexpected shard {shard_id!r} for a row-parallel parameter"
+        _check_shape(loaded, (param.shape[0], self.full_in_features))
+        param.data.copy_(read_checkpoint(loaded, 1, self.in_start, param.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduce:
+            return F.linear(x, self.weight, self.bias)
+        return parallel.all_reduce(F.linear(x, self.weight, self.bias if self.bias_rank else None))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding [vocab, hidden] (HF `embed_tokens`), rows split over ranks.
+
+    Rank r holds rows [r * n, (r + 1) * n) with n = ceil(vocab / tp); rows past the vocab are
+    zero padding. `compute_logits` uses the same rows as an LM head (tied embeddings).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, shard: TPShard = SINGLE) -> None:
+        super().__init__()
+        self.vocab_size, self.tp = vocab_size, shard.world_size
+        self.num_rows = vocab_per_rank(vocab_size, self.tp)
+        self.vocab_start = shard.rank * self.num_rows
+        self.num_valid = max(0, min(self.num_rows, vocab_size - self.vocab_start))
+        self.weight = _param(self.num_rows, hidden_size)
+        self.weight.weight_loader = self.weight_loader
+        _mark_sharded(self.tp > 1, self.weight)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
+        assert shard_id is None, f"unexpected shard {shard_id!r} for a vocab-parallel parameter"
+        _check_shape(loaded, (self.vocab_size, param.shape[1]))
+        param.data[: self.num_valid].copy_(read_checkpoint(loaded, 0, self.vocab_start, self.num_valid))
+        param.data[self.num_valid :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return parallel.all_reduce(out)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32, the full vocab on every rank."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp == 1:
+            return logits.float()
+        return parallel.all_gather_last_dim(logits)[..., : self.vocab_size].float().contiguous()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The untied LM head (HF `lm_head`): `forward(hidden)` is `compute_logits(hidden)`."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with optional fused residual add (kernels.rms_norm)."""
+    """RMSNorm with optional fused residual add (kernels.rms_norm); replicated."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -92,8 +259,10 @@ class RMSNorm(nn.Module):
 class PagedAttention(nn.Module):
     """Self-attention over the paged KV cache: qkv -> RoPE -> write cache -> attend -> o_proj.
 
-    `k_cache` / `v_cache` are views into the runner's single KV allocation, set with
-    `bind_kv_cache`; shape [num_blocks, block_size, num_kv_heads, head_dim].
+    `num_heads` / `num_kv_heads` are the model's; the layer keeps this rank's share in the
+    attributes of the same names (`parallel.attention_shard`). `k_cache` / `v_cache` are views
+    into the runner's single KV allocation, set with `bind_kv_cache`; shape
+    [num_blocks, block_size, self.num_kv_heads, head_dim].
     """
 
     def __init__(
@@ -104,13 +273,18 @@ class PagedAttention(nn.Module):
         head_dim: int,
         qkv_bias: bool,
         o_bias: bool,
+        shard: TPShard = SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        heads = attention_shard(num_heads, num_kv_heads, shard)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.scale = head_dim**-0.5
-        self.qkv_proj = PackedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden_size, o_bias)
+        kv_part = OutputPart(num_kv_heads * head_dim, heads.kv_head_start * head_dim, self.kv_size)
+        parts = {"q": OutputPart(num_heads * head_dim, heads.q_head_start * head_dim, self.q_size),
+                 "k": kv_part, "v": kv_part}
+        self.qkv_proj = PackedColumnParallelLinear(hidden_size, parts, qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, shard)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.cos_sin_cache = torch.empty(0)  # shared, set by the model
@@ -152,12 +326,13 @@ class PagedAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate|up packed as gate_up_proj."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate|up packed as gate_up_proj (this rank's columns)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, {"0": intermediate_size, "1": intermediate_size}, bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        part = even_part(intermediate_size, shard)
+        self.gate_up_proj = PackedColumnParallelLinear(hidden_size, {"0": part, "1": part}, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))

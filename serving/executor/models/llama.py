@@ -5,29 +5,39 @@ head_dim, rope scaling) and in how the checkpoint names packed projections, whic
 `packed_modules_mapping` covers (Phi-3 checkpoints are already fused). Forward takes flat
 token rows `[num_tokens]` plus the ambient `AttentionMetadata`; `compute_logits` is applied by
 the runner only to the rows it samples.
+
+Tensor parallel: the model is built for one `TPShard` (default: this process's,
+`parallel.tp_shard()`) and holds only that rank's slices; `compute_logits` still returns the
+full vocab on every rank. `num_kv_heads_per_rank` is what the runner's KV cache must hold.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from serving.executor.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm, _param, default_weight_loader
-from serving.model_config import ModelArgs
+from serving.executor.models.layers import (
+    GatedMLP,
+    PagedAttention,
+    ParallelLMHead,
+    RMSNorm,
+    VocabParallelEmbedding,
+)
 from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.parallel import TPShard, kv_heads_per_rank, tp_shard, validate_tensor_parallel
+from serving.model_config import ModelArgs
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x -> norm -> attention -> (+res) norm -> MLP, residual carried fused."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, shard: TPShard) -> None:
         super().__init__()
         self.self_attn = PagedAttention(
             args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-            qkv_bias=args.qkv_bias, o_bias=args.o_bias,
+            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard,
         )
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -44,25 +54,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class Embedding(nn.Module):
-    """Token embedding [vocab, hidden] (HF `embed_tokens`)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = _param(vocab_size, hidden_size)
-        self.weight.weight_loader = default_weight_loader
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
-
-
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF `model.*`)."""
 
-    def __init__(self, args: ModelArgs, max_position: int) -> None:
+    def __init__(self, args: ModelArgs, max_position: int, shard: TPShard) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, shard) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, rot_dim] float32
@@ -90,14 +88,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "1"),
     }
 
-    def __init__(self, args: ModelArgs, max_position: int | None = None) -> None:
+    def __init__(self, args: ModelArgs, max_position: int | None = None, shard: TPShard | None = None) -> None:
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, max_position or args.max_position_embeddings)
+        self.tp_shard = shard = shard or tp_shard()
+        validate_tensor_parallel(args, shard.world_size)
+        self.model = LlamaModel(args, max_position or args.max_position_embeddings, shard)
         if args.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, shard)
+        # What each rank's KV cache holds per layer: [num_blocks, block_size, this, head_dim].
+        self.num_kv_heads_per_rank = kv_heads_per_rank(args, shard.world_size)
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -107,6 +109,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 (tied embeddings reuse embed_tokens)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """[N, hidden] -> [N, vocab] float32, full vocab on every rank (tied embeddings reuse embed_tokens)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.compute_logits(hidden)
