@@ -184,7 +184,8 @@ def validate_tensor_parallel(args: ModelArgs, tp: int) -> None:
 
 def _check_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
     if num_heads % tp:
-        raise ValueError(f"tensor parallel degree {tp} does not divide num_attention_heads ({num_heads})")
+        raise ValueError(f"tensor parallel degree {tp} does not divide num_attention_heads ({num_heads}): "
+                         "each rank must hold the same number of attention heads")
     if tp > num_kv_heads and tp % num_kv_heads:
         raise ValueError(f"tensor parallel degree {tp} is larger than num_key_value_heads ({num_kv_heads}) but "
                          "not a multiple of it, so KV heads cannot be replicated evenly")
