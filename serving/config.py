@@ -327,8 +327,10 @@ def log_config(config: ServingConfig, log: logging.Logger = logger) -> None:
              "; ".join(f"copy {c} on {','.join(d)}" for c, d in enumerate(config.copy_devices())))
     if config.trust_remote_code:
         log.warning("option.trust_remote_code=true accepted, but this server never executes model "
-                    "repository code: models run on its own implementations, and a model that needs "
-                    "custom code is refused at load")
+                    "repository code: models run on its own implementations (a model that needs custom "
+                    "code is refused at load) and tokenizers on built-in transformers classes (an auto_map "
+                    "in tokenizer_config.json is ignored; a tokenizer that exists only as repository code "
+                    "is refused at load)")
     if config.enable_streaming != "false":
         log.info("option.enable_streaming=%s has no effect: requests stream with \"stream\": true, or "
                  "for every request with option.output_formatter=jsonlines", config.enable_streaming)

@@ -1,6 +1,7 @@
 """Tokenizer loading and streaming detokenization with stop strings.
 
-`load_tokenizer` opens the HF tokenizer of a model dir (or hub id). `IncrementalDetokenizer`
+`load_tokenizer` opens the HF tokenizer of a model dir (or hub id), never running repository code.
+`IncrementalDetokenizer`
 turns a sample's new token ids into text deltas: it decodes a small sliding window of ids
 (`prefix_offset` / `read_offset`, as TGI and vLLM do) so word-initial spaces come out right,
 waits while the text ends in U+FFFD (an incomplete UTF-8 sequence split across tokens), checks
@@ -10,6 +11,7 @@ string is never sent. The deltas it hands out concatenate to exactly `output_tex
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from serving.sampling_params import SamplingParams
@@ -17,17 +19,58 @@ from serving.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+logger = logging.getLogger("serving.tokenizer")
+
 # How many prompt tokens of context precede the first output token in the decode window
 # (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 _INITIAL_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
 
 
+class RemoteCodeRefused(RuntimeError):
+    """The tokenizer exists only as model repository code, which this server never executes."""
+
+
 def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The HF (fast) tokenizer stored with a model dir or hub id."""
+    """The HF (fast) tokenizer stored with a model dir or hub id; repository code is never executed.
+
+    `trust_remote_code` is accepted (vLLM / LMI option) but changes nothing: transformers always
+    gets False. A `tokenizer_config.json` whose `auto_map` names repository code is loaded with
+    the built-in class transformers finds for it (with a warning that the code was ignored), or
+    refused with `RemoteCodeRefused` when there is none.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=False)
+    except ValueError as exc:
+        code = _tokenizer_code(path, revision)
+        if code is None or "trust_remote_code" not in str(exc):
+            raise
+        raise RemoteCodeRefused(
+            f"the tokenizer of {path} exists only as model repository code ({code}, from the auto_map of its "
+            f"tokenizer_config.json): this server never executes repository code, whatever "
+            f"option.trust_remote_code says; use a tokenizer with a built-in transformers class "
+            f"(option.tokenizer)") from None
+    code = _tokenizer_code(path, revision)
+    if code is not None:
+        logger.warning("%s: tokenizer_config.json maps AutoTokenizer to repository code (%s); it is NOT executed "
+                       "(whatever option.trust_remote_code says): the built-in %s is used",
+                       path, code, type(tokenizer).__name__)
+    elif trust_remote_code:
+        logger.info("trust_remote_code=true: %s needs no repository code; none is executed", path)
+    return tokenizer
+
+
+def _tokenizer_code(path: str, revision: str | None) -> str | None:
+    """The repository classes the `auto_map` of a tokenizer_config.json names, if any."""
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+    auto_map = get_tokenizer_config(path, revision=revision).get("auto_map")
+    if isinstance(auto_map, dict):
+        auto_map = auto_map.get("AutoTokenizer")
+    refs = [ref for ref in auto_map or () if isinstance(ref, str)] if isinstance(auto_map, (list, tuple)) else []
+    return ", ".join(refs) or None
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation_eos: int | list[int] | None) -> list[int]:

@@ -1,10 +1,13 @@
 """Issue 10: one request must never take the server down (nor its metrics, nor its memory).
 
-One server for the module, started with a small job queue. Covers the bounded `route` label of
+One server for the module, started with a small job queue, a chat template file and
+`OPTION_TRUST_REMOTE_CODE=true` on a model dir whose tokenizer_config.json `auto_map` points at a
+local .py that writes a marker file when imported (it must never be). Covers the bounded `route` label of
 `lmi_requests_total` (unknown paths and methods share one bucket), hostile JSON bodies (deep
 nesting, lone surrogates, NaN / Infinity) answered 400 on every POST route, batches larger
 than the whole job queue (413, never the retryable 503 of a momentarily full queue), and
-`OPTION_CHAT_TEMPLATE` (a file is used only if it is a Jinja chat template; its text is never logged).
+`OPTION_CHAT_TEMPLATE` (a file is used only if it is a Jinja chat template; its text is never logged)
+and repository code (never executed, whatever option.trust_remote_code says).
 """
 
 from __future__ import annotations
@@ -29,14 +32,42 @@ ROUTES = {"/invocations", "/v1/completions", "/v1/chat/completions"}
 # The module server's chat template: the message texts only, so a chat prompt is exactly its text.
 TEMPLATE_HEAD = "{#- open-lmi reliability template -#}"
 TEMPLATE = TEMPLATE_HEAD + "{% for m in messages %}{{ m.content }}{% endfor %}"
+REMOTE_CODE = """import pathlib
+pathlib.Path({marker!r}).write_text("repository code was executed")
+from transformers import PreTrainedTokenizerFast
+
+
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def remote_code_model(root: Path, tokenizer_class: str) -> tuple[Path, Path]:
+    """The default model (files linked) whose tokenizer_config.json auto_map names `evil.EvilTokenizer`,
+    a local .py that writes a marker file when imported; returns (model dir, marker path)."""
+    from serving.default_model import default_model_path
+
+    src, model, marker = default_model_path(), root / "remote-code-model", root / "EXECUTED"
+    model.mkdir()
+    for f in src.iterdir():
+        if f.name != "tokenizer_config.json":
+            (model / f.name).symlink_to(f)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg.update(tokenizer_class=tokenizer_class, auto_map={"AutoTokenizer": [None, "evil.EvilTokenizer"]})
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (model / "evil.py").write_text(REMOTE_CODE.format(marker=str(marker)))
+    return model, marker
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("reliability")
     (cwd / "chat.jinja").write_text(TEMPLATE)
-    env = {"SERVING_JOB_QUEUE_SIZE": str(QUEUE), "OPTION_CHAT_TEMPLATE": str(cwd / "chat.jinja")}
+    model, marker = remote_code_model(cwd, "TokenizersBackend")  # a built-in class exists: the code is ignored
+    env = {"SERVING_JOB_QUEUE_SIZE": str(QUEUE), "OPTION_CHAT_TEMPLATE": str(cwd / "chat.jinja"),
+           "HF_MODEL_ID": str(model), "OPTION_TRUST_REMOTE_CODE": "true"}
     srv = LMIServer(env, cwd, cwd / "serve.log")
+    srv.marker = marker
     try:
         srv.wait(200)
         yield srv
@@ -195,3 +226,26 @@ def test_a_chat_template_file_that_is_not_one_stops_the_start_without_echoing_it
         assert p.returncode == 2, (value, out[-2000:])
         assert f"OPTION_CHAT_TEMPLATE={value!r} is invalid" in out and needle in out, (value, out[-2000:])
         assert secret not in out, value
+
+
+def test_trust_remote_code_true_never_runs_the_tokenizer_auto_map_code(server):
+    assert not server.marker.exists()
+    log = server.log()
+    assert "evil.EvilTokenizer); it is NOT executed" in log and "the built-in TokenizersBackend is used" in log
+    assert "option.trust_remote_code=true accepted, but this server never executes model repository code" in log
+    r = requests.post(server.url + "/invocations", json={"inputs": "The capital of France is",
+                                                          "parameters": {"max_new_tokens": 4}}, timeout=60)
+    assert r.status_code == 200 and r.json()["generated_text"]
+    assert not server.marker.exists()
+
+
+def test_a_tokenizer_that_exists_only_as_repository_code_is_refused_by_default(tmp_path):
+    model, marker = remote_code_model(tmp_path, "EvilTokenizer")  # no built-in class of that name
+    srv = LMIServer({"HF_MODEL_ID": str(model)}, tmp_path, tmp_path / "serve.log")
+    try:
+        body = srv.wait(500, timeout=120)
+    finally:
+        srv.stop()
+    assert 200 not in srv.ping_history and not marker.exists()
+    assert "exists only as model repository code (evil.EvilTokenizer" in body["error"]
+    assert "never executes repository code, whatever option.trust_remote_code says" in body["error"]
