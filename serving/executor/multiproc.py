@@ -93,7 +93,12 @@ class MultiprocExecutor(Executor):
             for rank in list(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
                 if conn.poll(0.05):
-                    kind, payload = conn.recv()
+                    try:
+                        kind, payload = conn.recv()
+                    except (EOFError, OSError):
+                        proc.join(1.0)
+                        raise WorkerFailedError(f"rank {rank} exited with code {proc.exitcode} while starting "
+                                                "(its log is above)") from None
                     if kind == "init_error":
                         raise WorkerFailedError(f"rank {rank} failed to start: {payload}")
                     assert kind == "ready", kind
