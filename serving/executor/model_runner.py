@@ -65,7 +65,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids(self.model_dir, args)
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
-        self.num_kv_heads = parallel.kv_heads_per_rank(args, world_size)
+        self.num_kv_heads = parallel.kv_heads_per_rank(args, world_size, rank)
         self.batch = BatchState()
         self._prev: StepOutput | None = None
         self.model = build_model(args, self.dtype, self.device, max(self.max_model_len, args.max_position_embeddings))

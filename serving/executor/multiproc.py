@@ -124,18 +124,19 @@ class MultiprocExecutor(Executor):
     def reset(self) -> None:
         self._send(("reset", None))
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple, ranks: int | None = None) -> None:
+        """Pickle `message` once and write it to the first `ranks` ranks (default: all)."""
         self._check()
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            for conn in self._conns:
+            for conn in self._conns[:ranks]:
                 conn.send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
             raise self._fail(WorkerFailedError(f"a worker went away: {exc}")) from None
 
     def _fetch(self, step_id: int) -> list[SampledToken]:
         """Ask rank 0 for a step's tokens and wait for them, watching for worker failure."""
-        self._send(("get", step_id))
+        self._send(("get", step_id), ranks=1)
         conn = self._conns[0]
         try:
             while not conn.poll(0.1):

@@ -12,10 +12,11 @@ input without calling torch.distributed. The collectives are plain
 they can be captured in CUDA graphs (NCCL), and run on CPU with gloo for tests.
 
 How shapes split over `tp` ranks (`validate_tensor_parallel` rejects the rest):
-- query heads: `num_heads // tp` per rank, rank r holds heads [r * H/tp, (r+1) * H/tp);
-- KV heads: `num_kv_heads // tp` per rank when tp <= num_kv_heads; when tp > num_kv_heads
-  (tp a multiple of it) each rank holds ONE KV head, replicated: rank r holds head
-  r * num_kv_heads // tp, the one its query heads read;
+- KV heads, when tp <= num_kv_heads: contiguous runs, as even as they go (rank r holds
+  [r*K//tp, (r+1)*K//tp)); each rank holds the query heads of its KV groups (so the degree need
+  not divide the heads: ranks may hold different head counts, and KV caches of different widths);
+- when tp > num_kv_heads (tp a multiple of it): each rank holds ONE KV head, replicated: rank r
+  holds head r * num_kv_heads // tp, and H/tp query heads, the ones that read it;
 - MLP: `intermediate_size // tp` columns of gate/up, the same rows of down_proj;
 - vocab: `ceil(vocab / tp)` rows per rank (the last rank's tail is zero padding); logits are
   gathered to `tp * ceil(vocab / tp)` columns and cut back to `vocab`.
@@ -153,19 +154,25 @@ class AttentionShard:
 
 
 def attention_shard(num_heads: int, num_kv_heads: int, shard: TPShard) -> AttentionShard:
-    """This rank's query heads and KV heads (one replicated KV head when tp > num_kv_heads)."""
+    """This rank's query heads and KV heads.
+
+    tp <= num_kv_heads: KV heads are dealt out in contiguous runs as evenly as they go (rank r
+    holds [r*K//tp, (r+1)*K//tp)), and each rank holds the query heads of its KV groups, so a
+    degree need not divide the heads (SmolLM2's 9 heads / 3 KV heads split 3+6 over 2 ranks).
+    tp > num_kv_heads: one replicated KV head per rank, the query heads split evenly.
+    """
     tp, r = shard.world_size, shard.rank
     _check_heads(num_heads, num_kv_heads, tp)
     if tp <= num_kv_heads:
-        kv, kv_start = num_kv_heads // tp, r * (num_kv_heads // tp)
-    else:
-        kv, kv_start = 1, r * num_kv_heads // tp
-    return AttentionShard(num_heads // tp, kv, r * (num_heads // tp), kv_start)
+        group = num_heads // num_kv_heads
+        kv_start, kv_end = r * num_kv_heads // tp, (r + 1) * num_kv_heads // tp
+        return AttentionShard((kv_end - kv_start) * group, kv_end - kv_start, kv_start * group, kv_start)
+    return AttentionShard(num_heads // tp, 1, r * (num_heads // tp), r * num_kv_heads // tp)
 
 
-def kv_heads_per_rank(args: ModelArgs, tp: int) -> int:
-    """KV heads in each rank's cache: `[.., num_blocks, block_size, kv_heads_per_rank, head_dim]`."""
-    return attention_shard(args.num_attention_heads, args.num_key_value_heads, TPShard(0, tp)).num_kv_heads
+def kv_heads_per_rank(args: ModelArgs, tp: int, rank: int = 0) -> int:
+    """KV heads in rank `rank`'s cache: `[.., num_blocks, block_size, kv_heads, head_dim]`."""
+    return attention_shard(args.num_attention_heads, args.num_key_value_heads, TPShard(rank, tp)).num_kv_heads
 
 
 def vocab_per_rank(vocab_size: int, tp: int) -> int:
@@ -183,14 +190,15 @@ def validate_tensor_parallel(args: ModelArgs, tp: int) -> None:
 
 
 def _check_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
-    if num_heads % tp:
-        raise ValueError(f"tensor parallel degree {tp} does not divide num_attention_heads ({num_heads}): "
-                         "each rank must hold the same number of attention heads")
-    if tp > num_kv_heads and tp % num_kv_heads:
-        raise ValueError(f"tensor parallel degree {tp} is larger than num_key_value_heads ({num_kv_heads}) but "
-                         "not a multiple of it, so KV heads cannot be replicated evenly")
-    if tp <= num_kv_heads and num_kv_heads % tp:
-        raise ValueError(f"tensor parallel degree {tp} does not divide num_key_value_heads ({num_kv_heads})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})")
+    if tp > num_kv_heads:
+        if tp % num_kv_heads:
+            raise ValueError(f"tensor parallel degree {tp} is larger than num_key_value_heads ({num_kv_heads}) but "
+                             "not a multiple of it, so KV heads cannot be replicated evenly")
+        if num_heads % tp:
+            raise ValueError(f"tensor parallel degree {tp} does not divide num_attention_heads ({num_heads}): "
+                             "with replicated KV heads each rank must hold the same number of attention heads")
 
 
 # ---- what the executor's workers exchange besides activations ---------------------------------

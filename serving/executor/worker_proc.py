@@ -54,7 +54,8 @@ def worker_main(config, model_dir, rank, world_size, device, init_method, conn, 
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        parallel.init_tensor_parallel(rank, world_size, init_method, "nccl" if dev.type == "cuda" else "gloo")
+        parallel.init_tensor_parallel(rank, world_size, init_method, "nccl" if dev.type == "cuda" else "gloo",
+                                      device=dev)
         runner = ModelRunner(config, model_dir, device=dev, rank=rank, world_size=world_size)
         conn.send(("ready", runner.info()))
     except BaseException:  # noqa: BLE001 - reported to the executor, which names the rank

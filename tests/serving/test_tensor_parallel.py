@@ -67,11 +67,12 @@ def _args(**kw: object) -> ModelArgs:
 
 
 @pytest.mark.parametrize("tp, kw, match", [
-    (3, {}, r"degree 3 does not divide num_attention_heads \(8\)"),
+    (8, dict(num_key_value_heads=4, num_attention_heads=12, hidden_size=96),
+     r"degree 8 does not divide num_attention_heads \(12\)"),
     (4, dict(num_key_value_heads=3, num_attention_heads=12, hidden_size=96),
      r"degree 4 is larger than num_key_value_heads \(3\) but not a multiple"),
-    (2, dict(num_key_value_heads=3, num_attention_heads=6, hidden_size=96),
-     r"degree 2 does not divide num_key_value_heads \(3\)"),
+    (2, dict(num_key_value_heads=3, num_attention_heads=7, hidden_size=112),
+     r"num_attention_heads \(7\) is not a multiple of num_key_value_heads \(3\)"),
     (4, dict(intermediate_size=90), r"degree 4 does not divide intermediate_size \(90\)"),
     (0, {}, r"must be >= 1"),
 ])
@@ -83,11 +84,14 @@ def test_validation_names_what_does_not_split(tp, kw, match):
             build_model(_args(**kw), torch.float32, torch.device("cpu"), 16, shard=TPShard(0, tp))
 
 
-def test_smollm2_splits_over_three_ranks_not_two(smollm2_path):  # noqa: F811
+def test_smollm2_splits_unevenly_over_two_ranks(smollm2_path):  # noqa: F811
+    """9 heads / 3 KV heads over 2 ranks: KV groups 1 + 2, so query heads 3 + 6."""
     args = ModelArgs.from_dir(smollm2_path)
-    with pytest.raises(ValueError, match=r"num_attention_heads \(9\)"):
-        validate_tensor_parallel(args, 2)
-    validate_tensor_parallel(args, 3)
+    for tp in (1, 2, 3):
+        validate_tensor_parallel(args, tp)
+    assert [attention_shard(9, 3, TPShard(r, 2)) for r in range(2)] == [
+        parallel.AttentionShard(3, 1, 0, 0), parallel.AttentionShard(6, 2, 3, 1)]
+    assert [kv_heads_per_rank(args, 2, r) for r in range(2)] == [1, 2]
     assert kv_heads_per_rank(args, 3) == 1 and kv_heads_per_rank(args, 1) == 3
 
 
@@ -99,7 +103,7 @@ def test_head_and_vocab_split():
             (attention_shard(8, 2, TPShard(r, 4)) for r in range(4))] == [(0, 0, 1), (2, 0, 1), (4, 1, 1), (6, 1, 1)]
     assert [attention_shard(4, 1, TPShard(r, 2)).kv_head_start for r in range(2)] == [0, 0]
     # Each rank's query heads all read the KV head it holds (GQA group = head // (H / KV)).
-    for h, kv, tp in [(8, 2, 4), (8, 1, 8), (12, 3, 6), (8, 8, 2), (32, 8, 8)]:
+    for h, kv, tp in [(8, 2, 4), (8, 1, 8), (12, 3, 6), (8, 8, 2), (32, 8, 8), (9, 3, 2), (32, 8, 3), (12, 4, 3)]:
         for r in range(tp):
             a = attention_shard(h, kv, TPShard(r, tp))
             groups = {q // (h // kv) for q in range(a.q_head_start, a.q_head_start + a.num_heads)}

@@ -172,8 +172,11 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(Linear):
     """Input dim split over ranks: y = all_reduce(x_local W_local^T) (+ b, added by rank 0 only)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TPShard = SINGLE) -> None:
-        in_start, size = shard.split(in_features)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TPShard = SINGLE,
+                 in_part: tuple[int, int] | None = None) -> None:
+        """`in_part` = (start, size) of this rank's input columns when not an even split (o_proj
+        under an uneven head split)."""
+        in_start, size = in_part if in_part is not None else shard.split(in_features)
         super().__init__(size, out_features, bias)
         self.in_start, self.full_in_features = in_start, in_features
         self.reduce = shard.world_size > 1
@@ -284,7 +287,8 @@ class PagedAttention(nn.Module):
         parts = {"q": OutputPart(num_heads * head_dim, heads.q_head_start * head_dim, self.q_size),
                  "k": kv_part, "v": kv_part}
         self.qkv_proj = PackedColumnParallelLinear(hidden_size, parts, qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, shard)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, shard,
+                                        in_part=(heads.q_head_start * head_dim, self.q_size))
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.cos_sin_cache = torch.empty(0)  # shared, set by the model

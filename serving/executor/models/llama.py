@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, shard)
         # What each rank's KV cache holds per layer: [num_blocks, block_size, this, head_dim].
-        self.num_kv_heads_per_rank = kv_heads_per_rank(args, shard.world_size)
+        self.num_kv_heads_per_rank = kv_heads_per_rank(args, shard.world_size, shard.rank)
 
     @property
     def attention_layers(self) -> list[PagedAttention]:

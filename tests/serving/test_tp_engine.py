@@ -1,0 +1,101 @@
+"""Tensor parallelism through the whole engine (offline `LLM`, gloo, 2 CPU ranks, fp32).
+
+Oracle: the same engine at TP=1 (itself token-identical with transformers, see
+test_engine_identity.py). Greedy tokens at TP=2 must be identical for the default model (tied
+embeddings), a tiny Qwen2 with 2 KV heads (one per rank) and a tiny Llama with 1 KV head
+(replicated on both ranks); with chunked prefill, prefix-cache hits, preemption and async
+scheduling on. Faults: a killed rank fails the executor within 5 s and leaves no process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from model_fixtures import build_tiny_model, smollm2_path  # noqa: F401  (fixture)
+
+from serving.executor.executor import WorkerFailedError
+from serving.llm import LLM
+from serving.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea:",
+    "List three prime numbers:",
+    "Once upon a time, in a land far away, there lived a",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05)
+
+
+def _tokens(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _compare(model: str, **tp_options: object) -> None:
+    expected = _tokens(LLM(model, **OPTIONS), PROMPTS)
+    llm = LLM(model, tensor_parallel_size=2, **{**OPTIONS, **tp_options})
+    try:
+        assert llm.llm_engine.info.devices == ("cpu", "cpu")
+        assert _tokens(llm, PROMPTS) == expected
+        assert _tokens(llm, PROMPTS[:2]) == expected[:2]  # again: served from the prefix cache
+        assert llm.llm_engine.block_manager.num_prefix_hits > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_default_model_tp2_equals_tp1_with_chunking_preemption_and_async(smollm2_path):
+    # 24-token steps chunk every prompt; 60 blocks of 4 cannot hold 4 x (prompt + 12): preemption.
+    _compare(str(smollm2_path), max_num_batched_tokens=24, max_num_seqs=4, num_gpu_blocks_override=40,
+             async_scheduling=True)
+
+
+def test_qwen2_with_two_kv_heads_tp2_equals_tp1(tmp_path):
+    path = build_tiny_model("qwen2", tmp_path / "qwen2", overrides={"num_key_value_heads": 2})
+    _compare(str(path))
+
+
+def test_llama_with_one_kv_head_replicated_tp2_equals_tp1(tmp_path):
+    path = build_tiny_model("llama", tmp_path / "llama", overrides={"num_key_value_heads": 1})
+    _compare(str(path))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_killed_rank_fails_the_executor_within_5s_and_leaves_no_process(smollm2_path):
+    llm = LLM(str(smollm2_path), tensor_parallel_size=2, **OPTIONS)
+    executor = llm.llm_engine.executor
+    pids = [p.pid for p in executor._procs]  # noqa: SLF001 - the test checks the process table
+    failures: list[BaseException] = []
+    executor.set_failure_callback(failures.append)
+    assert _tokens(llm, PROMPTS[:1])
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    while not failures and time.monotonic() - t0 < 5.0:
+        time.sleep(0.05)
+    assert failures and "rank 1" in str(failures[0]), failures
+    with pytest.raises(WorkerFailedError):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    deadline = time.monotonic() + 5.0
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+    llm.llm_engine.shutdown()
+
+
+def test_degree_that_does_not_divide_the_heads_is_a_clear_error(tmp_path):
+    path = build_tiny_model("llama", tmp_path / "llama3h", overrides={
+        "num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 192})
+    with pytest.raises(WorkerFailedError, match="attention heads"):
+        LLM(str(path), tensor_parallel_size=2, **OPTIONS)
