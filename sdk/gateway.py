@@ -6,7 +6,9 @@ In: ``POST /endpoints/<name>/invocations`` (InvokeEndpoint) and ``.../invocation
 (InvokeEndpointWithResponseStream), as boto3 or the sagemaker SDK send them with ``endpoint_url``.
 Out: the container's ``POST /invocations`` answer; 4xx/5xx become SageMaker's ``ModelError`` (424 with
 ``OriginalStatusCode``/``OriginalMessage``); streams become event-stream frames (``PayloadPart`` per
-upstream chunk, ``ModelStreamError`` if the upstream breaks). No auth: signatures are not checked.
+upstream chunk, ``ModelStreamError`` if the upstream breaks). A client that hangs up while its request
+runs (a boto3 read timeout) has its upstream request closed, so the container aborts it; the gateway
+logs one line. No auth: signatures are not checked.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _FORWARDED = (
     "X-Amzn-SageMaker-Inference-Id", "X-Amzn-SageMaker-Session-Id",
 )
 _ROUTE = re.compile(r"^/endpoints/([^/]+)/(invocations|invocations-response-stream)$")
+_WATCH_S = 0.25  # how often a waiting handler checks that its client is still connected
 
 
 class Upstreams:
@@ -90,15 +93,26 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
-    def _open_upstream(self, base: str, body: bytes, accept: str | None):
+    def _open_upstream(self, base: str, body: bytes, accept: str | None) -> http.client.HTTPConnection:
+        """Connect to the container and send the request (the answer is read by the caller)."""
         parts = urlsplit(base)
         conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=self.server.timeout_s)
         headers = {h: v for h in _FORWARDED if (v := self.headers.get(h)) is not None}
         headers.setdefault("Content-Type", "application/json")
         if accept:
             headers["Accept"] = accept
-        conn.request("POST", (parts.path or "") + "/invocations", body=body, headers=headers)
-        return conn, conn.getresponse()
+        try:
+            conn.request("POST", (parts.path or "") + "/invocations", body=body, headers=headers)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _upstream_failed(self, name: str, exc: Exception) -> None:
+        if isinstance(exc, TimeoutError):
+            self._model_error(name, 0, "Your invocation timed out while waiting for a response from container primary.")
+        else:
+            self._model_error(name, 0, f"Could not reach the container: {exc}")
 
     # -- routes ----------------------------------------------------------------------------------
     def do_GET(self) -> None:
@@ -118,23 +132,32 @@ class _Handler(BaseHTTPRequestHandler):
         if upstream is None:
             self._aws_error(400, "ValidationError", f"Endpoint {name} of account {ACCOUNT} not found.")
             return
-        if operation == "invocations":
-            self._invoke(name, upstream, body)
-        else:
-            self._invoke_stream(name, upstream, body)
-
-    def _invoke(self, name: str, upstream: str, body: bytes) -> None:
+        stream = operation != "invocations"
         try:
-            conn, resp = self._open_upstream(upstream, body, self.headers.get("Accept"))
-            try:
-                data = resp.read()
-            finally:
-                conn.close()
-        except (TimeoutError, socket.timeout):
-            self._model_error(name, 0, "Your invocation timed out while waiting for a response from container primary.")
+            conn = self._open_upstream(upstream, body, self.headers.get("X-Amzn-SageMaker-Accept" if stream else "Accept"))
+        except (OSError, http.client.HTTPException) as exc:
+            self._upstream_failed(name, exc)
             return
-        except OSError as exc:
-            self._model_error(name, 0, f"Could not reach the container: {exc}")
+        watch = _ClientWatch(self.connection, conn, f"{self.address_string()} ({name})")
+        try:
+            with watch:
+                (self._invoke_stream if stream else self._invoke)(name, conn, watch)
+        except (BrokenPipeError, ConnectionResetError):  # a write to the client failed
+            watch.hang_up()
+        finally:
+            conn.close()
+        if watch.gone:
+            self.close_connection = True
+
+    def _invoke(self, name: str, conn: http.client.HTTPConnection, watch: _ClientWatch) -> None:
+        try:
+            resp = conn.getresponse()
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            if not watch.gone:  # else: we closed it, and nobody is left to answer
+                self._upstream_failed(name, exc)
+            return
+        if watch.gone:
             return
         if resp.status >= 400:
             self._model_error(name, resp.status, data.decode("utf-8", "replace"))
@@ -145,58 +168,99 @@ class _Handler(BaseHTTPRequestHandler):
             headers["X-Amzn-SageMaker-Custom-Attributes"] = attrs
         self._send(resp.status, data, headers)
 
-    def _invoke_stream(self, name: str, upstream: str, body: bytes) -> None:
+    def _invoke_stream(self, name: str, conn: http.client.HTTPConnection, watch: _ClientWatch) -> None:
         try:
-            conn, resp = self._open_upstream(upstream, body, self.headers.get("X-Amzn-SageMaker-Accept"))
-        except (TimeoutError, socket.timeout):
-            self._model_error(name, 0, "Your invocation timed out while waiting for a response from container primary.")
+            resp = conn.getresponse()
+            error = resp.read() if resp.status >= 400 else None
+        except (OSError, http.client.HTTPException) as exc:
+            if not watch.gone:
+                self._upstream_failed(name, exc)
             return
-        except OSError as exc:
-            self._model_error(name, 0, f"Could not reach the container: {exc}")
+        if error is not None:
+            self._model_error(name, resp.status, error.decode("utf-8", "replace"))
             return
-        try:
-            if resp.status >= 400:
-                self._model_error(name, resp.status, resp.read().decode("utf-8", "replace"))
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "application/vnd.amazon.eventstream")
-            self.send_header("X-Amzn-SageMaker-Content-Type", resp.getheader("Content-Type", "application/octet-stream"))
-            self.send_header("x-Amzn-Invoked-Production-Variant", VARIANT)
-            if (attrs := resp.getheader("X-Amzn-SageMaker-Custom-Attributes")) is not None:
-                self.send_header("X-Amzn-SageMaker-Custom-Attributes", attrs)
-            self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            self._pump(resp)
-        finally:
-            conn.close()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/vnd.amazon.eventstream")
+        self.send_header("X-Amzn-SageMaker-Content-Type", resp.getheader("Content-Type", "application/octet-stream"))
+        self.send_header("x-Amzn-Invoked-Production-Variant", VARIANT)
+        if (attrs := resp.getheader("X-Amzn-SageMaker-Custom-Attributes")) is not None:
+            self.send_header("X-Amzn-SageMaker-Custom-Attributes", attrs)
+        self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self._pump(resp, watch)
 
-    def _pump(self, resp: http.client.HTTPResponse) -> None:
+    def _pump(self, resp: http.client.HTTPResponse, watch: _ClientWatch) -> None:
         """Copy upstream chunks out as PayloadPart frames; a broken upstream ends with ModelStreamError."""
-        try:
-            while True:
-                try:
-                    data = resp.read1(65536)
-                except (TimeoutError, socket.timeout):
-                    self._chunk(eventstream.model_stream_error(
-                        "The model failed to finish sending the response within the timeout period.",
-                        "ModelInvocationTimeExceeded"))
-                    break
-                except (http.client.HTTPException, OSError) as exc:
-                    self._chunk(eventstream.model_stream_error(f"Upstream stream broken: {exc!r}", "StreamBroken"))
-                    break
-                if not data:
-                    break
-                self._chunk(eventstream.payload_part(data))
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            logger.info("client went away during a stream")
-            self.close_connection = True
+        while True:
+            try:
+                data, failure = resp.read1(65536), None
+            except (http.client.HTTPException, OSError) as exc:
+                data, failure = b"", exc
+            if watch.gone:  # we closed the upstream ourselves: the client is not there to tell
+                return
+            if isinstance(failure, TimeoutError):
+                self._chunk(eventstream.model_stream_error(
+                    "The model failed to finish sending the response within the timeout period.",
+                    "ModelInvocationTimeExceeded"))
+            elif failure is not None:
+                self._chunk(eventstream.model_stream_error(f"Upstream stream broken: {failure!r}", "StreamBroken"))
+            if not data:
+                break
+            self._chunk(eventstream.payload_part(data))
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
 
     def _chunk(self, frame: bytes) -> None:
         self.wfile.write(b"%X\r\n%s\r\n" % (len(frame), frame))
         self.wfile.flush()
+
+
+class _ClientWatch:
+    """While a handler waits on the container, notice its client hanging up and close the upstream
+    request then, so the container aborts the work (a boto3 read timeout and its retries must not
+    stack generations there). Logs one line per client that went away."""
+
+    def __init__(self, client: socket.socket, upstream: http.client.HTTPConnection, who: str) -> None:
+        self.gone = False
+        self._client = client
+        self._upstream = upstream
+        self._who = who
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def __enter__(self) -> _ClientWatch:
+        threading.Thread(target=self._watch, name="sm-gateway-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(_WATCH_S):
+            try:  # peek: b"" is the client's EOF; no byte waiting means it is still there
+                eof = self._client.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except (BlockingIOError, InterruptedError, TimeoutError):
+                eof = False
+            except OSError:  # reset
+                eof = True
+            if eof:
+                self.hang_up()
+                return
+
+    def hang_up(self) -> None:
+        """The client is gone: shut the upstream connection (the container sees it close) and say so."""
+        with self._lock:
+            if self.gone:
+                return
+            self.gone = True
+        logger.info("client %s went away; closed its request to the container", self._who)
+        sock = self._upstream.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the handler's blocked read; close() is the handler's
+            except OSError:
+                pass
 
 
 class _GatewayServer(ThreadingHTTPServer):

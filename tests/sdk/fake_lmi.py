@@ -1,7 +1,9 @@
 """A tiny stand-in for an LMI container (unit tests only): canned LMI bytes over HTTP/1.1 chunked.
 
 Behaviour is chosen by the request's ``inputs``: "error400"/"error503" -> that status with an LMI
-error body; "break" -> a stream cut off mid-way (no terminating chunk); anything else -> the words of
+error body; "break" -> a stream cut off mid-way (no terminating chunk); "slow" -> nothing (but the
+headers of a stream) for up to 10 s while watching for the client to hang up, which is recorded in
+``hung_up``; anything else -> the words of
 ``inputs`` echoed back as tokens. ``"stream": true`` gives JSON lines (or SSE with
 ``parameters.sse``), otherwise one JSON object. The real-container tests use container/serve instead.
 """
@@ -9,7 +11,10 @@ error body; "break" -> a stream cut off mid-way (no terminating chunk); anything
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -64,6 +69,8 @@ class _Handler(BaseHTTPRequestHandler):
         words = [w if i == 0 else " " + w for i, w in enumerate(inputs.split())] or ["ok"]
         params = body.get("parameters", {})
         stream = body.get("stream", False)
+        if inputs == "slow" and self._slow(stream):
+            return
         self.send_response(200)
         ctype = "text/event-stream" if params.get("sse") else "application/jsonlines" if stream else "application/json"
         self.send_header("Content-Type", ctype)
@@ -83,6 +90,28 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
+
+    def _slow(self, stream: bool) -> bool:
+        """Wait (at most 10 s) for the client to hang up, recorded in ``hung_up``. True when that
+        dealt with the request (the client left, or its stream was ended here); False: answer it."""
+        if stream:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/jsonlines")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.flush()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([self.connection], [], [], 0.1)
+            if readable and self.connection.recv(1, socket.MSG_PEEK) == b"":
+                self.server.hung_up.append(time.monotonic())
+                self.close_connection = True
+                return True
+        if stream:  # the client stayed: end the stream it has the headers of
+            self._chunk(lmi_lines(["slow"])[0])
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        return stream
 
     def _chat(self, body: dict) -> None:
         words = body["messages"][-1]["content"].split()[: body.get("max_tokens", 8)] or ["ok"]
@@ -111,6 +140,7 @@ class FakeLMI:
         self.server = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
         self.server.daemon_threads = True
         self.server.requests = []  # type: ignore[attr-defined]
+        self.server.hung_up = []  # type: ignore[attr-defined]  # when clients of "slow" requests left
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
@@ -121,6 +151,10 @@ class FakeLMI:
     def requests(self) -> list[dict]:
         return self.server.requests  # type: ignore[attr-defined]
 
+    @property
+    def hung_up(self) -> list[float]:
+        return self.server.hung_up  # type: ignore[attr-defined]
+
     def __enter__(self) -> FakeLMI:
         self.thread.start()
         return self
@@ -130,7 +164,7 @@ class FakeLMI:
         self.server.server_close()
 
 
-def runtime_client(url: str):
+def runtime_client(url: str, read_timeout: float = 60):
     """A real boto3 sagemaker-runtime client aimed at ``url`` (dummy credentials, no retries)."""
     import boto3
     from botocore.config import Config
@@ -138,7 +172,7 @@ def runtime_client(url: str):
     return boto3.client(
         "sagemaker-runtime", endpoint_url=url, region_name="us-east-1",
         aws_access_key_id="testing", aws_secret_access_key="testing",
-        config=Config(retries={"max_attempts": 1}),
+        config=Config(retries={"total_max_attempts": 1}, read_timeout=read_timeout),
     )
 
 

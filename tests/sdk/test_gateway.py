@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -10,6 +11,8 @@ import time
 import pytest
 import requests
 from botocore.eventstream import ChecksumMismatch, EventStreamBuffer
+from botocore.exceptions import ReadTimeoutError
+from urllib3.exceptions import ReadTimeoutError as StreamReadTimeoutError
 
 from fake_lmi import runtime_client
 from sdk import eventstream
@@ -152,3 +155,31 @@ def test_cli_serves(fake_lmi) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_hanging_up_closes_the_upstream_request(gateway, fake_lmi, caplog, capfd, stream) -> None:
+    """boto3 gives up (read timeout) on a request the container is still working on: the gateway
+    closes its upstream request at once (the container then aborts it) and logs one line."""
+    caplog.set_level(logging.INFO, logger="sdk.gateway")
+    before = len(fake_lmi.hung_up)
+    client = runtime_client(gateway.url, read_timeout=1)
+    body = json.dumps({"inputs": "slow", "stream": stream})
+    with pytest.raises((ReadTimeoutError, StreamReadTimeoutError)):  # botocore's, or the raw stream's
+        if stream:
+            resp = client.invoke_endpoint_with_response_stream(EndpointName="ep", Body=body,
+                                                               ContentType="application/json")
+            try:
+                list(resp["Body"])
+            finally:
+                resp["Body"].close()
+        else:
+            client.invoke_endpoint(EndpointName="ep", Body=body, ContentType="application/json")
+    gave_up = time.monotonic()
+    while len(fake_lmi.hung_up) == before and time.monotonic() < gave_up + 3:
+        time.sleep(0.05)
+    assert len(fake_lmi.hung_up) == before + 1 and fake_lmi.hung_up[-1] - gave_up < 1.5
+    time.sleep(0.3)  # the gateway's handler thread finishes
+    gone = [r for r in caplog.records if r.name == "sdk.gateway" and "went away" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].exc_info is None, [r.getMessage() for r in caplog.records]
+    assert "Traceback" not in capfd.readouterr().err
