@@ -1,8 +1,10 @@
 """gunicorn settings for the LMI container (read by `container/serve`).
 
-One `gthread` worker: a single process owns the accelerator, every open stream holds a thread,
-and the engine runs on its own OS thread started *after* fork (`post_worker_init`), because CUDA
-does not survive fork. Never `preload_app`, never gevent (its hub starves /ping under load).
+One `gthread` worker (`serving/server/worker.py`: requests are read whole before they take a
+thread, gunicorn's own errors are JSON, SIGTERM ends open requests with a final record before
+`graceful_timeout`): a single process owns the accelerator, every open stream holds a thread, and
+the engine runs on its own OS thread started *after* fork (`post_worker_init`), because CUDA does
+not survive fork. Never `preload_app`, never gevent (its hub starves /ping under load).
 """
 
 import os
@@ -13,9 +15,9 @@ _config = load_config(os.environ)
 
 bind = f"0.0.0.0:{_config.port}"
 workers = 1
-worker_class = "gthread"
+worker_class = "serving.server.worker.LMIWorker"
 threads = _config.gunicorn_threads
-worker_connections = threads + 64
+worker_connections = threads + 4096  # a connection whose request is still arriving holds no thread
 preload_app = False
 timeout = 120  # worker heartbeat; the engine loads on its own thread, so this never races loading
 graceful_timeout = int(_config.graceful_timeout)  # SageMaker sends SIGKILL 30 s after SIGTERM
@@ -29,9 +31,12 @@ control_socket_disable = True  # several servers may run on one host (tests); no
 
 
 def post_worker_init(worker):  # noqa: ANN001, ANN201 - gunicorn hook
-    """Start model download/loading on the engine thread, now that we are in the worker."""
+    """Wire the worker to the app (body limit, SIGTERM drain), then start model download/loading on
+    the engine thread, now that we are in the worker."""
     from serving.server import wsgi
 
+    worker.configure(max_body_size=wsgi.config.max_request_size,
+                     on_drain=wsgi.app.extensions["runner"].begin_drain)
     wsgi.start()
 
 

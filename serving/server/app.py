@@ -18,6 +18,7 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from serving.config import ServingConfig
+from serving.server.disconnect import probe_from_environ
 from serving.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.server.metrics import Metrics
 from serving.server.protocol import (
@@ -108,15 +109,16 @@ def create_app(engine_loop: object, config: ServingConfig) -> Flask:
             return error(400, f"unknown adapter {attrs['adapter']!r}: LoRA adapters are not supported", route)
         request_id = uuid.uuid4().hex
         headers = {"x-request-id": request_id, **_NO_CACHE}
+        gone = probe_from_environ(request.environ)  # a client that leaves aborts its request at once
         try:
             req = parse(body)
             if req.stream:
-                records = runner.run_stream(req, request_id)
+                records = runner.run_stream(req, request_id, gone)
                 metrics.observe_request(route, 200)
                 fmt_type = runner.formatter(req, request_id).content_type
                 return Response(_flushing(records), 200, content_type=fmt_type,
                                 headers={**headers, "X-Accel-Buffering": "no"}, direct_passthrough=True)
-            out = runner.run_plain(req, request_id)
+            out = runner.run_plain(req, request_id, gone)
             content_type = runner.formatter(req, request_id).content_type
             if isinstance(out, tuple):
                 metrics.observe_request(route, out[0])

@@ -2,8 +2,10 @@
 
 In: a `GenerateRequest` (serving/server/protocol.py). Out: either whole response bytes, or an iterator
 of byte records for a stream. It owns admission (the job queue bound -> 503), the per-request
-deadline (`predict_timeout`), aborting on client disconnect (the generator's `finally` closes
-the engine stream, which frees its KV blocks), and the latency metrics.
+deadline (`predict_timeout`), the SIGTERM drain deadline (`begin_drain`: new work 503, what still
+runs then ends with an error record), aborting on client disconnect (a failed write closes the
+generator; while waiting, the `gone` probe is polled; either way the engine stream is closed, which
+frees its KV blocks), and the latency metrics.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from serving.outputs import StreamDelta
 from serving.server.protocol import GenerateRequest
 
 logger = logging.getLogger("serving.server.request_runner")
-_POLL_S = 0.5  # how often a waiting handler re-checks engine health
+_POLL_S = 0.5  # how often a waiting handler re-checks engine health, the drain and its client
+DRAINING = "the server is shutting down"  # the error of requests refused or cut by the SIGTERM drain
+CLIENT_CLOSED = 499  # status recorded for a request whose client left before its answer (nginx's code)
 
 
 class HTTPError(Exception):
@@ -39,6 +43,21 @@ class HTTPError(Exception):
         return json.dumps({"error": self.message, "code": self.status}).encode()
 
 
+class ServerDraining(RuntimeError):
+    """The SIGTERM drain deadline passed while this request still ran (503: retry elsewhere)."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request was waiting for the engine."""
+
+
+def _status_of(error: str) -> int:
+    """The HTTP status of a request that failed with `error` before its answer started."""
+    if error.startswith("prediction timed out"):
+        return 504
+    return 503 if error.startswith(DRAINING) else 500
+
+
 @dataclass
 class _Job:
     """One prompt submitted to the engine and what came back so far."""
@@ -47,6 +66,7 @@ class _Job:
     stream: object
     result: Result
     first_token_at: float | None = None
+    probe_at: float = 0.0  # when to next ask whether the client is still there
 
 
 class RequestRunner:
@@ -58,10 +78,19 @@ class RequestRunner:
         self.metrics = metrics
         self._lock = threading.Lock()
         self._inflight = 0
+        self._drain_deadline: float | None = None
 
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    def begin_drain(self, deadline: float) -> None:
+        """SIGTERM: answer new work 503 and end whatever still runs at `deadline` (time.monotonic())
+        with an error record, so no stream is cut mid-token when the process exits.
+
+        Safe from a signal handler: it only stores the deadline, which waiting handlers poll.
+        """
+        self._drain_deadline = deadline
 
     # ---- tokenization ----------------------------------------------------------------------------
     @property
@@ -120,6 +149,8 @@ class RequestRunner:
     # ---- engine access ---------------------------------------------------------------------------
     def _submit(self, req: GenerateRequest, prompts: list[tuple[str, list[int]]]) -> list[_Job]:
         n = len(prompts)
+        if self._drain_deadline is not None:
+            raise HTTPError(503, f"{DRAINING}; send the request again (to another instance)")
         with self._lock:
             if self._inflight + n > self.config.job_queue_size:
                 raise HTTPError(503, f"Worker queue capacity exceeded ({self.config.job_queue_size} requests)")
@@ -155,12 +186,23 @@ class RequestRunner:
             job.first_token_at = time.monotonic()
         job.result.add(delta)
 
-    def _next(self, job: _Job, deadline: float) -> StreamDelta:
-        """The next delta of a job; raises TimeoutError / RuntimeError (engine dead)."""
+    def _next(self, job: _Job, deadline: float, gone: Callable[[], bool] | None = None) -> StreamDelta:
+        """The next delta of a job; raises TimeoutError, ServerDraining, RuntimeError (engine dead)
+        or ClientGone (`gone()` said so; it is asked at most every _POLL_S)."""
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            drain = self._drain_deadline
+            if drain is not None and now >= drain:
+                raise ServerDraining(f"{DRAINING}: the request was ended at the drain deadline")
+            if gone is not None and now >= job.probe_at:
+                job.probe_at = now + _POLL_S
+                if gone():
+                    raise ClientGone()
+            remaining = deadline - now
             if remaining <= 0:
                 raise TimeoutError(f"prediction timed out after {self.config.predict_timeout:g} s")
+            if drain is not None:
+                remaining = min(remaining, drain - now)
             try:
                 delta = job.stream.get(timeout=min(_POLL_S, remaining))
             except queue.Empty:
@@ -189,35 +231,51 @@ class RequestRunner:
                          created=int(time.time()), special_ids=self.special_ids(), decode_token=self.decode_token)
 
     # ---- plain -------------------------------------------------------------------------------------
-    def run_plain(self, req: GenerateRequest, request_id: str) -> tuple[int, bytes] | Iterator[bytes]:
+    def run_plain(self, req: GenerateRequest, request_id: str, gone: Callable[[], bool] | None = None
+                  ) -> tuple[int, bytes] | Iterator[bytes]:
         """Run to completion: (status, body), errors -> HTTPError.
 
         If it is not done after `heartbeat_s`, returns a byte iterator instead: status 200 is
         committed, a space (valid leading JSON whitespace) is sent every `heartbeat_s` so
         SageMaker sees bytes well within its 60 s, then the body (with finish_reason "error"
-        if it failed after that point).
+        if it failed after that point). `gone()` (polled while waiting) says the client left:
+        the request is aborted at once rather than at the next failed write.
         """
         start = time.monotonic()
         prompts = self.prompts(req)
         jobs = self._submit(req, prompts)
         deadline = start + self.config.predict_timeout
-        if self._collect(jobs, deadline, start + self.heartbeat_s):
+        try:
+            done = self._collect(jobs, deadline, start + self.heartbeat_s, gone)
+        except ClientGone:
+            raise self._abandon(jobs, start) from None
+        if done:
             return self._finish_plain(req, request_id, jobs, start)
-        return self._plain_with_heartbeat(req, request_id, jobs, start, deadline)
+        return self._plain_with_heartbeat(req, request_id, jobs, start, deadline, gone)
+
+    def _abandon(self, jobs: list[_Job], start: float) -> HTTPError:
+        """The client left before its answer started: abort its engine requests (their KV blocks are
+        freed); returns the HTTPError(499) to raise, which the app records and cannot deliver."""
+        _log_gone(jobs)
+        self._release(jobs, len(jobs))
+        self._observe(jobs, start)
+        return HTTPError(CLIENT_CLOSED, "the client closed the connection")
 
     @property
     def heartbeat_s(self) -> float:
         return min(15.0, self.config.chunked_read_timeout / 4)
 
-    def _collect(self, jobs: list[_Job], deadline: float, until: float) -> bool:
-        """Drain deltas until every job finished (True) or `until` passed (False); failures end jobs."""
+    def _collect(self, jobs: list[_Job], deadline: float, until: float,
+                 gone: Callable[[], bool] | None = None) -> bool:
+        """Drain deltas until every job finished (True) or `until` passed (False); failures end jobs;
+        ClientGone propagates."""
         try:
             for job in jobs:
                 while not job.result.finished:
                     if time.monotonic() >= until < deadline:
                         return False
                     try:
-                        self._next(job, min(deadline, until))
+                        self._next(job, min(deadline, until), gone)
                     except TimeoutError:
                         if time.monotonic() < deadline:
                             return False
@@ -234,25 +292,28 @@ class RequestRunner:
         errors = [s.error or "generation failed" for j in jobs for s in j.result.samples.values()
                   if s.finish_reason == "error"]
         if errors:
-            raise HTTPError(504 if errors[0].startswith("prediction timed out") else 500, errors[0])
+            raise HTTPError(_status_of(errors[0]), errors[0])
         return 200, self.formatter(req, request_id).body([j.result for j in jobs])
 
     def _plain_with_heartbeat(self, req: GenerateRequest, request_id: str, jobs: list[_Job], start: float,
-                              deadline: float) -> Iterator[bytes]:
+                              deadline: float, gone: Callable[[], bool] | None) -> Iterator[bytes]:
         try:
-            while not self._collect(jobs, deadline, time.monotonic() + self.heartbeat_s):
+            while not self._collect(jobs, deadline, time.monotonic() + self.heartbeat_s, gone):
                 yield b" "
             yield self.formatter(req, request_id).body([j.result for j in jobs])
+        except ClientGone:
+            _log_gone(jobs)
         finally:
             self._release(jobs, len(jobs))
             self._observe(jobs, start)
 
     # ---- streams -----------------------------------------------------------------------------------
-    def run_stream(self, req: GenerateRequest, request_id: str) -> Iterator[bytes]:
+    def run_stream(self, req: GenerateRequest, request_id: str, gone: Callable[[], bool] | None = None
+                   ) -> Iterator[bytes]:
         """Start generating; wait for the first delta (so early errors get a status), then stream.
 
         The returned generator must be closed by the server (client gone -> GeneratorExit), which
-        aborts the engine requests in its `finally`.
+        aborts the engine requests in its `finally`; `gone()` is polled while it waits for deltas.
         """
         start = time.monotonic()
         prompts = self.prompts(req)
@@ -260,14 +321,16 @@ class RequestRunner:
         deadline = start + self.config.predict_timeout
         fmt = self.formatter(req, request_id)
         try:
-            first = self._next(jobs[0], deadline)
+            first = self._next(jobs[0], deadline, gone)
+        except ClientGone:
+            raise self._abandon(jobs, start) from None
         except (TimeoutError, RuntimeError) as exc:
             self._release(jobs, len(jobs))
-            raise HTTPError(504 if isinstance(exc, TimeoutError) else 500, str(exc)) from None
+            raise HTTPError(_status_of(str(exc)), str(exc)) from None
         if first.finish_reason == "error" and not first.token_ids:
             self._release(jobs, len(jobs))
             raise HTTPError(500, first.error or "generation failed")
-        return self._stream(req, fmt, jobs, first, start, deadline)
+        return self._stream(req, fmt, jobs, first, start, deadline, gone)
 
     @staticmethod
     def _catch_up(job: _Job, fmt: Formatter, p: int, rec: bytes, delta: StreamDelta | None,
@@ -282,7 +345,7 @@ class RequestRunner:
         return b"".join(out)
 
     def _stream(self, req: GenerateRequest, fmt: Formatter, jobs: list[_Job], first: StreamDelta,
-                start: float, deadline: float) -> Iterator[bytes]:
+                start: float, deadline: float, gone: Callable[[], bool] | None = None) -> Iterator[bytes]:
         """The records of a stream, each flushed as soon as its delta is there.
 
         Coalescing: after the delta it waited for, a thread also takes the deltas already queued
@@ -300,7 +363,7 @@ class RequestRunner:
                     yield self._catch_up(job, fmt, 0, rec, None if result.finished else ready(), ready)
                 while not result.finished:
                     try:
-                        delta = self._next(job, deadline)
+                        delta = self._next(job, deadline, gone)
                     except (TimeoutError, RuntimeError) as exc:
                         logger.warning("request %s failed mid-stream: %s", job.request_id, exc)
                         yield fmt.error_record(result, str(exc))
@@ -311,7 +374,13 @@ class RequestRunner:
             end = fmt.end(results)
             if end:
                 yield end
+        except ClientGone:  # noticed while waiting for a delta: nobody to write the rest to
+            _log_gone(jobs)
         finally:
             # Runs on normal end, on error, and when the client disconnects (GeneratorExit).
             self._release(jobs, len(jobs))
             self._observe(jobs, start)
+
+
+def _log_gone(jobs: list[_Job]) -> None:
+    logger.info("client went away; aborted request(s) %s", ", ".join(j.request_id for j in jobs))
