@@ -89,10 +89,10 @@ def workload_tps(llm, shape: str) -> tuple[float, float]:  # noqa: ANN001
 
 def plan_cost() -> dict:
     """Pickled bytes and pickle+unpickle microseconds of a 256-row decode plan."""
-    from serving.executor.plan import ScheduledChunk, StepPlan
+    from serving.executor.plan import StepPlan
 
-    chunks = [ScheduledChunk(i, 900 + i, 1, True, [], 899 + i, [5, -1]) for i in range(256)]
-    plan = StepPlan(1, chunks, 256, [], [3, 4], [])
+    plan = StepPlan(1, list(range(256)), [900 + i for i in range(256)], [1] * 256, [True] * 256, 256,
+                    {7: [123]}, {i: (899 + i, [5, -1]) for i in range(256)}, [], [3, 4], [])
     data = pickle.dumps(("step", plan), protocol=pickle.HIGHEST_PROTOCOL)
     t0 = time.perf_counter()
     for _ in range(200):

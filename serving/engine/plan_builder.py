@@ -10,30 +10,34 @@ workers are told to forget it (finished, preempted, or after a reset).
 from __future__ import annotations
 
 from serving.engine.scheduler_output import SchedulerOutput
-from serving.executor.plan import PLACEHOLDER, NewSeq, ScheduledChunk, StepPlan
+from serving.executor.plan import PLACEHOLDER, NewSeq, StepPlan
 
 
 def build_plan(step_id: int, sched_out: SchedulerOutput, finished_ids: list[int] = (),  # type: ignore[assignment]
                preempted_ids: list[int] = ()) -> StepPlan:  # type: ignore[assignment]
     """The plan of this step; updates each scheduled sequence's record of what the workers hold."""
+    scheduled = sched_out.scheduled
     new: list[NewSeq] = []
-    chunks: list[ScheduledChunk] = []
-    for item in sched_out.scheduled:
+    new_blocks: dict[int, list[int]] = {}
+    syncs: dict[int, tuple[int, list[int]]] = {}
+    for i, item in enumerate(scheduled):
         seq = item.seq
         ids, table = seq.token_ids, seq.block_table
-        chunk = ScheduledChunk(seq.seq_id, item.start, item.num_tokens, item.sample)
         if not seq.in_worker:
             assert PLACEHOLDER not in ids[-1:], f"seq {seq.seq_id}: admitted with a token in flight"
             seq.in_worker = True
             new.append(NewSeq(seq.seq_id, seq.index, seq.num_prompt_tokens, list(ids), seq.params, list(table)))
             seq.num_synced, seq.num_blocks_sent = len(ids), len(table)
-        else:
-            if len(table) > seq.num_blocks_sent:
-                chunk.new_block_ids = table[seq.num_blocks_sent:]
-                seq.num_blocks_sent = len(table)
-            n = seq.num_synced
-            if len(ids) > n:
-                chunk.sync_from, chunk.token_ids = n, ids[n:]
-                seq.num_synced = len(ids) - 1 if ids[-1] == PLACEHOLDER else len(ids)
-        chunks.append(chunk)
-    return StepPlan(step_id, chunks, sched_out.num_decodes, new, list(finished_ids), list(preempted_ids))
+            continue
+        if len(table) > seq.num_blocks_sent:
+            new_blocks[i] = table[seq.num_blocks_sent:]
+            seq.num_blocks_sent = len(table)
+        n = seq.num_synced
+        if len(ids) > n:
+            syncs[i] = (n, ids[n:])
+            seq.num_synced = len(ids) - 1 if ids[-1] == PLACEHOLDER else len(ids)
+    return StepPlan(
+        step_id, [item.seq.seq_id for item in scheduled], [item.start for item in scheduled],
+        [item.num_tokens for item in scheduled], [item.sample for item in scheduled], sched_out.num_decodes,
+        new_blocks, syncs, new, list(finished_ids), list(preempted_ids),
+    )

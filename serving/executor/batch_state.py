@@ -39,7 +39,7 @@ class WorkerSeq:
 
 
 class BatchState:
-    """seq_id -> WorkerSeq, updated by `apply(plan)`; `seqs_of(plan)` lists the scheduled ones."""
+    """seq_id -> WorkerSeq, updated by `apply(plan)`, which lists the plan's sequences in chunk order."""
 
     def __init__(self) -> None:
         self.seqs: dict[int, WorkerSeq] = {}
@@ -55,16 +55,16 @@ class BatchState:
             assert PLACEHOLDER not in new.token_ids, f"seq {new.seq_id}: a new sequence holds a placeholder"
             seqs[new.seq_id] = WorkerSeq(new.seq_id, new.index, new.num_prompt_tokens, list(new.token_ids),
                                          new.params, list(new.block_ids))
-        out = []
-        for chunk in plan.chunks:
-            seq = seqs.get(chunk.seq_id)
-            assert seq is not None, f"seq {chunk.seq_id} scheduled but unknown to the worker"
-            if chunk.new_block_ids:
-                seq.block_table.extend(chunk.new_block_ids)
-            if chunk.sync_from >= 0:
-                assert chunk.sync_from <= len(seq.token_ids), f"seq {chunk.seq_id}: sync past the known ids"
-                seq.token_ids[chunk.sync_from:] = chunk.token_ids
-            out.append(seq)
+        try:
+            out = [seqs[seq_id] for seq_id in plan.seq_ids]
+        except KeyError as exc:
+            raise AssertionError(f"seq {exc} scheduled but unknown to the worker") from None
+        for i, blocks in plan.new_blocks.items():
+            out[i].block_table.extend(blocks)
+        for i, (start, ids) in plan.syncs.items():
+            seq = out[i]
+            assert start <= len(seq.token_ids), f"seq {seq.seq_id}: sync past the known ids"
+            seq.token_ids[start:] = ids
         return out
 
     def clear(self) -> None:

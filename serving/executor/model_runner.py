@@ -217,7 +217,7 @@ class ModelRunner:
         hidden, all_logits = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprob_chunks:
             self._collect_prompt_logprobs(seqs, inputs, hidden)
-        sampled_seqs = [seq for chunk, seq in zip(plan.chunks, seqs) if chunk.sample]
+        sampled_seqs = [seq for flag, seq in zip(plan.sample, seqs) if flag]
         if not sampled_seqs:
             return StepOutput([])
         if all_logits is None:

@@ -116,7 +116,7 @@ class MultiprocExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self._send(("step", plan))
-        if not any(chunk.sample for chunk in plan.chunks):
+        if not any(plan.sample):
             return StepOutput([])
         step_id = plan.step_id
         return StepOutput(resolve=lambda: self._fetch(step_id))

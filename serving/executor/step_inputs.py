@@ -61,22 +61,21 @@ def prepare_inputs(
 ) -> StepInputs:
     """Build `StepInputs` for `plan` (host work in Python lists, one H2D copy).
 
-    `all_seqs[i]` is the worker's sequence of `plan.chunks[i]`. `prev` is the previous step's
+    `all_seqs[i]` is the worker's sequence of chunk i of the plan. `prev` is the previous step's
     output, needed when this step's decode rows carry placeholders for the tokens it sampled.
     """
-    scheduled = plan.chunks
     num_decodes = plan.num_decodes
+    starts, sample = plan.starts, plan.sample
     # Decodes (one token each) are the hot path of every step: built by comprehensions, not a loop.
-    decodes = scheduled[:num_decodes]
     seqs = all_seqs[:num_decodes]
-    positions = [item.start for item in decodes]
+    positions = starts[:num_decodes]
     tables = [seq.block_table for seq in seqs]
     input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions)]
     slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
     seq_lens = [p + 1 for p in positions]
     qsl = list(range(num_decodes + 1))
     # (a 1-token chunk in the middle of a prompt is a "decode" row that samples nothing)
-    sample_rows = [row for row, item in enumerate(decodes) if item.sample]
+    sample_rows = [row for row in range(num_decodes) if sample[row]]
     fix_rows: list[int] = []  # rows whose id is a placeholder ...
     fix_src: list[int] = []  # ... and the row of `prev.token_ids` holding it
     if PLACEHOLDER in input_ids:
@@ -88,9 +87,9 @@ def prepare_inputs(
     plp = [(row, row, 1, pos) for row, (seq, pos) in enumerate(zip(seqs, positions))
            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0]
     max_query_len = 1 if num_decodes else 0
-    for e in range(num_decodes, len(scheduled)):
-        item = scheduled[e]
-        seq, n, start, end = all_seqs[e], item.num_tokens, item.start, item.end
+    for e in range(num_decodes, len(all_seqs)):
+        seq, n, start = all_seqs[e], plan.num_tokens[e], starts[e]
+        end = start + n
         table = seq.block_table
         assert len(table) * block_size >= end, f"seq {seq.seq_id}: {len(table)} blocks for {end} tokens"
         row0 = len(input_ids)
@@ -104,7 +103,7 @@ def prepare_inputs(
         seq_lens.append(end)
         tables.append(table)
         max_query_len = max(max_query_len, n)
-        if item.sample:
+        if sample[e]:
             sample_rows.append(row0 + n - 1)
         if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
             plp.append((e, row0, n, start))

@@ -48,11 +48,11 @@ class FakeRunner(Executor):
             self.gate.wait(10)
         if self.fail_on_step is not None and self.num_steps >= self.fail_on_step:
             raise RuntimeError("boom: CUDA error (simulated)")
-        sampled = [seq for chunk, seq in zip(plan.chunks, seqs) if chunk.sample]
+        sampled = [seq for flag, seq in zip(plan.sample, seqs) if flag]
         if any(seq.params.min_tokens == self.poison_min_tokens for seq in sampled):
             raise IndexError("index 49152 is out of bounds (simulated)")
-        for chunk, seq in zip(plan.chunks, seqs):
-            assert seq.token_ids[chunk.start:chunk.end] and len(seq.token_ids) >= chunk.end, "plan out of sync"
+        for start, n, seq in zip(plan.starts, plan.num_tokens, seqs):
+            assert len(seq.token_ids) >= start + n and len(seq.block_table) * 4 >= start + n, "plan out of sync"
         return StepOutput([SampledToken(100 + seq.num_output_tokens, logprob=-0.5) for seq in sampled])
 
     def reset(self) -> None:
