@@ -13,6 +13,7 @@ import enum
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,23 @@ class RequestStream:
 
 
 _STOP = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    """Submit queue: a request for the engine thread (ids already validated, or text while loading)."""
+
+    request_id: str
+    payload: str | list[int]
+    params: SamplingParams
+    text: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    """Submit queue: end a request now."""
+
+    request_id: str
 
 
 class EngineLoop:
@@ -224,12 +242,12 @@ class EngineLoop:
             if len(self._streams) >= self.max_queue_size:
                 raise QueueFullError(f"too many unfinished requests (max_queue_size={self.max_queue_size})")
             self._streams[request_id] = stream
-        self._submit.put(("add", request_id, payload, params, prompt if isinstance(prompt, str) else None))
+        self._submit.put(_Add(request_id, payload, params, prompt if isinstance(prompt, str) else None))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Ask the loop to abort a request (no-op if unknown or finished)."""
-        self._submit.put(("abort", request_id))
+        self._submit.put(_Abort(request_id))
 
     # ---- the thread ----------------------------------------------------------------------
 
@@ -281,10 +299,10 @@ class EngineLoop:
         while item is not None:
             if item is _STOP:
                 return True
-            if item[0] == "add":
-                self._handle_add(*item[1:])
+            if isinstance(item, _Add):
+                self._handle_add(item)
             else:
-                for delta in self.engine.abort_request(item[1]):  # type: ignore[union-attr]
+                for delta in self.engine.abort_request(item.request_id):  # type: ignore[union-attr]
                     self._deliver(delta)
             item = self._next_nowait()
         return False
@@ -295,7 +313,8 @@ class EngineLoop:
         except queue.Empty:
             return None
 
-    def _handle_add(self, request_id: str, payload: str | list[int], params: SamplingParams, text: str | None) -> None:
+    def _handle_add(self, add: _Add) -> None:
+        request_id, payload, params, text = add.request_id, add.payload, add.params, add.text
         stream = self._streams.get(request_id)
         if stream is None or stream.closed:  # closed before the engine saw it
             self._streams.pop(request_id, None)

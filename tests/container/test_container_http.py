@@ -161,7 +161,7 @@ def test_every_error_while_16_streams_continue(server):
         (b'{"inputs": "x", "parameters": {"max_new_tokens": "ten"}}', "max_new_tokens must be an integer"),
         (b'{"inputs": "x", "parameters": {"temperature": -0.5, "do_sample": true}}', "temperature"),
         (b'{"inputs": "x", "parameters": {"top_p": 7, "do_sample": true}}', "top_p"),
-        (json.dumps({"inputs": "word " * 600}).encode(), "max model length"),
+        (json.dumps({"inputs": "word " * 600}).encode(), "exceeds max_model_len"),
         (big, "limit"),
     ]
     for body, needle in cases:

@@ -69,6 +69,11 @@ class FakeEngineLoop:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> FakeStream:
         if self.state != "ready":
             raise RuntimeError("not ready")
+        # The check LLMEngine.validate makes (through the scheduler), with its message.
+        total = len(prompt_token_ids) + (params.max_tokens or 0)
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{total} tokens exceeds max_model_len={self.max_model_len}")
         stream = FakeStream(self, request_id)
         self.params.append(params)
         with self.lock:
