@@ -9,9 +9,9 @@ not survive fork. Never `preload_app`, never gevent (its hub starves /ping under
 
 import os
 
-from serving.config import load_config
+from serving.config import config_from_env
 
-_config = load_config(os.environ)
+_config = config_from_env(os.environ)  # resolved by container/serve
 
 bind = f"0.0.0.0:{_config.port}"
 workers = 1

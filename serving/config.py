@@ -10,6 +10,7 @@ in `serving/config_keys.py`; each resolved value remembers where it came from fo
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -232,6 +233,30 @@ def load_config(
         values[key.target] = value
         sources[key.target] = source
     return _build(values, sources, props_path, gpu_count)
+
+
+RESOLVED_ENV = "OPEN_LMI_RESOLVED_CONFIG"
+"""`container/serve` resolves the configuration once and hands it to gunicorn's processes in this
+variable (JSON), so the config file, the worker and the app never resolve it again."""
+
+
+def resolved_to_env(config: ServingConfig) -> str:
+    """The resolved configuration as the JSON value of `RESOLVED_ENV`."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(ServingConfig)}
+    values["engine"] = dataclasses.asdict(config.engine)
+    values["sources"] = dict(config.sources)
+    return json.dumps(values)
+
+
+def config_from_env(environ: Mapping[str, str]) -> ServingConfig:
+    """The configuration `container/serve` resolved (`RESOLVED_ENV`), else `load_config(environ)`."""
+    text = environ.get(RESOLVED_ENV)
+    if not text:
+        return load_config(environ)
+    values = json.loads(text)
+    engine = EngineConfig(**values.pop("engine"))
+    sources = MappingProxyType(values.pop("sources"))
+    return ServingConfig(engine=engine, sources=sources, **values)
 
 
 def _build(values: dict[str, object], sources: dict[str, str], props_path: Path | None,

@@ -29,6 +29,8 @@ from serving.server.protocol import (
     parse_custom_attributes,
     parse_invocations,
 )
+from serving.engine.client import EngineClient
+from serving.engine.engine_loop import EngineState
 from serving.server.request_runner import HTTPError, RequestRunner
 
 logger = logging.getLogger("serving.server.app")
@@ -36,26 +38,24 @@ UNMATCHED_ROUTE = "unmatched"  # the metrics route label of requests no route/me
 _NO_CACHE = {"Cache-Control": "no-cache, no-store, must-revalidate, private", "Pragma": "no-cache"}
 
 
-def _engine_state(engine_loop: object) -> str:
-    state = getattr(engine_loop, "state", "ready")
-    return getattr(state, "value", state)
+def _engine_state(engine_loop: EngineClient) -> str:
+    return EngineState(engine_loop.state).value
 
 
-def _stats(engine_loop: object) -> dict:
-    stats = getattr(engine_loop, "stats", None)
+def _stats(engine_loop: EngineClient) -> dict:
     try:
-        return stats() if callable(stats) else {}
+        return engine_loop.stats()
     except Exception:  # noqa: BLE001 - never fail a scrape
         return {}
 
 
-def create_app(engine_loop: object, config: ServingConfig) -> Flask:
-    """Build the Flask app around a running (or loading) EngineLoop.
+def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
+    """Build the Flask app around a running (or loading) engine: one EngineLoop, or a ReplicaSet
+    of model copies (`serving/engine/client.py` says what the app may use of it).
 
     Args:
-        engine_loop: exposes `state` ('loading'|'ready'|'dead'), `error`, `tokenizer`,
-            `max_model_len`, `add_request(request_id, prompt_token_ids, params) -> stream`
-            (stream: `get(timeout)` -> StreamDelta, `close()` aborts) and `stats() -> dict`.
+        engine_loop: the engine client (its streams: `get(timeout)` -> StreamDelta,
+            `get_nowait()`, `close()` aborts).
         config: the resolved container configuration.
     """
     app = Flask("serving")
@@ -79,7 +79,7 @@ def create_app(engine_loop: object, config: ServingConfig) -> Flask:
         if state == "ready":
             return None
         if state == "dead":
-            return error(500, f"the engine is dead: {getattr(engine_loop, 'error', None)}", route)
+            return error(500, f"the engine is dead: {engine_loop.error}", route)
         return error(503, "the model is loading", route)
 
     def read_body(route: str) -> dict | Response:
@@ -137,7 +137,7 @@ def create_app(engine_loop: object, config: ServingConfig) -> Flask:
         status = {"ready": 200, "loading": 503}.get(state, 500)
         body: dict = {"status": {"ready": "Healthy", "loading": "Loading"}.get(state, "Unhealthy")}
         if state == "dead":
-            body["error"] = str(getattr(engine_loop, "error", "") or "")
+            body["error"] = str(engine_loop.error or "")
         return Response(json.dumps(body), status, mimetype="application/json")
 
     @app.post("/invocations")
@@ -157,7 +157,7 @@ def create_app(engine_loop: object, config: ServingConfig) -> Flask:
     def models() -> Response:
         card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "open-lmi", "root": config.engine.model or config.served_model_name, "parent": None,
-                "max_model_len": getattr(engine_loop, "max_model_len", None), "permission": []}
+                "max_model_len": engine_loop.max_model_len, "permission": []}
         return Response(json.dumps({"object": "list", "data": [card]}), 200, mimetype="application/json")
 
     @app.get("/metrics")

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from serving.config import ServingConfig
+from serving.engine.client import EngineClient
+from serving.engine.engine_loop import EngineState, RequestStream
 from serving.server.formatters import Formatter, Result
 from serving.server.metrics import Metrics
 from serving.outputs import StreamDelta
@@ -63,16 +65,16 @@ class _Job:
     """One prompt submitted to the engine and what came back so far."""
 
     request_id: str
-    stream: object
+    stream: RequestStream
     result: Result
     first_token_at: float | None = None
     probe_at: float = 0.0  # when to next ask whether the client is still there
 
 
 class RequestRunner:
-    """Executes GenerateRequests against an EngineLoop-like object (see `serving/engine/engine_loop.py`)."""
+    """Executes GenerateRequests against the engine client (`serving/engine/client.py`)."""
 
-    def __init__(self, engine_loop: object, config: ServingConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, engine_loop: EngineClient, config: ServingConfig, metrics: Metrics | None = None) -> None:
         self.engine = engine_loop
         self.config = config
         self.metrics = metrics
@@ -103,10 +105,6 @@ class RequestRunner:
     def special_ids(self) -> frozenset[int]:
         return frozenset(getattr(self.tokenizer, "all_special_ids", ()) or ())
 
-    def max_model_len(self) -> int:
-        cfg = getattr(self.engine, "max_model_len", None)
-        return int(cfg) if cfg else 2048
-
     def prompts(self, req: GenerateRequest) -> list[tuple[str, list[int]]]:
         """(prompt text, prompt ids) per input; chat is rendered with the template. ValueError -> 400.
 
@@ -133,17 +131,8 @@ class RequestRunner:
             out.append((p, list(tok.encode(p))))
         for ids in req.prompt_token_ids:
             out.append((tok.decode(list(ids)), list(ids)))
-        limit = self.max_model_len()
-        max_tokens = req.params.max_tokens or 0
-        vocab = len(tok)
-        for text, ids in out:
-            if not ids:
-                raise ValueError("the prompt is empty")
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"prompt token ids must be < {vocab}")
-            if len(ids) + max_tokens > limit:
-                raise ValueError(f"the prompt is {len(ids)} tokens and {max_tokens} new tokens were asked for: "
-                                 f"together more than the max model length {limit}")
+        # Whether each prompt fits (length, vocabulary, KV capacity) is the engine's one check, made
+        # as it is submitted (`LLMEngine.validate`): a ValueError there is a 400 for the request.
         return out
 
     # ---- engine access ---------------------------------------------------------------------------
@@ -206,8 +195,8 @@ class RequestRunner:
             try:
                 delta = job.stream.get(timeout=min(_POLL_S, remaining))
             except queue.Empty:
-                if getattr(self.engine, "state", "ready") == "dead":
-                    raise RuntimeError(f"the engine died: {getattr(self.engine, 'error', None)}") from None
+                if self.engine.state == EngineState.DEAD:
+                    raise RuntimeError(f"the engine died: {self.engine.error}") from None
                 continue
             if delta is None:
                 raise RuntimeError("the engine closed the request stream")
@@ -357,7 +346,7 @@ class RequestRunner:
         try:
             for p, job in enumerate(jobs):
                 result = job.result
-                ready = getattr(job.stream, "get_nowait", None) or (lambda: None)
+                ready = job.stream.get_nowait
                 if p == 0:
                     rec = fmt.start(results) + fmt.chunk(result, first, 0)
                     yield self._catch_up(job, fmt, 0, rec, None if result.finished else ready(), ready)

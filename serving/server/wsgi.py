@@ -3,7 +3,7 @@
 Importing this module builds the app but starts nothing: `start()` (called from gunicorn's
 `post_worker_init`, i.e. after fork) starts the engine thread, which fetches the model (S3 /
 hub / local / default) and loads it while `/ping` answers 503. `stop()` closes the engine on
-worker exit. This is the one place that hands `os.environ` to `load_config`.
+worker exit. The configuration comes resolved from `container/serve` (`config_from_env`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import threading
 import time
 
 from serving.server.app import create_app
-from serving.config import ServingConfig, load_config
+from serving.config import ServingConfig, config_from_env
 from serving.engine_config import EngineConfig
+from serving.sampling_params import SamplingParams
 from serving.engine.client import EngineClient
-from serving.engine.engine_loop import EngineLoop, EngineState
+from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
 from serving.engine.replicas import ReplicaSet
 
 logger = logging.getLogger("serving.server.wsgi")
@@ -48,8 +49,38 @@ class ServedEngine:
     def error(self) -> BaseException | None:
         return self.loop.error or self.load_error
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - delegate tokenizer, add_request, stats, ...
-        return getattr(self.loop, name)
+    # The rest of the EngineClient interface, as the wrapped client has it.
+    @property
+    def was_ready(self) -> bool:
+        return self.loop.was_ready
+
+    @property
+    def closing(self) -> bool:
+        return self.loop.closing
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - HF tokenizer or None while loading
+        return self.loop.tokenizer
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.loop.max_model_len
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+                    ) -> RequestStream:
+        return self.loop.add_request(request_id, prompt, params)
+
+    def stats(self) -> dict:
+        return self.loop.stats()
+
+    def start(self) -> EngineClient:
+        return self.loop.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self.loop.wait_ready(timeout)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        self.loop.close(timeout)
 
 
 def _engine_factory(config: ServingConfig, devices: tuple[str, ...], copy: int):  # noqa: ANN202
@@ -119,7 +150,7 @@ def _setup_logging() -> None:
 
 
 _setup_logging()
-config = load_config(os.environ)
+config = config_from_env(os.environ)  # resolved once, by container/serve (else here)
 engine_loop = ServedEngine(_engine_client(config), config)
 app = create_app(engine_loop, config)
 _started = threading.Lock()

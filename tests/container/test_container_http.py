@@ -244,24 +244,6 @@ def test_metrics_exposition(server):
         assert name in text, name
 
 
-def test_sigterm_drains_in_flight_stream(server):
-    # Last test of the module: SIGTERM while a stream is running; it completes, then the server exits.
-    r = requests.post(server.url + "/invocations", json={"inputs": "The sea is", "stream": True,
-                                                         "parameters": {"max_new_tokens": 8}},
-                      stream=True, timeout=60)
-    lines = r.iter_lines()
-    first = next(lines)
-    took = {}
-    stopper = threading.Thread(target=lambda: took.setdefault("s", server.stop()))
-    stopper.start()
-    rest = [ln.decode() for ln in lines if ln]
-    stopper.join(40)
-    check_jsonlines([first.decode()] + rest)
-    assert server.proc.returncode is not None and took["s"] < 30
-    with pytest.raises(requests.ConnectionError):
-        requests.get(server.url + "/ping", timeout=2)
-
-
 @pytest.mark.parametrize("bad_id", [49152, 10**9, -1])
 def test_out_of_vocabulary_token_ids_are_400_and_the_engine_lives_on(server, bad_id):
     """A stop id outside the vocabulary (with min_tokens, once an IndexError in the sampler that
@@ -286,3 +268,21 @@ def test_out_of_vocabulary_token_ids_are_400_and_the_engine_lives_on(server, bad
     assert requests.get(server.url + "/ping", timeout=2).status_code == 200
     assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "min_tokens": 1,
                                             "stop_token_ids": [2]}).status_code == 200
+
+
+def test_sigterm_drains_in_flight_stream(server):
+    # Last test of the module: SIGTERM while a stream is running; it completes, then the server exits.
+    r = requests.post(server.url + "/invocations", json={"inputs": "The sea is", "stream": True,
+                                                         "parameters": {"max_new_tokens": 8}},
+                      stream=True, timeout=60)
+    lines = r.iter_lines()
+    first = next(lines)
+    took = {}
+    stopper = threading.Thread(target=lambda: took.setdefault("s", server.stop()))
+    stopper.start()
+    rest = [ln.decode() for ln in lines if ln]
+    stopper.join(40)
+    check_jsonlines([first.decode()] + rest)
+    assert server.proc.returncode is not None and took["s"] < 30
+    with pytest.raises(requests.ConnectionError):
+        requests.get(server.url + "/ping", timeout=2)

@@ -59,7 +59,7 @@ def _rank_processes(worker: int) -> list[int]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("serve_tp")
-    srv = LMIServer({"TENSOR_PARALLEL_DEGREE": "2"}, cwd, cwd / "serve.log")
+    srv = LMIServer({"TENSOR_PARALLEL_DEGREE": "2", "OPTION_NOT_A_KEY": "1"}, cwd, cwd / "serve.log")
     try:
         srv.wait(200)
         yield srv
@@ -77,7 +77,11 @@ def expected() -> str:
 
 
 def test_tp2_plain_and_streamed_equal_tp1(server, expected):
-    assert "tensor parallelism: degree 2" in server.log()
+    log = server.log()
+    assert "tensor parallelism: degree 2" in log
+    # The configuration is resolved once per start (container/serve), not again by gunicorn's
+    # config file and worker: its warnings appear once.
+    assert log.count("unknown setting option.not_a_key") == 1, log
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 16, "do_sample": False}}
     r = requests.post(server.url + "/invocations", json=body, timeout=120)
     assert r.status_code == 200 and r.json()["generated_text"] == expected
@@ -112,3 +116,22 @@ def test_killed_rank_turns_ping_non_200_within_5s_and_leaves_no_orphans(server):
     r = requests.post(server.url + "/invocations", json={"inputs": "Hi", "parameters": {"max_new_tokens": 4}},
                       timeout=120)
     assert r.status_code == 200
+
+
+def test_sigterm_leaves_no_rank_process_and_no_shared_memory(tmp_path):
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    srv = LMIServer({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path, tmp_path / "serve.log")
+    try:
+        srv.wait(200)
+        (worker,) = _children(srv.proc.pid)
+        pids = _rank_processes(worker) + [worker]
+        assert len(pids) == 3
+    finally:
+        srv.stop()
+    assert srv.proc.returncode is not None
+    deadline = time.monotonic() + 5.0
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not (shm_after - shm_before), shm_after - shm_before

@@ -128,13 +128,16 @@ class EagerLoop(FakeEngineLoop):
 
 
 class OneAtATime:
-    """A stream without get_nowait: the runner takes one delta per write (the reference)."""
+    """A stream whose get_nowait never has anything: the runner takes one delta per write (the reference)."""
 
     def __init__(self, stream):
         self._s = stream
 
     def get(self, timeout=None):
         return self._s.get(timeout)
+
+    def get_nowait(self):
+        return None
 
     def close(self):
         self._s.close()

@@ -99,3 +99,28 @@ def test_degree_that_does_not_divide_the_heads_is_a_clear_error(tmp_path):
         "num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 192})
     with pytest.raises(WorkerFailedError, match="attention heads"):
         LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+
+
+def test_hung_rank_fails_the_executor_within_5s(tmp_path):
+    """A rank that stops (SIGSTOP: no crash, no heartbeat) is a failure too, not a silent hang."""
+    path = build_tiny_model("qwen2", tmp_path / "qwen2", overrides={"num_key_value_heads": 2})
+    llm = LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+    executor = llm.llm_engine.executor
+    pids = [p.pid for p in executor._procs]  # noqa: SLF001
+    failures: list[BaseException] = []
+    executor.set_failure_callback(failures.append)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        while not failures and time.monotonic() - t0 < 5.0:
+            time.sleep(0.05)
+        assert failures and "stopped responding" in str(failures[0]), failures
+        deadline = time.monotonic() + 5.0
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        llm.llm_engine.shutdown()
