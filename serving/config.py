@@ -104,26 +104,96 @@ def default_properties_paths(environ: Mapping[str, str], cwd: str | Path = ".") 
     return paths
 
 
+_PROPS_WS = " \t\f"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_PROPS_ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+
+
+def _logical_lines(text: str) -> Iterable[str]:
+    """Java's logical lines: a line ending in an odd number of backslashes continues on the next
+    (whose leading whitespace is dropped); comment and blank lines are skipped."""
+    pending: str | None = None
+    for natural in re.split(r"\r\n|\r|\n", text):
+        line = natural.lstrip(_PROPS_WS)
+        if pending is None and (not line or line[0] in "#!"):
+            continue
+        trailing = len(line) - len(line.rstrip("\\"))
+        if trailing % 2:
+            pending = (pending or "") + line[:-1]
+            continue
+        yield (pending or "") + line
+        pending = None
+    if pending:  # a continuation at the end of the file: the line just ends there
+        yield pending
+
+
+def _unescape_props(s: str, where: str) -> tuple[str, int]:
+    """Java escapes (\\t \\n \\r \\f, \\uXXXX, \\<any char> -> that char) -> (text, length of text
+    up to its last escaped or non-whitespace character), so trailing plain whitespace can be cut."""
+    out: list[str] = []
+    keep = 0
+    i = 0
+    while i < len(s):
+        c = s[i]
+        if c == "\\" and i + 1 < len(s):
+            nxt = s[i + 1]
+            if nxt == "u":
+                hex4 = s[i + 2:i + 6]
+                if len(hex4) != 4 or not all(h in "0123456789abcdefABCDEF" for h in hex4):
+                    raise ConfigError(f"{where}: malformed \\uXXXX escape {s[i:i + 6]!r}")
+                out.append(chr(int(hex4, 16)))
+                i += 6
+            else:
+                out.append(_PROPS_ESCAPES.get(nxt, nxt))
+                i += 2
+            keep = len(out)
+            continue
+        out.append(c)
+        if c not in _PROPS_WS:
+            keep = len(out)
+        i += 1
+    text = "".join(out)
+    if _SURROGATE.search(text):  # \uD83D\uDE00: a UTF-16 pair is one character, as in Java's strings
+        pairs = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+        keep -= len(text) - len(pairs)
+        text = pairs
+    return text, keep
+
+
+def _split_key(line: str) -> tuple[str, str]:
+    """A logical line -> (raw key, raw value): the key ends at the first unescaped '=', ':' or
+    whitespace; then whitespace, at most one '=' or ':', and whitespace again precede the value."""
+    i = 0
+    while i < len(line):
+        c = line[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c in "=:" or c in _PROPS_WS:
+            break
+        i += 1
+    key, rest = line[:i], line[i:]
+    rest = rest.lstrip(_PROPS_WS)
+    if rest[:1] in ("=", ":"):
+        rest = rest[1:].lstrip(_PROPS_WS)
+    return key, rest
+
+
 def read_properties(path: Path) -> dict[str, str]:
-    """Parse a Java .properties file (key=value | key: value | key value, # and ! comments)."""
+    """Parse a Java .properties file as `java.util.Properties.load(Reader)` does (UTF-8, as DJL
+    reads it): `key=value`, `key: value` or `key value`; `#` / `!` comment lines; a line ending in
+    an odd number of backslashes continues on the next; escapes `\\uXXXX`, `\\t \\n \\r \\f`, and a
+    backslash before any other character (`\\=`, `\\:`, `\\ `, `\\#`, `\\\\`) stands for that
+    character, in keys and values. One difference, on purpose: trailing unescaped whitespace of a
+    value is dropped (Java keeps it; `fp16 ` is never what anyone meant). A malformed `\\u` escape
+    is a ConfigError naming the file and line."""
     out: dict[str, str] = {}
-    pending = ""
-    for raw in path.read_text(encoding="utf-8").splitlines():
-        line = pending + raw.strip() if pending else raw.strip()
-        pending = ""
-        if not line or line[0] in "#!":
-            continue
-        if line.endswith("\\") and not line.endswith("\\\\"):
-            pending = line[:-1]
-            continue
-        m = re.match(r"([^=:\s]+)\s*[=:\s]\s*(.*)$", line)
-        if m is None:
-            out[line] = ""
-        else:
-            out[m.group(1)] = m.group(2).strip()
-    if pending:
-        key, _, value = pending.partition("=")
-        out[key.strip()] = value.strip()
+    for n, line in enumerate(_logical_lines(path.read_text(encoding="utf-8")), 1):
+        raw_key, raw_value = _split_key(line)
+        where = f"{path} (entry {n})"
+        key, _ = _unescape_props(raw_key, where)
+        value, keep = _unescape_props(raw_value, where)
+        out[key] = value[:keep]
     return out
 
 

@@ -167,3 +167,49 @@ def test_read_properties_continuations(tmp_path):
     p = tmp_path / "s.properties"
     p.write_text("a=1\n! bang comment\nb = two \\\n  words\nc:3\n")
     assert read_properties(p) == {"a": "1", "b": "two words", "c": "3"}
+
+
+def _props(tmp_path, text: str) -> dict[str, str]:
+    p = tmp_path / "serving.properties"
+    p.write_bytes(text.encode("utf-8"))
+    return read_properties(p)
+
+
+def test_read_properties_java_escapes(tmp_path):
+    # What java.util.Properties.load(Reader) gives for each line (checked against its documented grammar).
+    text = (
+        "option.chat_template={{ '\\u4f60\\u597d' }}\n"      # \uXXXX -> the character
+        "raw=你好 😀\n"                                       # raw UTF-8, as DJL reads the file
+        "pair=\\uD83D\\uDE00\n"                               # a UTF-16 surrogate pair -> one character
+        "key\\=with\\:seps = v\n"                             # escaped separators stay in the key
+        "key\\ space:x\n"                                     # an escaped space too
+        "tabs=a\\tb\\nc\\rd\\fe\n"                            # \t \n \r \f
+        "other=\\q\\#\\!\\\\\n"                               # backslash + any other char -> that char
+        "win=crlf\r\n"                                        # CRLF and CR line ends
+        "mac=cr\r"
+        "spaced   :   v2\n"                                   # whitespace around the separator
+        "bare key\n"                                          # whitespace alone separates
+        "novalue\n"                                           # a key alone -> ""
+        "   # indented comment\n"
+        "trail=kept\\ \n"                                     # an escaped trailing space is kept
+        "cont=one, \\\n    two, \\\\\n"                       # odd backslashes continue; even ones do not
+        "after=x\n"
+        "# comment \\\n"                                      # a comment never continues
+        "next=y\n"
+        "odd=a\\\\\\\n   b\n"                                 # three backslashes: \ then a continuation
+    )
+    assert _props(tmp_path, text) == {
+        "option.chat_template": "{{ '你好' }}", "raw": "你好 😀", "pair": "😀", "key=with:seps": "v",
+        "key space": "x", "tabs": "a\tb\nc\rd\fe", "other": "q#!\\", "win": "crlf", "mac": "cr",
+        "spaced": "v2", "bare": "key", "novalue": "", "trail": "kept ", "cont": "one, two, \\",
+        "after": "x", "next": "y", "odd": "a\\b"}
+
+
+def test_read_properties_continuation_at_end_of_file(tmp_path):
+    assert _props(tmp_path, "a=1 \\") == {"a": "1"}  # the line ends with the file
+    assert _props(tmp_path, "a=1\\\n") == {"a": "1"}
+
+
+def test_read_properties_bad_unicode_escape_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"serving.properties.*malformed \\uXXXX escape '\\\\u12g4'"):
+        _props(tmp_path, "a=\\u12g4\n")
