@@ -2,7 +2,9 @@
 
 `Result` accumulates the `StreamDelta`s of one prompt (all its samples). A `Formatter` turns them
 into the body of one response: `body()` for a plain answer, `start()` / `chunk()` / `end()` for a
-stream (every record ends in a newline). JSON is written with `json.dumps` defaults, as LMI does;
+stream (every record ends in a newline). JSON is written as LMI writes it: `json.dumps` with its
+default separators and `ensure_ascii=False`, so non-ASCII text is raw UTF-8 (`"你好"`, not
+`"\\u4f60\\u597d"`), on /invocations and on /v1 alike (vLLM's OpenAI server writes raw UTF-8 too);
 the common mid-stream record (one per token per stream, on the HTTP thread, holding the GIL) is
 filled into a string template instead, the same bytes at a fraction of the cost (`_fast_chunk`).
 Finish reasons stay LMI's (`length|eos_token|stop_sequence|error`) on /invocations and become
@@ -16,7 +18,7 @@ import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring_ascii as _json_str
+from json.encoder import encode_basestring as _json_str
 
 from serving.outputs import StreamDelta
 from serving.server.protocol import GenerateRequest
@@ -33,8 +35,8 @@ _OPENAI_FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "lengt
 
 
 def dumps(obj: object) -> str:
-    """LMI writes every record with Python's json.dumps defaults (', ' / ': ', ASCII escapes)."""
-    return json.dumps(obj)
+    """Every record as LMI writes it: json.dumps with ', ' / ': ' and raw UTF-8 (ensure_ascii=False)."""
+    return json.dumps(obj, ensure_ascii=False)
 
 
 # Template records write strings with `_json_str`, the function json.dumps itself uses for them.
