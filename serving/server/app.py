@@ -28,6 +28,7 @@ from serving.server.protocol import (
     parse_completions,
     parse_custom_attributes,
     parse_invocations,
+    unsupported_adapter,
 )
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState
@@ -106,7 +107,7 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             return body
         attrs = parse_custom_attributes(request.headers.get("X-Amzn-SageMaker-Custom-Attributes"))
         if attrs.get("adapter"):
-            return error(400, f"unknown adapter {attrs['adapter']!r}: LoRA adapters are not supported", route)
+            return error(400, unsupported_adapter(attrs["adapter"]), route)  # as the `adapters` body field
         request_id = uuid.uuid4().hex
         headers = {"x-request-id": request_id, **_NO_CACHE}
         gone = probe_from_environ(request.environ)  # a client that leaves aborts its request at once

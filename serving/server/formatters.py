@@ -164,21 +164,64 @@ class Formatter:
             rec["special" if tgi else "special_token"] = True
         return rec
 
-    def _details(self, r: Result, s: Sample, tokens: bool) -> dict:
-        d: dict = {"finish_reason": s.finish_reason, "generated_tokens": len(s.token_ids), "inputs": r.prompt}
+    def _details(self, r: Result, s: Sample, tokens: bool, inputs: bool = True) -> dict:
+        """LMI's `details`: finish_reason, generated_tokens, inputs, tokens (non-streaming only), then
+        prefill (decoder_input_details) and top_tokens (top_n_tokens > 0), streamed or not."""
+        d: dict = {"finish_reason": s.finish_reason, "generated_tokens": len(s.token_ids)}
+        if inputs:
+            d["inputs"] = r.prompt
         if tokens:
             d["tokens"] = [self._token(t, x, lp) for t, x, lp in zip(s.token_ids, s.token_texts, s.logprobs)]
-            if self.req.decoder_input_details:
-                lps = list(r.prompt_logprobs or ()) + [None] * len(r.prompt_token_ids)
-                d["prefill"] = [{"id": t, "text": self.decode_token(t), ("logprob" if self.fmt.startswith("tgi")
-                                 else "log_prob"): (lps[i] if i else None)}
-                                for i, t in enumerate(r.prompt_token_ids)]
+        if self.req.decoder_input_details:
+            lps = list(r.prompt_logprobs or ()) + [None] * len(r.prompt_token_ids)
+            d["prefill"] = [{"id": t, "text": self.decode_token(t), ("logprob" if self.fmt.startswith("tgi")
+                             else "log_prob"): (lps[i] if i else None)}
+                            for i, t in enumerate(r.prompt_token_ids)]
+        if self.req.top_n_tokens > 0:
+            d["top_tokens"] = self._top_tokens(s)
         return d
+
+    def _top_tokens(self, s: Sample) -> list[list[dict]]:
+        """Per generated token, as vLLM's logprobs dict orders them (LMI writes it as is): the chosen
+        token first, then the `top_n_tokens` most likely ones, the chosen one not repeated."""
+        k = self.req.top_n_tokens
+        tops = s.top_logprobs + [{}] * (len(s.token_ids) - len(s.top_logprobs))
+        out = []
+        for tid, text, lp, top in zip(s.token_ids, s.token_texts, s.logprobs, tops):
+            row = [self._token(tid, text, lp)]
+            row += [self._token(t, self.decode_token(t), v)
+                    for t, v in sorted(top.items(), key=lambda kv: -kv[1])[:k] if t != tid]
+            out.append(row)
+        return out
 
     def _generated_text(self, r: Result, s: Sample) -> str:
         return (r.prompt + s.text) if self.req.return_full_text else s.text
 
+    @staticmethod
+    def _ranked(r: Result) -> list[Sample]:
+        """The samples, most likely first (highest cumulative logprob; ties keep their index order):
+        the first is LMI's best sequence, the rest its best_of_sequences."""
+        samples = [r.sample(i) for i in range(r.n)]
+        if r.n == 1:
+            return samples
+        return sorted(samples, key=lambda s: -sum(lp for lp in s.logprobs if lp is not None))
+
+    def _best_of_object(self, r: Result) -> dict:
+        """n / best_of > 1 (LMI `_json_output_formatter_best_of`): the best sequence, and the others
+        in details.best_of_sequences, each with its own generated_text."""
+        best, *others = self._ranked(r)
+        details = {"inputs": r.prompt, **self._details(r, best, tokens=True, inputs=False)}
+        details["best_of_sequences"] = [{**self._details(r, s, tokens=True, inputs=False),
+                                         "generated_text": self._generated_text(r, s)} for s in others]
+        obj: dict = {"generated_text": self._generated_text(r, best), "details": details}
+        error = next((s.error for s in (best, *others) if s.error), None)
+        if error:
+            obj["error"] = error
+        return obj
+
     def _lmi_object(self, r: Result) -> dict:
+        if r.n > 1:
+            return self._best_of_object(r)
         s = r.sample(0)
         obj: dict = {"generated_text": self._generated_text(r, s)}
         if self.req.details or s.finish_reason == "error":
@@ -243,7 +286,7 @@ class Formatter:
                 return dumps(objs).encode()
             return dumps(objs[0]).encode()
         if fmt == "none":
-            return "".join(self._generated_text(r, r.sample(0)) for r in results).encode()
+            return "".join(self._generated_text(r, self._ranked(r)[0]) for r in results).encode()
         if fmt in ("json_chat", "chat"):
             r = results[0]
             choices = []

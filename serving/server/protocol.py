@@ -28,10 +28,6 @@ LMI_DEFAULT_MAX_NEW_TOKENS = 30  # LMI 0.28: a missing max_new_tokens becomes 30
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM /v1/completions default
 STREAMING_FORMATS = frozenset({"jsonlines", "sse", "tgi_sse", "jsonlines_chat", "chat_sse", "completion_sse"})
 LMI_FORMATTERS = ("json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "none")
-# Parameters LMI 0.28 drops with a warning (not vLLM SamplingParams fields), and ones we drop too.
-_DROPPED = {"truncate", "typical_p", "watermark", "top_n_tokens", "grammar", "adapter_id", "num_beams",
-            "use_beam_search", "length_penalty", "early_stopping", "logit_bias", "user", "suffix",
-            "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice"}
 MAX_JSON_DEPTH = 64  # arrays/objects nested deeper than this are a 400 (real requests nest < 10)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the raw body
 _SURROGATE = re.compile("[\ud800-\udfff]")  # left in a decoded str only when it had no partner
@@ -61,6 +57,8 @@ class GenerateRequest:
     batch: bool = False
     details: bool = False
     decoder_input_details: bool = False
+    top_n_tokens: int = 0  # LMI / TGI: > 0 adds details.top_tokens (that many alternatives per token)
+    truncate: int | None = None  # LMI / TGI: keep only the last `truncate` prompt tokens
     return_full_text: bool = False
     echo: bool = False
     top_logprobs: int | None = None  # OpenAI logprobs: None = not asked
@@ -259,18 +257,37 @@ _LMI_KNOWN = {"max_new_tokens", "max_tokens", "do_sample", "temperature", "top_p
               "presence_penalty", "frequency_penalty", "min_p", "seed", "stop_sequences", "stop", "stop_token_ids",
               "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
               "ignore_eos_token", "ignore_eos", "details", "return_full_text", "decoder_input_details",
-              "logprobs", "n", "best_of", "min_tokens", "output_formatter"}
+              "logprobs", "n", "best_of", "min_tokens", "output_formatter", "top_n_tokens", "truncate",
+              "num_beams", "use_beam_search"}
+MAX_LMI_SEQUENCES = 16  # n / best_of on /invocations (as on /v1)
+
+
+def unsupported_adapter(name: object) -> str:
+    """The 400 message for a LoRA adapter asked for, by the `adapter` custom attribute or by the
+    `adapters` body field alike (no adapter can be loaded until LoRA support lands)."""
+    return f"unknown adapter {_show(name)}: LoRA adapters are not supported by this server"
+
+
+def _lmi_sequences(parameters: dict) -> int:
+    """How many sequences an /invocations request generates: `best_of` when given (LMI sets n =
+    best_of), else `n`. The best one is `generated_text`, the others `details.best_of_sequences`."""
+    n = _get_int(parameters, "n", 1, MAX_LMI_SEQUENCES) or 1
+    best_of = _get_int(parameters, "best_of", 1, MAX_LMI_SEQUENCES)
+    if best_of is not None and best_of < n:
+        raise ValueError(f"best_of must be >= n, got best_of={best_of} n={n}")
+    if _get_int(parameters, "num_beams", 1) not in (None, 1) or _get_bool(parameters, "use_beam_search", False):
+        raise ValueError("num_beams > 1 (beam search) is not supported by this server; for several candidates "
+                         "use best_of (with do_sample: true), which returns details.best_of_sequences")
+    return best_of or n
 
 
 def lmi_sampling_params(parameters: dict) -> tuple[SamplingParams, tuple[str, ...]]:
-    """LMI `parameters` -> SamplingParams with LMI 0.28 semantics (30 tokens, greedy unless do_sample)."""
+    """LMI `parameters` -> SamplingParams with LMI semantics (30 tokens, greedy unless do_sample)."""
     if not isinstance(parameters, dict):
         raise ValueError(f"parameters must be a JSON object, got {_show(parameters)}")
     warnings = _warn_unknown(parameters, _LMI_KNOWN, "parameters")
-    for key in ("n", "best_of"):
-        if (_get_int(parameters, key, 1) or 1) > 1:
-            warnings += (f"{key} > 1 is ignored on /invocations: LMI returns one sequence",)
     kw = _common_sampling(parameters)
+    kw["n"] = kw["best_of"] = _lmi_sequences(parameters)
     max_new = _get_int(parameters, "max_new_tokens", 1)
     if max_new is None:
         max_new = _get_int(parameters, "max_tokens", 1)
@@ -283,9 +300,10 @@ def lmi_sampling_params(parameters: dict) -> tuple[SamplingParams, tuple[str, ..
     if "ignore_eos_token" in parameters:
         kw["ignore_eos"] = _get_bool(parameters, "ignore_eos_token", False)
     logprobs = _get_int(parameters, "logprobs", 0, 20)
-    kw["logprobs"] = logprobs or 0  # LMI always fills token.log_prob
+    top_n = _get_int(parameters, "top_n_tokens", 0, 20)
+    kw["logprobs"] = max(logprobs or 0, top_n or 0)  # LMI always fills token.log_prob; logprobs = top_n_tokens
     if _get_bool(parameters, "decoder_input_details", False):
-        kw["prompt_logprobs"] = 0
+        kw["prompt_logprobs"] = 1  # LMI's value: each prompt token's own logprob (for details.prefill)
     return _sampling(**kw), warnings
 
 
@@ -310,6 +328,9 @@ def parse_invocations(body: dict, *, tgi_compat: bool = False, output_formatter:
                       ) -> GenerateRequest:
     """Parse a `POST /invocations` body (LMI schema, or chat when it has `messages`)."""
     stream = _get_bool(body, "stream", False)
+    adapters = body.get("adapters")
+    if adapters not in (None, "", []):  # answered as the `adapter` custom attribute is
+        raise ValueError(unsupported_adapter(adapters[0] if isinstance(adapters, list) else adapters))
     if "messages" in body:
         return parse_chat(body, route="invocations")
     inputs = body.get("inputs", None)
@@ -329,11 +350,17 @@ def parse_invocations(body: dict, *, tgi_compat: bool = False, output_formatter:
     fmt = _lmi_format(stream, False, tgi_compat, output_formatter, parameters.get("output_formatter"))
     if batch and fmt in STREAMING_FORMATS:
         raise ValueError("streaming needs a single string in inputs, not a list")
+    if params.n > 1 and fmt in STREAMING_FORMATS:  # LMI documents best_of / n > 1 as non-streaming only
+        raise ValueError(f"n / best_of > 1 ({params.n} sequences) needs a non-streaming request: "
+                         "send \"stream\": false (the others come back in details.best_of_sequences)")
     warnings += _warn_unknown(body, {"inputs", "parameters", "stream", "adapters", "cached_prompt"}, "fields")
     return GenerateRequest(
         route="invocations", params=params, fmt=fmt, prompts=prompts, batch=batch,
-        details=tgi_compat or _get_bool(parameters, "details", False),
+        # LMI answers n / best_of > 1 with details (best_of_sequences) whether or not they were asked for
+        details=tgi_compat or params.n > 1 or _get_bool(parameters, "details", False),
         decoder_input_details=_get_bool(parameters, "decoder_input_details", False),
+        top_n_tokens=_get_int(parameters, "top_n_tokens", 0, 20) or 0,
+        truncate=_get_int(parameters, "truncate", 1),
         return_full_text=_get_bool(parameters, "return_full_text", False), warnings=warnings)
 
 

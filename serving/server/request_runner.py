@@ -131,6 +131,8 @@ class RequestRunner:
             out.append((p, list(tok.encode(p))))
         for ids in req.prompt_token_ids:
             out.append((tok.decode(list(ids)), list(ids)))
+        if req.truncate is not None:  # LMI / TGI `truncate`: keep the last N prompt tokens (the text stays whole)
+            out = [(text, ids[-req.truncate:]) for text, ids in out]
         # Whether each prompt fits (length, vocabulary, KV capacity) is the engine's one check, made
         # as it is submitted (`LLMEngine.validate`): a ValueError there is a 400 for the request.
         return out

@@ -236,6 +236,34 @@ def test_custom_attributes_header_accepted(server):
     assert r.status_code == 400 and "adapter" in r.json()["error"]
 
 
+def test_lmi_fidelity_fields_raw_utf8(server):
+    """The seeds' kind of prompt (Chinese) with every LMI details field the engine fills: raw UTF-8
+    bytes as LMI writes them, best_of_sequences, top_tokens, prefill (truncated), and streamed prefill."""
+    prompt = "请用中文简单介绍一下长城的历史。"
+    params = {"max_new_tokens": 4, "details": True, "decoder_input_details": True, "top_n_tokens": 2,
+              "truncate": 5, "best_of": 2, "do_sample": True, "seed": 3}
+    r = post(server, "/invocations", {"inputs": prompt, "parameters": params})
+    obj = r.json()
+    assert r.status_code == 200 and r.content == json.dumps(obj, ensure_ascii=False).encode()
+    assert prompt.encode() in r.content and b"\\u" not in r.content
+    d = obj["details"]
+    (other,) = d["best_of_sequences"]
+    assert list(d) == ["inputs", "finish_reason", "generated_tokens", "tokens", "prefill", "top_tokens",
+                       "best_of_sequences"] and d["inputs"] == prompt
+    assert list(other) == ["finish_reason", "generated_tokens", "tokens", "prefill", "top_tokens", "generated_text"]
+    assert sum(t["log_prob"] for t in d["tokens"]) >= sum(t["log_prob"] for t in other["tokens"])
+    assert len(d["prefill"]) == 5 and d["prefill"][0]["log_prob"] is None  # the last 5 prompt tokens
+    assert all(isinstance(t["log_prob"], float) for t in d["prefill"][1:])
+    assert [row[0] for row in d["top_tokens"]] == d["tokens"] and all(2 <= len(row) <= 3 for row in d["top_tokens"])
+    r = requests.post(server.url + "/invocations", json={"inputs": prompt, "stream": True, "parameters": {
+        "max_new_tokens": 3, "details": True, "decoder_input_details": True}}, timeout=120)
+    lines = r.content.splitlines()
+    assert all(ln == json.dumps(json.loads(ln), ensure_ascii=False).encode() for ln in lines)
+    last = json.loads(lines[-1])
+    prefill = last["details"]["prefill"]  # the final streamed record carries prefill, untruncated here
+    assert prefill[0]["log_prob"] is None and [t["id"] for t in prefill[-5:]] == [t["id"] for t in d["prefill"]]
+
+
 def test_metrics_exposition(server):
     text = requests.get(server.url + "/metrics", timeout=5).text
     for name in ('lmi_requests_total{route="/invocations",status="200"}', 'status="400"', "lmi_queue_depth",
