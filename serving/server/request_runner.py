@@ -227,9 +227,10 @@ class RequestRunner:
         """Run to completion: (status, body), errors -> HTTPError.
 
         If it is not done after `heartbeat_s`, returns a byte iterator instead: status 200 is
-        committed, a space (valid leading JSON whitespace) is sent every `heartbeat_s` so
-        SageMaker sees bytes well within its 60 s, then the body (with finish_reason "error"
-        if it failed after that point). `gone()` (polled while waiting) says the client left:
+        committed, a space (valid leading JSON whitespace) is sent every `heartbeat_s` so clients
+        and proxies that drop idle connections keep it (this is not known to extend SageMaker's
+        60 s invocation limit: long generations belong on a stream), then the body (with
+        finish_reason "error" if it failed after that point). `gone()` (polled while waiting) says the client left:
         the request is aborted at once rather than at the next failed write.
         """
         start = time.monotonic()
