@@ -1,15 +1,18 @@
 """The HTTP surface: `create_app(engine_loop, config)` -> Flask app (thin; no engine state here).
 
 Routes: `GET /ping`, `POST /invocations` (LMI, TGI-compat and chat bodies), `GET /v1/models`,
-`POST /v1/completions`, `POST /v1/chat/completions`, `GET /metrics`. Parsing is in
+`POST /v1/completions`, `POST /v1/chat/completions`, `POST /generate` (vLLM's legacy api_server),
+`GET /metrics`. Parsing is in
 `serving/server/protocol.py`, output bytes in `serving/server/formatters.py`, engine interaction in
-`serving/server/request_runner.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status.
+`serving/server/request_runner.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status (LMI's) on
+`/invocations`, OpenAI's `{"error": {"message", "type", "param", "code"}}` on `/v1/*` and `/generate`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,6 +30,7 @@ from serving.server.protocol import (
     parse_chat,
     parse_completions,
     parse_custom_attributes,
+    parse_generate,
     parse_invocations,
     unsupported_adapter,
 )
@@ -72,8 +76,8 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             # LMI 0.28 default for rolling batch: HTTP 200 with {"code": 424, "error": ...}
             return Response(json.dumps({"code": 424, "error": message}), 200, mimetype="application/json")
         headers = {"Connection": "close"} if status >= 400 else {}
-        return Response(json.dumps({"error": message, "code": status}), status, mimetype="application/json",
-                        headers=headers)
+        body = openai_error(status, message) if _openai_path(request.path) else {"error": message, "code": status}
+        return Response(json.dumps(body), status, mimetype="application/json", headers=headers)
 
     def not_ready(route: str) -> Response | None:
         state = _engine_state(engine_loop)
@@ -154,6 +158,10 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
     def chat_completions() -> Response:
         return generate("/v1/chat/completions", parse_chat)
 
+    @app.post("/generate")
+    def vllm_generate() -> Response:
+        return generate("/generate", parse_generate)
+
     @app.get("/v1/models")
     def models() -> Response:
         card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
@@ -181,6 +189,25 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
         return error(500, f"internal error: {exc}", _route_label())
 
     return app
+
+
+def _openai_path(path: str) -> bool:
+    """Routes answered with OpenAI's error object: /v1/* and vLLM's legacy /generate."""
+    return path.startswith("/v1/") or path == "/generate"
+
+
+# "max_tokens must be ...", "messages[0].content: only text ...": the field a message starts with.
+_PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*)(?::| must | is | holds )")
+
+
+def openai_error(status: int, message: str) -> dict:
+    """OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`), as vLLM answers:
+    `type` is `invalid_request_error` for 4xx and `server_error` for 5xx, `param` the request field
+    the message names (else null), `code` the HTTP status."""
+    match = _PARAM.match(message)
+    param = match.group(1) if match else None
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def _route_label() -> str:

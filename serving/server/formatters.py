@@ -28,7 +28,8 @@ CONTENT_TYPES = {
     "chat": "application/json", "completion": "application/json", "none": "text/plain",
     "jsonlines": "application/jsonlines", "jsonlines_chat": "application/jsonlines",
     "sse": "text/event-stream", "tgi_sse": "text/event-stream", "chat_sse": "text/event-stream",
-    "completion_sse": "text/event-stream",
+    "completion_sse": "text/event-stream", "generate": "application/json",
+    "generate_stream": "application/octet-stream",
 }
 _OPENAI_FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "abort": "abort",
                   "error": "error"}
@@ -287,6 +288,9 @@ class Formatter:
             return dumps(objs[0]).encode()
         if fmt == "none":
             return "".join(self._generated_text(r, self._ranked(r)[0]) for r in results).encode()
+        if fmt == "generate":  # vLLM's api_server answers through Starlette's JSONResponse (compact, UTF-8)
+            return json.dumps(self._generate_object(results[0]), ensure_ascii=False,
+                              separators=(",", ":")).encode()
         if fmt in ("json_chat", "chat"):
             r = results[0]
             choices = []
@@ -410,7 +414,17 @@ class Formatter:
             if s.error:
                 rec["error"] = s.error
             return self._sse(rec).encode()
+        if fmt == "generate_stream":  # vLLM's api_server: the whole texts so far, NUL-terminated
+            rec = self._generate_object(r)
+            if s.error:
+                rec["error"] = {"message": s.error, "type": "server_error", "param": None, "code": 500}
+            return (dumps(rec) + "\0").encode()
         raise AssertionError(f"{fmt} is not a streaming format")
+
+    @staticmethod
+    def _generate_object(r: Result) -> dict:
+        """vLLM `/generate`: `{"text": [prompt + completion, ...]}`, one per sample."""
+        return {"text": [r.prompt + r.sample(i).text for i in range(r.n)]}
 
     def end(self, results: list[Result]) -> bytes:
         """Bytes after the last delta: the usage chunk and `[DONE]` on the /v1 SSE routes."""

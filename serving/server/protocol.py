@@ -23,10 +23,11 @@ from serving.sampling_params import SamplingParams
 
 logger = logging.getLogger("serving.server.protocol")
 
-Route = Literal["invocations", "completions", "chat"]
+Route = Literal["invocations", "completions", "chat", "generate"]
 LMI_DEFAULT_MAX_NEW_TOKENS = 30  # LMI 0.28: a missing max_new_tokens becomes 30
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM /v1/completions default
-STREAMING_FORMATS = frozenset({"jsonlines", "sse", "tgi_sse", "jsonlines_chat", "chat_sse", "completion_sse"})
+STREAMING_FORMATS = frozenset({"jsonlines", "sse", "tgi_sse", "jsonlines_chat", "chat_sse", "completion_sse",
+                               "generate_stream"})
 LMI_FORMATTERS = ("json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "none")
 MAX_JSON_DEPTH = 64  # arrays/objects nested deeper than this are a 400 (real requests nest < 10)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the raw body
@@ -440,7 +441,9 @@ def parse_chat(body: dict, route: Route = "chat") -> GenerateRequest:
     want_logprobs = _get_bool(body, "logprobs", False)
     top = _get_int(body, "top_logprobs", 0, 20)
     top_logprobs = (top or 0) if want_logprobs else None
-    params = _openai_params(body, max_tokens or LMI_DEFAULT_MAX_NEW_TOKENS, top_logprobs, lmi_route)
+    # No max_tokens: LMI's 30 on /invocations; vLLM's "up to the context limit" (None) on /v1.
+    default_max = LMI_DEFAULT_MAX_NEW_TOKENS if lmi_route else None
+    params = _openai_params(body, max_tokens or default_max, top_logprobs, lmi_route)
     if lmi_route:
         fmt = "jsonlines_chat" if stream else "json_chat"
     else:
@@ -484,6 +487,36 @@ def parse_completions(body: dict) -> GenerateRequest:
         prompts=prompts, prompt_token_ids=ids, batch=len(prompts) + len(ids) > 1, details=True,
         echo=_get_bool(body, "echo", False), top_logprobs=logprobs, include_usage=_stream_usage(body),
         model=model, warnings=_warn_unknown(body, _COMPLETIONS_KNOWN, "completion fields"))
+
+
+# ---- vLLM's legacy api_server /generate ----------------------------------------------------------
+
+_GENERATE_KNOWN = {"prompt", "stream", "n", "best_of", "temperature", "max_tokens", "stop", "top_p", "top_k",
+                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop_token_ids",
+                   "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+                   "spaces_between_special_tokens"}
+_NO_BEAM_SEARCH = ("use_beam_search", "length_penalty", "early_stopping")
+
+
+def parse_generate(body: dict) -> GenerateRequest:
+    """vLLM's `api_server` `/generate` body: `prompt` (a string), `stream`, and `SamplingParams` fields at
+    the top level with vLLM's defaults (16 tokens, temperature 1). Beam search is not supported: its
+    fields are accepted with a warning and the n samples are drawn as without it."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"prompt must be a non-empty string, got {_show(prompt)}")
+    stream = _get_bool(body, "stream", False)
+    max_tokens = _get_int(body, "max_tokens", 1)
+    params = _openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, None, False)
+    warnings: tuple[str, ...] = ()
+    beam = [k for k in _NO_BEAM_SEARCH if body.get(k) not in (None, False)]
+    if beam:
+        warnings += (f"{', '.join(beam)}: beam search is not supported; the {params.n} sample(s) are drawn "
+                     "as without it (greedy when temperature is 0)",)
+        logger.warning(warnings[-1])
+    warnings += _warn_unknown(body, _GENERATE_KNOWN | set(_NO_BEAM_SEARCH), "generate fields")
+    return GenerateRequest(route="generate", params=params, fmt="generate_stream" if stream else "generate",
+                           prompts=(prompt,), warnings=warnings)
 
 
 def parse_custom_attributes(header: str | None) -> dict[str, str]:

@@ -171,7 +171,7 @@ def test_every_error_while_16_streams_continue(server):
         assert r.headers["Content-Type"] == "application/json" and set(r.json()) == {"error", "code"}
         assert r.json()["code"] == 400 and needle in r.json()["error"]
     r = post(server, "/v1/chat/completions", {"messages": "nope"})
-    assert r.status_code == 400 and "messages" in r.json()["error"]
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]  # OpenAI's error object on /v1
     for t in threads:
         t.join(120)
     for status, lines in results:
@@ -296,6 +296,69 @@ def test_out_of_vocabulary_token_ids_are_400_and_the_engine_lives_on(server, bad
     assert requests.get(server.url + "/ping", timeout=2).status_code == 200
     assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3, "min_tokens": 1,
                                             "stop_token_ids": [2]}).status_code == 200
+
+
+def _openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_client_gets_openai_error_objects(server):
+    import openai
+
+    client = _openai_client(server)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="llama-2-13b-chat-hf", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4, temperature=5)
+    err = exc.value
+    assert err.status_code == 400 and err.type == "invalid_request_error" and err.param == "temperature"
+    assert str(err.code) == "400" and "temperature must be in [0.0, 2.0], got 5" in str(err)  # the client: a str
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="m", prompt="word " * 600, max_tokens=4)
+    assert exc.value.type == "invalid_request_error" and "exceeds max_model_len=512" in str(exc.value)
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("nope")
+    assert exc.value.type == "invalid_request_error" and "no route" in str(exc.value)
+    r = post(server, "/invocations", {"inputs": "x", "parameters": {"max_new_tokens": "ten"}})
+    assert r.status_code == 400 and set(r.json()) == {"error", "code"}  # LMI's shape stays on /invocations
+
+
+def test_openai_client_chat_without_max_tokens_goes_past_30_tokens(server):
+    client = _openai_client(server)
+    out = client.chat.completions.create(
+        model="llama-2-13b-chat-hf", temperature=0,
+        messages=[{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}])
+    usage, choice = out.usage, out.choices[0]
+    assert usage.completion_tokens > 30, (usage, choice)
+    # it ends on its own, or at the context limit (max_model_len 512), never at LMI's 30
+    assert choice.finish_reason == "stop" or usage.total_tokens == 512, (usage, choice.finish_reason)
+    r = post(server, "/invocations", {"messages": [{"role": "user", "content": "Write a long story."}]})
+    assert r.json()["usage"]["completion_tokens"] <= 30  # LMI's default on /invocations
+
+
+def test_vllm_generate_plain_and_streamed(server):
+    # seed-code.md §3 verbatim: vLLM's api_server /generate (beam search is answered with n samples)
+    r = requests.post(server.url + "/generate", data='''{
+"prompt": "San Francisco is a",
+"use_beam_search": true,
+"n": 4,
+"temperature": 0
+}''', timeout=120)
+    texts = r.json()["text"]
+    assert r.status_code == 200 and len(texts) == 4 and len(set(texts)) == 1, r.text
+    assert texts[0].startswith("San Francisco is a") and len(texts[0]) > len("San Francisco is a")
+    plain = post(server, "/generate", {"prompt": "The sea is", "max_tokens": 8, "temperature": 0}).json()
+    r = requests.post(server.url + "/generate", json={"prompt": "The sea is", "max_tokens": 8, "temperature": 0,
+                                                      "stream": True}, stream=True, timeout=120)
+    raw = r.content
+    assert r.status_code == 200 and raw.endswith(b"\0")
+    chunks = [json.loads(c) for c in raw.split(b"\0")[:-1]]
+    assert 1 < len(chunks) <= 8 and all(c["text"][0].startswith("The sea is") for c in chunks)
+    assert chunks[-1] == plain  # the last chunk is the whole text, as the plain answer
+    r = post(server, "/generate", {"prompt": "Hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def test_sigterm_drains_in_flight_stream(server):

@@ -83,7 +83,7 @@ class FakeEngineLoop:
         return stream
 
     def _run(self, stream: FakeStream, prompt: str, params) -> None:
-        n_out = params.max_tokens
+        n_out = params.max_tokens or self.max_model_len - len(prompt)  # None: up to the context limit
         for s in range(params.n):
             for i in range(n_out):
                 if stream.closed:

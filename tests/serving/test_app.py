@@ -147,3 +147,42 @@ def test_text_plain_body_is_the_prompt():
     _, client = make()
     r = client.post("/invocations", data="hello", content_type="text/plain")
     assert r.status_code == 200 and r.json == {"generated_text": "abcdefghijklmnopqrstuvwxyzabcd"}  # 30 tokens
+
+
+def test_openai_error_objects_on_v1_and_generate_lmi_shape_on_invocations():
+    _, client = make()
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}], "temperature": 9})
+    assert r.status_code == 400 and r.json == {"error": {
+        "message": "temperature must be in [0.0, 2.0], got 9", "type": "invalid_request_error",
+        "param": "temperature", "code": 400}}
+    r = client.post("/v1/completions", data=b"{", content_type="application/json")
+    assert r.status_code == 400 and r.json["error"]["param"] is None and "malformed JSON" in r.json["error"]["message"]
+    r = client.post("/generate", json={"prompt": 3})
+    assert r.status_code == 400 and r.json["error"]["param"] == "prompt"
+    r = client.get("/v1/models/nope")
+    assert r.status_code == 404 and r.json["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/completions", json={"prompt": "FAIL", "max_tokens": 5})
+    assert r.status_code == 500 and r.json["error"] == {"message": "boom", "type": "server_error", "param": None,
+                                                       "code": 500}
+    r = client.post("/invocations", json={"inputs": "x", "parameters": {"top_p": 5, "do_sample": True}})
+    assert r.status_code == 400 and set(r.json) == {"error", "code"} and "top_p" in r.json["error"]
+
+
+def test_vllm_generate_route_plain_and_stream():
+    loop, client = make()
+    r = client.post("/generate", json={"prompt": "hi", "n": 2, "max_tokens": 3, "temperature": 0,
+                                       "use_beam_search": True})
+    assert r.status_code == 200 and r.data == b'{"text":["hiabc","hiabc"]}'
+    assert loop.params[-1].max_tokens == 3 and loop.params[-1].n == 2 and loop.params[-1].greedy
+    client.post("/generate", json={"prompt": "hi"})
+    assert loop.params[-1].max_tokens == 16 and loop.params[-1].temperature == 1.0  # vLLM SamplingParams defaults
+    r = client.post("/generate", json={"prompt": "hi", "max_tokens": 3, "stream": True})
+    assert r.status_code == 200 and r.data == b'{"text": ["hia"]}\0{"text": ["hiab"]}\0{"text": ["hiabc"]}\0'
+
+
+def test_v1_chat_without_max_tokens_runs_to_the_context_limit():
+    loop, client = make()
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}]})
+    assert loop.params[-1].max_tokens is None and r.json["usage"]["completion_tokens"] > 30
+    client.post("/invocations", json={"messages": [{"role": "user", "content": "q"}]})
+    assert loop.params[-1].max_tokens == 30  # LMI's default stays on /invocations

@@ -117,7 +117,9 @@ def test_openai_parsing():
     assert parse_completions({"prompt": [[1, 2], [3]]}).prompt_token_ids == ((1, 2), (3,))
     chat = parse_chat({"model": "m", "messages": [{"role": "system", "content": "s"},
                                                   {"role": "user", "content": [{"type": "text", "text": "q"}]}]})
-    assert chat.messages[1]["content"] == "q" and chat.params.temperature == 1.0 and chat.params.max_tokens == 30
+    # no max_tokens: up to the context limit on /v1 (vLLM), LMI's 30 on /invocations
+    assert chat.messages[1]["content"] == "q" and chat.params.temperature == 1.0 and chat.params.max_tokens is None
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}, route="invocations").params.max_tokens == 30
     assert parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
                        "stream_options": {"include_usage": True}}).include_usage
     for bad, needle in [({"messages": []}, "messages"), ({"messages": [{"content": "x"}]}, "role"),
