@@ -1,4 +1,5 @@
-"""The offline API as vLLM users write it: `LLM(model=..., **options).generate(prompts, params)`.
+"""The offline API as vLLM users write it: `LLM(model=..., **options).generate(prompts, params)` and
+`.chat(conversations, params)`.
 
 Builds an `EngineConfig` from vLLM option names, runs an `LLMEngine` to completion over all
 prompts (they share the rolling batch), and returns vLLM-shaped `RequestOutput`s in input order,
@@ -91,6 +92,55 @@ class LLM:
                     engine.abort_request(rid)
         return [self._finalize(results[rid], wanted[rid]) for rid in order]
 
+    def chat(
+        self,
+        messages: list[dict] | Seq[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: object = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's offline chat: render each conversation with the chat template, then `generate`.
+
+        `messages` is one conversation (a list of `{"role", "content"}` dicts) or a list of them (one
+        output each, in order). The template is the tokenizer's unless `chat_template` (a Jinja
+        string) is given; `tools` and `chat_template_kwargs` are passed to it. The rendered text is
+        tokenized without adding special tokens (the template writes them), as the server's chat
+        routes do. Content given as OpenAI text parts is joined into one string (`"auto"` /
+        `"string"`) or passed on as parts (`"openai"`). LoRA and multi-modal inputs are refused.
+        """
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: multi-modal inputs are not supported")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be auto, string or openai, "
+                             f"got {chat_template_content_format!r}")
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs the tokenizer (skip_tokenizer_init=True)")
+        one = isinstance(messages, Seq) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        prompts: list[dict] = []
+        for c, conversation in enumerate(conversations):
+            conv = [_chat_message(m, chat_template_content_format, f"messages[{c}][{i}]")
+                    for i, m in enumerate(conversation)]
+            if not conv:
+                raise ValueError(f"conversation {c} has no messages")
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, tools=tools,
+                                           chat_template=chat_template, **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": list(tok.encode(text, add_special_tokens=False))})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         engine = self.llm_engine
         pbar = None
@@ -164,6 +214,23 @@ class LLM:
                     c.logprobs = None
             out.outputs = best
         return out
+
+
+def _chat_message(message: object, content_format: str, where: str) -> dict:
+    """One chat message for the template: a dict copy, its text parts joined unless kept ("openai")."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"{where} must be a dict with a string role, got {message!r:.80}")
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ValueError(f"{where}.content: only text parts are supported")
+        if content_format != "openai":
+            out["content"] = "".join(p["text"] for p in content)
+    elif content is None:
+        out["content"] = ""
+    return out
 
 
 def _decode(tokenizer, token_id: int) -> str | None:  # noqa: ANN001
