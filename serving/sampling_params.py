@@ -8,6 +8,7 @@ names the field, so the server can answer 400 without disturbing other requests.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,6 +21,9 @@ class SamplingParams:
 
     Greedy decoding happens when `temperature` is below 1e-5 (vLLM's rule). `top_k` of 0 or
     -1 disables top-k. `logprobs=k` returns the chosen token's logprob plus the top k.
+    `logit_bias` ({token id: bias}, added to that token's logit before penalties and sampling) is
+    kept as sorted `(id, bias)` pairs so the object stays hashable; ids must be in the vocabulary
+    (the engine checks them at admission).
     """
 
     n: int = 1
@@ -32,6 +36,7 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
@@ -62,6 +67,7 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.best_of is None:
             object.__setattr__(self, "best_of", self.n)
         self._validate()
@@ -129,3 +135,24 @@ class SamplingParams:
             values["best_of"] = None
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
+    """{token id: bias} (or (id, bias) pairs; ids may be digit strings, as JSON keys are) -> sorted
+    pairs, validated: ids non-negative integers, biases finite numbers. None / empty -> None."""
+    if not bias:
+        return None
+    items = bias.items() if isinstance(bias, dict) else bias
+    out: dict[int, float] = {}
+    try:
+        for tid, value in items:  # type: ignore[union-attr]
+            if isinstance(tid, str) and tid.strip().isdigit():
+                tid = int(tid)
+            if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {tid!r:.40}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"logit_bias values must be finite numbers, got {value!r:.40}")
+            out[tid] = float(value)
+    except TypeError:
+        raise ValueError("logit_bias must map token ids to numbers") from None
+    return tuple(sorted(out.items())) or None

@@ -80,8 +80,11 @@ class BlockManager:
         """Block ids that already hold K/V for a prefix of `seq` (no side effects).
 
         NOTE: at least the last token is always left to compute, since its logits are needed;
-        so only blocks lying entirely within the first `num_tokens - 1` tokens can be hits.
+        so only blocks lying entirely within the first `num_tokens - 1` tokens can be hits. A
+        prompt whose logprobs are asked for (echo, decoder_input_details) is computed whole.
         """
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         if self.enable_prefix_caching:
             hits = []

@@ -127,6 +127,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size] if self.vocab_size else []
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}) (the vocabulary), got {bad[:8]}")
+        bad = [t for t, _ in params.logit_bias or () if not t < self.vocab_size] if self.vocab_size else []
+        if bad:
+            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}) (the vocabulary), got {bad[:8]}")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}, got {params.logprobs}")
         if self.tokenizer is None and params.stop:

@@ -1,6 +1,7 @@
 """Batched sampling: logits of the sampled rows -> token ids (+ logprobs), per-request params.
 
-Order of processing, per row (vLLM's): min_tokens masking of stop/EOS ids -> repetition
+Order of processing, per row (vLLM's): logit_bias (added to the named ids' logits) ->
+min_tokens masking of stop/EOS ids -> repetition
 penalty (HF: divide positive / multiply negative logits of tokens in prompt + output) ->
 frequency and presence penalties (OpenAI: over output tokens) -> greedy argmax, or
 temperature -> top-k -> top-p -> min_p -> exponential race (argmax p / q, q ~ Exp(1)).
@@ -181,10 +182,18 @@ class Sampler:
         min_tok_rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         freq_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
-        if not (min_tok_rows or rep_rows or freq_rows):
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if not (min_tok_rows or rep_rows or freq_rows or bias_rows):
             return logits
         logits = logits.clone()
         dev = logits.device
+        if bias_rows:  # one scatter-add of every (row, id, bias) of the batch
+            vocab = logits.shape[1]
+            triples = [(i, t, b) for i in bias_rows for t, b in params[i].logit_bias if 0 <= t < vocab]
+            if triples:
+                rows_b, ids_b, vals_b = zip(*triples)
+                logits.index_put_((to_device(list(rows_b), torch.long, dev), to_device(list(ids_b), torch.long, dev)),
+                                  to_device(list(vals_b), logits.dtype, dev), accumulate=True)
         for i in min_tok_rows:
             p = params[i]
             # (ids outside the vocabulary are refused at admission; never index with one here)

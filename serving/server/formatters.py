@@ -271,6 +271,29 @@ class Formatter:
             out["top_logprobs"].append({self.decode_token(t): v for t, v in tops[i].items()})
         return out
 
+    def _echo_logprobs(self, r: Result, lp: dict | None) -> dict | None:
+        """The prompt tokens' logprobs, then `lp` (the completion's), as vLLM echoes them: the first
+        prompt token has none (null); each other one the model's logprob of it, its `top_logprobs`
+        holding it alone (alternatives are computed for generated tokens only)."""
+        if lp is None:
+            return None
+        lps = list(r.prompt_logprobs or ()) + [None] * len(r.prompt_token_ids)
+        out: dict = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        offset = 0
+        for i, tid in enumerate(r.prompt_token_ids):
+            text = self.decode_token(tid)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            out["token_logprobs"].append(lps[i] if i else None)
+            out["tokens"].append(text)
+            out["top_logprobs"].append({text: lps[i]} if i and lps[i] is not None else None)
+        return {key: out[key] + lp[key] for key in out}
+
+    def _sample_usage(self, r: Result, s: Sample) -> dict:
+        """Usage so far of one choice (vLLM's continuous_usage_stats): its prompt and its tokens."""
+        p, c = len(r.prompt_token_ids), len(s.token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
     def _head(self, obj: str) -> dict:
         head = {"id": self.id, "object": obj, "created": self.created}
         if self.req.route != "invocations":
@@ -306,8 +329,9 @@ class Formatter:
                 for i in range(r.n):
                     s = r.sample(i)
                     prefix = r.prompt if self.req.echo else ""
+                    logprobs = self._completion_logprobs(s, 0, len(s.token_ids), len(prefix))
                     choices.append({"index": p * r.n + i, "text": prefix + s.text,
-                                    "logprobs": self._completion_logprobs(s, 0, len(s.token_ids), len(prefix)),
+                                    "logprobs": self._echo_logprobs(r, logprobs) if prefix else logprobs,
                                     "finish_reason": self._finish(s.finish_reason), "stop_reason": None})
             return dumps({**self._head("text_completion"), "choices": choices, "usage": self._usage(results)}).encode()
         raise AssertionError(f"{fmt} is a streaming format")
@@ -320,9 +344,13 @@ class Formatter:
         out = []
         for i in range(results[0].n):
             self._role_sent.add(i)
-            out.append(self._sse({**self._head("chat.completion.chunk"), "choices": [
+            rec = {**self._head("chat.completion.chunk"), "choices": [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]}))
+                 "finish_reason": None}]}
+            if self.req.continuous_usage:  # before any content: none of its tokens counted yet
+                p = len(results[0].prompt_token_ids)
+                rec["usage"] = {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p}
+            out.append(self._sse(rec))
         return "".join(out).encode()
 
     @staticmethod
@@ -332,7 +360,7 @@ class Formatter:
     def chunk(self, r: Result, delta: StreamDelta, prompt_index: int = 0) -> bytes:
         """One record for one delta (already added to `r`)."""
         s = r.sample(delta.index)
-        if delta.finish_reason is None and type(delta.text) is str and not s.error:
+        if delta.finish_reason is None and type(delta.text) is str and not s.error and not self.req.continuous_usage:
             rec = self._fast_chunk(r, s, delta, prompt_index)
             if rec is not None:
                 return rec
@@ -399,18 +427,24 @@ class Formatter:
             rec = {**self._head("chat.completion.chunk"), "choices": [
                 {"index": delta.index, "delta": d, "logprobs": self._chat_logprobs(s, end - n_new, end),
                  "finish_reason": self._finish(delta.finish_reason)}]}
+            if self.req.continuous_usage:
+                rec["usage"] = self._sample_usage(r, s)
             if s.error:
                 rec["error"] = s.error
             return (f"{dumps(rec)}\n" if fmt == "jsonlines_chat" else self._sse(rec)).encode()
         if fmt == "completion_sse":
             text = delta.text
-            offset = len(s.text) - len(delta.text)
-            if self.req.echo and end == n_new and n_new:
-                text, offset = r.prompt + text, 0
+            offset = len(s.text) - len(delta.text) + (len(r.prompt) if self.req.echo else 0)
+            echo_now = self.req.echo and end == n_new and n_new  # the first record carries the prompt
+            if echo_now:
+                text = r.prompt + text
+            logprobs = self._completion_logprobs(s, end - n_new, end, offset)
             rec = {**self._head("text_completion"), "choices": [
                 {"index": prompt_index * r.n + delta.index, "text": text,
-                 "logprobs": self._completion_logprobs(s, end - n_new, end, offset),
+                 "logprobs": self._echo_logprobs(r, logprobs) if echo_now else logprobs,
                  "finish_reason": self._finish(delta.finish_reason), "stop_reason": None}]}
+            if self.req.continuous_usage:
+                rec["usage"] = self._sample_usage(r, s)
             if s.error:
                 rec["error"] = s.error
             return self._sse(rec).encode()

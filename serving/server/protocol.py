@@ -64,6 +64,7 @@ class GenerateRequest:
     echo: bool = False
     top_logprobs: int | None = None  # OpenAI logprobs: None = not asked
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     add_generation_prompt: bool = True
     model: str | None = None
     warnings: tuple[str, ...] = field(default=())
@@ -395,7 +396,29 @@ def _openai_params(body: dict, max_tokens: int | None, top_logprobs: int | None,
             kw["best_of"] = best_of
     if top_logprobs is not None:
         kw["logprobs"] = top_logprobs
+    bias = _logit_bias(body)
+    if bias:
+        kw["logit_bias"] = bias
+    user = body.get("user")  # OpenAI's end-user id: accepted, not used (no per-user policy here)
+    if user is not None and not isinstance(user, str):
+        raise ValueError(f"user must be a string, got {_show(user)}")
     return _sampling(**kw)
+
+
+def _logit_bias(body: dict) -> dict | None:
+    """OpenAI `logit_bias` ({"token id": bias}) with biases clamped to [-100, 100] as vLLM does; the
+    ids are checked by SamplingParams (integers) and the engine (in the vocabulary)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {_show(bias)}")
+    out = {}
+    for key, value in bias.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"logit_bias values must be finite numbers, got {_show(value)} for {_show(key)}")
+        out[key] = max(-100.0, min(100.0, float(value)))
+    return out
 
 
 def _stream_usage(body: dict) -> bool:
@@ -405,6 +428,11 @@ def _stream_usage(body: dict) -> bool:
     if not isinstance(opts, dict):
         raise ValueError("stream_options must be an object")
     return _get_bool(opts, "include_usage", False)
+
+
+def _continuous_usage(body: dict) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): usage on every chunk."""
+    return _stream_usage(body) and _get_bool(body["stream_options"], "continuous_usage_stats", False)
 
 
 def _messages(body: dict) -> tuple[dict, ...]:
@@ -456,6 +484,7 @@ def parse_chat(body: dict, route: Route = "chat") -> GenerateRequest:
         route=route, params=params, fmt=fmt, messages=messages, details=True, top_logprobs=top_logprobs,
         include_usage=_stream_usage(body), model=model,
         add_generation_prompt=_get_bool(body, "add_generation_prompt", True),
+        continuous_usage=_continuous_usage(body),
         warnings=_warn_unknown(body, _CHAT_KNOWN | ignored, "chat fields"))
 
 
@@ -479,6 +508,8 @@ def parse_completions(body: dict) -> GenerateRequest:
     stream = _get_bool(body, "stream", False)
     max_tokens = _get_int(body, "max_tokens", 1)
     params = _openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, False)
+    if logprobs is not None and _get_bool(body, "echo", False):
+        params = params.replace(prompt_logprobs=logprobs)  # echo: the prompt tokens' logprobs come first
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ValueError(f"model must be a string, got {_show(model)}")
@@ -486,7 +517,8 @@ def parse_completions(body: dict) -> GenerateRequest:
         route="completions", params=params, fmt="completion_sse" if stream else "completion",
         prompts=prompts, prompt_token_ids=ids, batch=len(prompts) + len(ids) > 1, details=True,
         echo=_get_bool(body, "echo", False), top_logprobs=logprobs, include_usage=_stream_usage(body),
-        model=model, warnings=_warn_unknown(body, _COMPLETIONS_KNOWN, "completion fields"))
+        continuous_usage=_continuous_usage(body), model=model,
+        warnings=_warn_unknown(body, _COMPLETIONS_KNOWN, "completion fields"))
 
 
 # ---- vLLM's legacy api_server /generate ----------------------------------------------------------
@@ -494,7 +526,7 @@ def parse_completions(body: dict) -> GenerateRequest:
 _GENERATE_KNOWN = {"prompt", "stream", "n", "best_of", "temperature", "max_tokens", "stop", "top_p", "top_k",
                    "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop_token_ids",
                    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
-                   "spaces_between_special_tokens"}
+                   "spaces_between_special_tokens", "logit_bias"}
 _NO_BEAM_SEARCH = ("use_beam_search", "length_penalty", "early_stopping")
 
 

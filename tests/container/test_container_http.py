@@ -361,6 +361,49 @@ def test_vllm_generate_plain_and_streamed(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+def test_openai_client_echo_logprobs_logit_bias_user_and_continuous_usage(server):
+    import openai
+
+    client = _openai_client(server)
+    prompt = "The capital of France is"
+    out = client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1,
+                                    user="user-1234")
+    choice = out.choices[0]
+    n_prompt = out.usage.prompt_tokens
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == n_prompt + out.usage.completion_tokens
+    assert "".join(lp.tokens[:n_prompt]) == prompt and lp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:]), lp.token_logprobs
+    # logit_bias: +100 on one token id makes greedy decoding pick it every step; -100 bans the argmax
+    forced = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={"28": 100}, extra_body={"ignore_eos": True})
+    top = client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0).choices[0].text
+    banned = client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0,
+                                       logit_bias={str(_token_id(top)): -100})
+    assert forced.choices[0].text == "," * 4 and banned.choices[0].text != top, (forced, banned, top)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       logit_bias={"49152": 5})
+    assert exc.value.param == "logit_bias" and "vocabulary" in str(exc.value)
+    # stream_options.continuous_usage_stats (vLLM): usage on every chunk
+    chunks = list(client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chunks)
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == chunks[-1].usage.completion_tokens <= 5
+
+
+def _token_id(text: str) -> int:
+    """The id of a one-token text in the default model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    from serving.default_model import default_model_path
+
+    [tid] = AutoTokenizer.from_pretrained(default_model_path()).encode(text, add_special_tokens=False)
+    return tid
+
+
 def test_sigterm_drains_in_flight_stream(server):
     # Last test of the module: SIGTERM while a stream is running; it completes, then the server exits.
     r = requests.post(server.url + "/invocations", json={"inputs": "The sea is", "stream": True,

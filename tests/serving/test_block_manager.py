@@ -156,3 +156,16 @@ def test_reset_prefix_cache() -> None:
     bm.free(a)
     bm.reset_prefix_cache()
     assert bm.cached == {} and list(bm.evictable_block_ids) == [] and list(bm.free_block_ids) == [3, 2, 1, 0]
+
+
+def test_no_hit_for_a_prompt_whose_logprobs_are_asked_for() -> None:
+    """Cached positions are never computed, so they would have no prompt logprob (echo + logprobs,
+    decoder_input_details): such a prompt is computed whole, from the cache and from a donor."""
+    for caching in (True, False):
+        bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=caching)
+        a = make_sequence(0, list(range(10)))
+        bm.allocate(a, 10)
+        _compute(bm, a, 10)
+        b = make_sequence(1, list(range(10)), prompt_logprobs=0)
+        assert bm.num_cached_tokens(b, donor=a) == 0 and bm.allocate(b, 10, donor=a) == 0
+        assert not set(b.block_table) & set(a.block_table)

@@ -11,6 +11,7 @@ from serving.server.protocol import (
     parse_chat,
     parse_completions,
     parse_custom_attributes,
+    parse_generate,
     parse_invocations,
 )
 
@@ -272,3 +273,52 @@ def test_error_record_ends_a_stream():
     last = json.loads(fmt.error_record(r, "engine died"))
     assert last["details"] == {"finish_reason": "error"} and last["generated_text"] == "Deep"
     assert last["token"]["id"] == -1
+
+
+def test_openai_logit_bias_user_echo_logprobs_and_continuous_usage():
+    msg = [{"role": "user", "content": "x"}]
+    chat = parse_chat({"messages": msg, "logit_bias": {"50": 200, "7": -1.5}, "user": "u-1"})
+    assert chat.params.logit_bias == ((7, -1.5), (50, 100.0))  # clamped to [-100, 100] as vLLM
+    assert parse_completions({"prompt": "x", "logit_bias": {"3": 1}}).params.logit_bias == ((3, 1.0),)
+    assert parse_generate({"prompt": "x", "logit_bias": {"3": 1}}).params.logit_bias == ((3, 1.0),)
+    for bad, needle in [({"logit_bias": [1]}, "logit_bias must be an object"),
+                        ({"logit_bias": {"a": 1}}, "logit_bias keys must be token ids"),
+                        ({"logit_bias": {"1": "x"}}, "logit_bias values must be finite"),
+                        ({"user": 3}, "user must be a string")]:
+        with pytest.raises(ValueError, match=needle):
+            parse_chat({"messages": msg, **bad})
+    echo = parse_completions({"prompt": "x", "echo": True, "logprobs": 2})
+    assert echo.params.prompt_logprobs == 2 and echo.params.logprobs == 2
+    assert parse_completions({"prompt": "x", "echo": True}).params.prompt_logprobs is None
+    assert parse_completions({"prompt": "x", "logprobs": 1}).params.prompt_logprobs is None
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    assert parse_chat({"messages": msg, "stream": True, "stream_options": opts}).continuous_usage
+    assert parse_completions({"prompt": "x", "stream": True, "stream_options": opts}).continuous_usage
+    # as vLLM: continuous usage only together with include_usage
+    assert not parse_chat({"messages": msg, "stream": True,
+                           "stream_options": {"continuous_usage_stats": True}}).continuous_usage
+
+
+def test_echo_logprobs_carry_the_prompt_tokens_and_continuous_usage_is_on_every_chunk():
+    names = {1: "What", 2: " is", 3: " Deep", 4: " Learning", 5: "?"}
+    first = StreamDelta(request_id="r", index=0, token_ids=(304,), text="Deep", logprobs=(-0.05,),
+                        token_texts=("Deep",), prompt_logprobs=(None, -1.0, -2.0, -3.0, -4.0))
+    for stream in (False, True):
+        req = parse_completions({"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 3, "stream": stream})
+        fmt = Formatter(req, created=1, request_id="abc", model="m", decode_token=lambda t: names.get(t, "?"))
+        r = Result(prompt=PROMPT, prompt_token_ids=[1, 2, 3, 4, 5])
+        r.add(first)
+        lp = (json.loads(fmt.body([r]))["choices"][0] if not stream else
+              json.loads(fmt.chunk(r, first).decode()[6:])["choices"][0])["logprobs"]
+        assert lp["tokens"] == ["What", " is", " Deep", " Learning", "?", "Deep"]
+        assert lp["token_logprobs"] == [None, -1.0, -2.0, -3.0, -4.0, -0.05]
+        assert lp["top_logprobs"][:3] == [None, {" is": -1.0}, {" Deep": -2.0}]
+        assert lp["text_offset"] == [0, 4, 7, 12, 21, len(PROMPT)]
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for body in ({"messages": [{"role": "user", "content": "x"}]}, {"prompt": "x"}):
+        req = (parse_chat if "messages" in body else parse_completions)({**body, "stream": True, "stream_options": opts})
+        _, raw = run(req, True)
+        recs = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+        usage = [rec["usage"]["completion_tokens"] for rec in recs]
+        assert usage == ([0] if "messages" in body else []) + [1, 2, 3, 3], raw  # the last: the usage chunk
+        assert all(rec["usage"]["prompt_tokens"] == 5 for rec in recs)

@@ -165,3 +165,24 @@ def test_mixed_greedy_and_sampled_batch():
     assert out[3].token_id == int(logits[3].argmax())  # top_k=1 is greedy
     pen = Sampler(CPU)._apply_penalties(logits[2:3], [seqs[2]])
     assert out[2].token_id == int(pen.argmax())
+
+
+def test_logit_bias_is_a_per_row_additive_bias():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    seqs = [seq(seq_id=0, temperature=0.0, logit_bias={7: 100.0}),  # forces token 7
+            seq(seq_id=1, temperature=0.0),  # untouched row
+            seq(seq_id=2, temperature=0.0, logprobs=0,
+                logit_bias={int(logits[2].argmax()): -100.0, 4: 0.5})]  # bans its argmax
+    biased = Sampler(CPU)._apply_penalties(logits, seqs)
+    want = logits.clone()
+    want[0, 7] += 100.0
+    want[2, int(logits[2].argmax())] -= 100.0
+    want[2, 4] += 0.5
+    assert torch.equal(biased, want)
+    out = Sampler(CPU)(logits, seqs, gens(seqs))
+    assert out[0].token_id == 7 and out[1].token_id == int(logits[1].argmax())
+    assert out[2].token_id == int(want[2].argmax()) != int(logits[2].argmax())
+    assert out[2].logprob == pytest.approx(float(torch.log_softmax(want[2], -1)[out[2].token_id]))
+    # sampled rows too (the fused path): a +100 bias wins every draw
+    sampled = [seq(seq_id=i, temperature=1.0, seed=i, logit_bias={11: 100.0}) for i in range(4)]
+    assert {o.token_id for o in Sampler(CPU)(logits[:1].repeat(4, 1), sampled, gens(sampled))} == {11}
