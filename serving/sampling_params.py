@@ -8,11 +8,53 @@ names the field, so the server can answer 400 without disturbing other requests.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """One output constraint (vLLM's `GuidedDecodingParams`): exactly one of the fields is set.
+
+    `json`: a JSON schema (dict or its text; kept as text so the object stays hashable);
+    `json_object`: any JSON object; `regex`; `choice`: one of these strings; `grammar`: an EBNF
+    (GBNF) grammar. The engine compiles it (xgrammar) and masks every sampled token to it; a
+    sample whose output completes the constraint finishes with finish_reason "stop".
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        elif self.json is not None and not isinstance(self.json, str):
+            raise ValueError("guided json must be a JSON schema (an object or its text)")
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError("guided choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"guided {name} must be a non-empty string")
+        kinds = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(f"give exactly one guided decoding constraint (json, regex, choice, grammar, "
+                             f"json_object), got {kinds or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
 
 
 @dataclass(frozen=True)
@@ -48,6 +90,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise list-ish inputs so the object stays hashable and immutable.
@@ -70,6 +113,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.best_of is None:
             object.__setattr__(self, "best_of", self.n)
+        if isinstance(self.guided_decoding, dict):
+            object.__setattr__(self, "guided_decoding", GuidedDecodingParams(**self.guided_decoding))
+        elif self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise ValueError("guided_decoding must be a GuidedDecodingParams")
         self._validate()
 
     def _validate(self) -> None:

@@ -10,17 +10,21 @@ With async scheduling (default on CUDA) a step launches step N on the device and
 reads step N-1's tokens, detokenizes them and applies stops, so that host work overlaps the
 GPU; a sample that stops at step N-1 has computed one extra token, which is dropped. A step
 whose samples read their own history (repetition/frequency/presence penalties) first waits
-for the previous one.
+for the previous one; so does a step that samples a guided-decoding row (its next-token mask
+depends on the token in flight), and the masks (`serving/engine/guided.py`) are filled on the
+host right before the plan that carries them is sent.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import weakref
 
 from serving.engine.block_manager import BlockManager
+from serving.engine.guided import GuidedDecoder
 from serving.engine.request_state import RequestState
 from serving.engine.scheduler import Scheduler
 from serving.engine.plan_builder import build_plan
@@ -88,6 +92,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self._requests: dict[str, RequestState] = {}
+        # Guided decoding: built on the first constrained request (loads the tokenizer's vocabulary).
+        self._guided: GuidedDecoder | None = None
+        self._guided_lock = threading.Lock()
         # The launched step whose tokens are not read yet (async scheduling), and whether
         # the next step must wait for them (its samples need their own history).
         self._inflight: tuple[SchedulerOutput, StepOutput] | None = None
@@ -134,7 +141,19 @@ class LLMEngine:
             raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}, got {params.logprobs}")
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
+        if params.guided_decoding is not None:
+            self.guided_decoder().compile(params.guided_decoding)  # ValueError when invalid (cached)
         self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
+
+    def guided_decoder(self) -> GuidedDecoder:
+        """The grammar compiler and matchers (thread-safe to build; `compile` may run off the loop)."""
+        if self._guided is None:
+            if self.tokenizer is None:
+                raise ValueError("guided decoding needs the tokenizer (skip_tokenizer_init=True)")
+            with self._guided_lock:
+                if self._guided is None:
+                    self._guided = GuidedDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._guided
 
     def add_request(
         self,
@@ -167,6 +186,10 @@ class LLMEngine:
         seqs = [
             Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, index=i) for i in range(params.n)
         ]
+        if params.guided_decoding is not None:
+            guided = self.guided_decoder()
+            for seq in seqs:
+                guided.add(seq.seq_id, params.guided_decoding)
         self.scheduler.add_sequences(seqs)
         detok = self.tokenizer is not None and params.detokenize
         self._requests[request_id] = RequestState(
@@ -231,7 +254,8 @@ class LLMEngine:
         last = self._take_inflight() if self._inflight is not None else None
         self._inflight = (sched_out, runner_out)
         self._inflight_blocks_next = any(
-            item.sample and item.seq.params.needs_token_history for item in sched_out.scheduled
+            item.sample and (item.seq.params.needs_token_history or item.seq.params.guided_decoding is not None)
+            for item in sched_out.scheduled
         )
         if last is not None:
             deltas += self._process(*last)
@@ -303,6 +327,13 @@ class LLMEngine:
             if suspects:
                 suspects.discard(seq.request_id)  # it got through a step: cleared
             self.num_generated_tokens += 1
+            guided = self._guided
+            if guided is not None and not seq.is_finished and seq.seq_id in guided:
+                state = guided.accept(seq.seq_id, sampled.token_id)
+                if state is not None:  # the constraint is complete (or, never expected, broken)
+                    if state == "invalid":
+                        logger.warning("seq %d: token %d is outside its grammar", seq.seq_id, sampled.token_id)
+                    self.scheduler.finish(seq, FinishReason.STOP)
             det = req.detokenizers[seq.index]
             if det is not None:
                 stop = det.append([sampled.token_id])
@@ -328,6 +359,8 @@ class LLMEngine:
         """The workers drop the sequence's state (mirror, seeded generator) with the next plan."""
         seq.in_worker = False
         self._finished_ids.append(seq.seq_id)
+        if self._guided is not None:
+            self._guided.remove(seq.seq_id)
 
     def _plan(self, sched_out: SchedulerOutput) -> StepPlan:
         for seq in sched_out.preempted:
@@ -336,6 +369,12 @@ class LLMEngine:
                 self._preempted_ids.append(seq.seq_id)
         plan = build_plan(self.num_steps, sched_out, self._finished_ids, self._preempted_ids)
         self._finished_ids, self._preempted_ids = [], []
+        guided = self._guided
+        if guided is not None and len(guided):
+            chunks = [i for i, item in enumerate(sched_out.scheduled) if item.sample and item.seq.seq_id in guided]
+            if chunks:
+                plan.mask_chunks = chunks
+                plan.masks = guided.fill([sched_out.scheduled[i].seq.seq_id for i in chunks])
         return plan
 
     def shutdown(self) -> None:

@@ -234,7 +234,8 @@ class ModelRunner:
             self._prev = StepOutput([], token_ids=token_ids, row_of=row_of)
             return self._prev
         try:
-            samples = self.sampler.sample(logits, sampled_seqs, [self._generator(s) for s in sampled_seqs])
+            samples = self.sampler.sample(logits, sampled_seqs, [self._generator(s) for s in sampled_seqs],
+                                          masks=_mask_rows(plan))
         finally:
             if self.world_size > 1:  # the other ranks wait in the broadcast even if sampling failed
                 ids = samples.token_ids if "samples" in locals() else torch.zeros(
@@ -291,6 +292,18 @@ class ModelRunner:
         self.batch.seqs.pop(seq_id, None)
         self._generators.pop(seq_id, None)
         self._prompt_logprobs.pop(seq_id, None)
+
+
+def _mask_rows(plan: StepPlan) -> tuple[list[int], object] | None:
+    """The plan's guided-decoding masks, keyed by sampled row (chunk index -> row among sampling chunks)."""
+    if not plan.mask_chunks:
+        return None
+    row_of_chunk, row = {}, 0
+    for chunk, flag in enumerate(plan.sample):
+        if flag:
+            row_of_chunk[chunk] = row
+            row += 1
+    return [row_of_chunk[c] for c in plan.mask_chunks], plan.masks
 
 
 def pick_device(option: str) -> torch.device:

@@ -52,6 +52,9 @@ class StepPlan:
     index: `new_blocks[i]` extends the worker's block table, `syncs[i] = (from, ids)` replaces
     the worker's ids from index `from` on with the engine's (which may end with a PLACEHOLDER).
 
+    `masks` (guided decoding) hold the allowed next tokens of the sampling chunks listed in
+    `mask_chunks`; rank 0 applies them to those rows' logits before sampling.
+
     Workers apply it in this order: drop `finished_seq_ids` (ended or aborted since the last
     plan: all their state goes) and `preempted_seq_ids` (their seeded generators stay, for when
     they come back as new sequences), add `new_seqs`, then run the chunks.
@@ -68,6 +71,11 @@ class StepPlan:
     new_seqs: list[NewSeq] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
+    # Guided decoding: the sampling chunks (indices) whose next token is constrained, and
+    # their allowed tokens, packed: row r of the int32 `[len(mask_chunks), ceil(V/32)]` array
+    # has bit v set when token v may be sampled (numpy, so it pickles as one buffer).
+    mask_chunks: list[int] = field(default_factory=list)
+    masks: Any = None
 
     @property
     def num_batched_tokens(self) -> int:

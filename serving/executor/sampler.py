@@ -3,7 +3,8 @@
 Order of processing, per row (vLLM's): logit_bias (added to the named ids' logits) ->
 min_tokens masking of stop/EOS ids -> repetition
 penalty (HF: divide positive / multiply negative logits of tokens in prompt + output) ->
-frequency and presence penalties (OpenAI: over output tokens) -> greedy argmax, or
+frequency and presence penalties (OpenAI: over output tokens) -> guided decoding mask
+(tokens outside the row's grammar -> -inf; the plan's packed bitmask) -> greedy argmax, or
 temperature -> top-k -> top-p -> min_p -> exponential race (argmax p / q, q ~ Exp(1)).
 A batch where no row truncates (no top-k/top-p/min_p) samples in one fused Gumbel-max pass
 (`kernels.gumbel_sample`: argmax(logits / T + Gumbel noise), the same law), each row keyed by
@@ -121,12 +122,19 @@ class Sampler:
         logits: torch.Tensor,  # [N, V] float32
         seqs: list[WorkerSeq],
         generators: list[torch.Generator | None],
+        masks: tuple[list[int], object] | None = None,
     ) -> DeviceSamples:
-        """Sample one token per row on the device; `generators[i]` is row i's own generator when seeded."""
+        """Sample one token per row on the device; `generators[i]` is row i's own generator when seeded.
+
+        `masks`: (rows, packed int32 `[len(rows), ceil(V/32)]`): guided decoding; in those rows
+        only tokens whose bit is set can be drawn, on every sampling path.
+        """
         n = logits.shape[0]
         assert n == len(seqs) == len(generators) and n > 0
         params = [s.params for s in seqs]
         logits = self._apply_penalties(logits, seqs)
+        if masks is not None and masks[0]:
+            logits = apply_token_masks(logits, *masks)
         greedy = [p.greedy for p in params]
         token_ids = torch.empty(n, dtype=torch.long, device=logits.device)
         want_logprobs = [p.logprobs is not None for p in params]
@@ -246,6 +254,34 @@ class Sampler:
         k_max = max(ks)
         top_vals, top_ids = sub.topk(k_max, dim=-1) if k_max > 0 else (None, None)
         return DeviceSamples(token_ids, rows, ks, chosen, top_vals, top_ids)
+
+
+def apply_token_masks(logits: torch.Tensor, rows: list[int], packed: object) -> torch.Tensor:
+    """Set to -inf, in place, the logits of tokens whose bit is clear in `packed`, in each of `rows`.
+
+    `packed`: int32 `[len(rows), ceil(V/32)]` (numpy or torch), bit v of row r = token v allowed
+    (xgrammar's bitmask layout). On the GPU: one small upload, unpacked with a shift-and-mask over
+    the masked rows only; on the CPU xgrammar's kernel (the torch unpack costs ~5x more there).
+    Returns `logits` (the caller's tensor is changed: fresh logits, or a graph's output buffer).
+    """
+    dev = logits.device
+    bits = packed if isinstance(packed, torch.Tensor) else torch.from_numpy(packed)
+    whole = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+    idx = None if whole else to_device(rows, torch.long, dev)
+    sub = logits if whole else logits.index_select(0, idx)
+    if dev.type == "cpu" and sub.dtype == torch.float32:
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(sub, bits.contiguous(), vocab_size=logits.shape[1])
+    else:
+        if dev.type != "cpu":
+            bits = bits.pin_memory().to(dev, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=dev)
+        allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, : logits.shape[1]]
+        sub.masked_fill_(~allowed, _NEG_INF)
+    if not whole:
+        logits.index_copy_(0, idx, sub)
+    return logits
 
 
 def _mix64(*values: int) -> int:

@@ -22,6 +22,7 @@ from json.encoder import encode_basestring as _json_str
 
 from serving.outputs import StreamDelta
 from serving.server.protocol import GenerateRequest
+from serving.server.structured import parse_tool_calls
 
 CONTENT_TYPES = {
     "json": "application/json", "tgi_json": "application/json", "json_chat": "application/json",
@@ -319,9 +320,9 @@ class Formatter:
             choices = []
             for i in range(r.n):
                 s = r.sample(i)
-                choices.append({"index": i, "message": {"role": "assistant", "content": s.text},
-                                "logprobs": self._chat_logprobs(s, 0, len(s.token_ids)),
-                                "finish_reason": self._finish(s.finish_reason)})
+                message, finish = self._chat_message(s)
+                choices.append({"index": i, "message": message,
+                                "logprobs": self._chat_logprobs(s, 0, len(s.token_ids)), "finish_reason": finish})
             return dumps({**self._head("chat.completion"), "choices": choices, "usage": self._usage(results)}).encode()
         if fmt == "completion":
             choices = []
@@ -335,6 +336,22 @@ class Formatter:
                                     "finish_reason": self._finish(s.finish_reason), "stop_reason": None})
             return dumps({**self._head("text_completion"), "choices": choices, "usage": self._usage(results)}).encode()
         raise AssertionError(f"{fmt} is a streaming format")
+
+    def _chat_message(self, s: Sample) -> tuple[dict, str | None]:
+        """The assistant message and finish_reason of a chat choice; with tools, the calls parsed
+        from the text (OpenAI: finish_reason "tool_calls", except for a named tool_choice)."""
+        finish = self._finish(s.finish_reason)
+        tools = self.req.tools
+        if tools is None or s.error or finish != "stop":  # a cut-off call (length) stays text
+            return {"role": "assistant", "content": s.text}, finish
+        try:
+            calls, content = parse_tool_calls(s.text, tools)
+        except (ValueError, KeyError, TypeError):
+            return {"role": "assistant", "content": s.text}, finish
+        if not calls:
+            return {"role": "assistant", "content": s.text}, finish
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                "stop" if tools.choice == "named" else "tool_calls")
 
     # ---- streams ---------------------------------------------------------------------------------
     def start(self, results: list[Result]) -> bytes:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from serving.sampling_params import SamplingParams
+from serving.server.structured import GUIDED_KEYS, STRUCTURED_KEYS, TOOL_KEYS, ToolSpec, guided_from, tools_from
 
 logger = logging.getLogger("serving.server.protocol")
 
@@ -67,6 +68,7 @@ class GenerateRequest:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     add_generation_prompt: bool = True
     model: str | None = None
+    tools: ToolSpec | None = None  # chat: functions the model may call (tool_calls in the answer)
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -260,7 +262,7 @@ _LMI_KNOWN = {"max_new_tokens", "max_tokens", "do_sample", "temperature", "top_p
               "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
               "ignore_eos_token", "ignore_eos", "details", "return_full_text", "decoder_input_details",
               "logprobs", "n", "best_of", "min_tokens", "output_formatter", "top_n_tokens", "truncate",
-              "num_beams", "use_beam_search"}
+              "num_beams", "use_beam_search", *GUIDED_KEYS}
 MAX_LMI_SEQUENCES = 16  # n / best_of on /invocations (as on /v1)
 
 
@@ -306,6 +308,8 @@ def lmi_sampling_params(parameters: dict) -> tuple[SamplingParams, tuple[str, ..
     kw["logprobs"] = max(logprobs or 0, top_n or 0)  # LMI always fills token.log_prob; logprobs = top_n_tokens
     if _get_bool(parameters, "decoder_input_details", False):
         kw["prompt_logprobs"] = 1  # LMI's value: each prompt token's own logprob (for details.prefill)
+    # LMI 0.28 has no guided decoding of its own (it drops TGI's `grammar`); vLLM's guided_* keys work here.
+    kw["guided_decoding"] = guided_from({k: parameters[k] for k in GUIDED_KEYS if k in parameters})
     return _sampling(**kw), warnings
 
 
@@ -374,12 +378,14 @@ _OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", 
                   "include_stop_str_in_output", "spaces_between_special_tokens", "best_of"}
 _CHAT_KNOWN = _OPENAI_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                 "add_generation_prompt", "parallel_tool_calls"}
-_COMPLETIONS_KNOWN = _OPENAI_COMMON | {"prompt", "echo", "logprobs", "suffix"}
+_COMPLETIONS_KNOWN = _OPENAI_COMMON | {"prompt", "echo", "logprobs", "suffix"} | STRUCTURED_KEYS
 
 
 def _openai_params(body: dict, max_tokens: int | None, top_logprobs: int | None,
-                   lmi_route: bool) -> SamplingParams:
+                   lmi_route: bool, tools: ToolSpec | None = None, structured: bool = False) -> SamplingParams:
     kw = _common_sampling(body)
+    if structured:  # chat and completions: response_format, guided_*, tool_choice required / named
+        kw["guided_decoding"] = guided_from(body, tools)
     kw["max_tokens"] = max_tokens
     temperature = _get_num(body, "temperature", 0.0, 2.0)
     kw["temperature"] = 1.0 if temperature is None else temperature
@@ -459,19 +465,19 @@ def _messages(body: dict) -> tuple[dict, ...]:
 
 def parse_chat(body: dict, route: Route = "chat") -> GenerateRequest:
     """An OpenAI chat-completions body, on /v1/chat/completions or (route='invocations') /invocations."""
-    for key in ("tools", "tool_choice", "functions", "response_format"):
-        if body.get(key) not in (None, [], "none", {"type": "text"}):
-            raise ValueError(f"{key} is not supported by this server")
+    tools = tools_from(body)
     messages = _messages(body)
     lmi_route = route == "invocations"
     stream = _get_bool(body, "stream", False)
+    if tools is not None and stream:
+        raise ValueError("tools with stream: true is not supported yet: send stream: false")
     max_tokens = _get_int(body, "max_completion_tokens", 1) or _get_int(body, "max_tokens", 1)
     want_logprobs = _get_bool(body, "logprobs", False)
     top = _get_int(body, "top_logprobs", 0, 20)
     top_logprobs = (top or 0) if want_logprobs else None
     # No max_tokens: LMI's 30 on /invocations; vLLM's "up to the context limit" (None) on /v1.
     default_max = LMI_DEFAULT_MAX_NEW_TOKENS if lmi_route else None
-    params = _openai_params(body, max_tokens or default_max, top_logprobs, lmi_route)
+    params = _openai_params(body, max_tokens or default_max, top_logprobs, lmi_route, tools, structured=True)
     if lmi_route:
         fmt = "jsonlines_chat" if stream else "json_chat"
     else:
@@ -479,10 +485,10 @@ def parse_chat(body: dict, route: Route = "chat") -> GenerateRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ValueError(f"model must be a string, got {_show(model)}")
-    ignored = {"tools", "tool_choice", "functions", "response_format"}
+    ignored = STRUCTURED_KEYS | TOOL_KEYS
     return GenerateRequest(
         route=route, params=params, fmt=fmt, messages=messages, details=True, top_logprobs=top_logprobs,
-        include_usage=_stream_usage(body), model=model,
+        include_usage=_stream_usage(body), model=model, tools=tools,
         add_generation_prompt=_get_bool(body, "add_generation_prompt", True),
         continuous_usage=_continuous_usage(body),
         warnings=_warn_unknown(body, _CHAT_KNOWN | ignored, "chat fields"))
@@ -507,7 +513,8 @@ def parse_completions(body: dict) -> GenerateRequest:
     logprobs = _get_int(body, "logprobs", 0, 20)
     stream = _get_bool(body, "stream", False)
     max_tokens = _get_int(body, "max_tokens", 1)
-    params = _openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, False)
+    params = _openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, False,
+                            structured=True)
     if logprobs is not None and _get_bool(body, "echo", False):
         params = params.replace(prompt_logprobs=logprobs)  # echo: the prompt tokens' logprobs come first
     model = body.get("model")

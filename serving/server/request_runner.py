@@ -121,9 +121,10 @@ class RequestRunner:
         out: list[tuple[str, list[int]]] = []
         if req.messages:
             try:
+                extra = {"tools": [{"type": "function", "function": f} for f in req.tools.functions]} if req.tools else {}
                 text = tok.apply_chat_template(list(req.messages), tokenize=False,
                                                add_generation_prompt=req.add_generation_prompt,
-                                               chat_template=self.config.chat_template)
+                                               chat_template=self.config.chat_template, **extra)
             except Exception as exc:  # noqa: BLE001 - no template / template error
                 raise ValueError(f"cannot apply the chat template: {exc}") from None
             out.append((text, list(tok.encode(text, add_special_tokens=False))))

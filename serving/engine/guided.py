@@ -1,0 +1,105 @@
+"""Guided decoding on the engine side (host): grammars, one matcher per constrained sample.
+
+It exists so constrained rows batch with free ones: the engine keeps an xgrammar matcher per
+constrained sequence, advances it with each token the step returned, and hands the next
+step's plan a packed bitmask per constrained sampling row (`[R, ceil(V/32)]` int32, bit v of
+row r set = token v allowed); rank 0's sampler masks those rows' logits before any sampling
+path. A matcher that can only end (its grammar is complete and nothing but a stop token
+remains) finishes its sample with finish_reason "stop".
+
+xgrammar was chosen over llguidance and outlines-core on mask cost per step and JSON-schema
+coverage (`bench/grammar_libs.py`, figures in bench/RESULTS.md). Compiled grammars are cached
+by the compiler (same schema, no second compile).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+
+from serving.sampling_params import GuidedDecodingParams
+
+logger = logging.getLogger("serving.engine.guided")
+
+
+class GuidedDecoder:
+    """Compiles constraints, keeps the matchers, fills the bitmasks of a step."""
+
+    def __init__(self, tokenizer: object, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.width = (vocab_size + 31) // 32
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self.stop_token_ids = list(info.stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self._matchers: dict[int, object] = {}  # seq_id -> xgr.GrammarMatcher
+        self._scratch = np.zeros((1, self.width), dtype=np.int32)
+        stop = np.zeros(self.width, dtype=np.int32)
+        for t in self.stop_token_ids:
+            if 0 <= t < vocab_size:
+                stop[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        self._not_stop = ~stop
+
+    # ---- grammars ------------------------------------------------------------------------
+
+    def compile(self, g: GuidedDecodingParams) -> object:
+        """The compiled grammar of a constraint; ValueError (names the problem) when it is invalid."""
+        c = self._compiler
+        try:
+            if g.json is not None:
+                json.loads(g.json)
+                return c.compile_json_schema(g.json, any_whitespace=False)
+            if g.json_object:
+                return c.compile_builtin_json_grammar()
+            if g.regex is not None:
+                return c.compile_regex(g.regex)
+            if g.choice is not None:
+                alts = " | ".join(json.dumps(s) for s in g.choice)  # EBNF string literals
+                return c.compile_grammar(f"root ::= {alts}")
+            return c.compile_grammar(g.grammar)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError variants
+            raise ValueError(f"invalid guided decoding {g.kind}: {exc}") from None
+
+    # ---- matchers ------------------------------------------------------------------------
+
+    def add(self, seq_id: int, g: GuidedDecodingParams, tokens: Iterable[int] = ()) -> None:
+        m = self._xgr.GrammarMatcher(self.compile(g))
+        for t in tokens:  # outputs already produced (not the case today; kept for re-admission)
+            m.accept_token(t)
+        self._matchers[seq_id] = m
+
+    def remove(self, seq_id: int) -> None:
+        self._matchers.pop(seq_id, None)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def accept(self, seq_id: int, token_id: int) -> str | None:
+        """Advance the matcher; None (go on), "end" (the constraint is complete), or "invalid"."""
+        m = self._matchers[seq_id]
+        if not m.accept_token(token_id):
+            return "invalid"
+        if m.is_terminated():
+            return "end"
+        if m.is_completed():
+            # Complete; does the grammar allow anything but a stop token now?
+            m.fill_next_token_bitmask(self._scratch, 0)
+            if not (self._scratch[0] & self._not_stop).any():
+                return "end"
+        return None
+
+    def fill(self, seq_ids: list[int]) -> np.ndarray:
+        """`[len(seq_ids), width]` int32: each sequence's allowed next tokens (packed bits)."""
+        masks = np.empty((len(seq_ids), self.width), dtype=np.int32)
+        for i, seq_id in enumerate(seq_ids):
+            self._matchers[seq_id].fill_next_token_bitmask(masks, i)
+        return masks
