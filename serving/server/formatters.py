@@ -54,6 +54,11 @@ def _json_scalar(x: object) -> str:
     return json.dumps(x)
 
 
+def _error_object(message: str) -> dict:
+    """OpenAI's error object for a stream that fails after it started (its status is long sent)."""
+    return {"message": message, "type": "server_error", "param": None, "code": 500}
+
+
 @dataclass
 class Sample:
     """What one sample (of n) produced so far."""
@@ -446,8 +451,8 @@ class Formatter:
                  "finish_reason": self._finish(delta.finish_reason)}]}
             if self.req.continuous_usage:
                 rec["usage"] = self._sample_usage(r, s)
-            if s.error:
-                rec["error"] = s.error
+            if s.error:  # on /v1 OpenAI's error object: the openai client raises it with its message
+                rec["error"] = s.error if fmt == "jsonlines_chat" else _error_object(s.error)
             return (f"{dumps(rec)}\n" if fmt == "jsonlines_chat" else self._sse(rec)).encode()
         if fmt == "completion_sse":
             text = delta.text
@@ -463,12 +468,12 @@ class Formatter:
             if self.req.continuous_usage:
                 rec["usage"] = self._sample_usage(r, s)
             if s.error:
-                rec["error"] = s.error
+                rec["error"] = _error_object(s.error)
             return self._sse(rec).encode()
         if fmt == "generate_stream":  # vLLM's api_server: the whole texts so far, NUL-terminated
             rec = self._generate_object(r)
             if s.error:
-                rec["error"] = {"message": s.error, "type": "server_error", "param": None, "code": 500}
+                rec["error"] = _error_object(s.error)
             return (dumps(rec) + "\0").encode()
         raise AssertionError(f"{fmt} is not a streaming format")
 

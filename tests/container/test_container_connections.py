@@ -257,7 +257,7 @@ def test_sigterm_ends_open_streams_with_a_final_record_and_refuses_new_connectio
         else:
             assert recs[-1] == "[DONE]", recs[-3:]
             last = recs[-2]["choices"][0]
-            assert last["finish_reason"] == "error" and "shutting down" in recs[-2]["error"], recs[-2]
+            assert last["finish_reason"] == "error" and "shutting down" in recs[-2]["error"]["message"], recs[-2]
     probe.join(10)
     drain = drain_seconds(GRACE)
     assert all(drain - 1 < s < GRACE for s in ended.values()), (ended, drain)

@@ -168,6 +168,18 @@ def test_openai_error_objects_on_v1_and_generate_lmi_shape_on_invocations():
     assert r.status_code == 400 and set(r.json) == {"error", "code"} and "top_p" in r.json["error"]
 
 
+def test_v1_stream_failing_mid_way_ends_with_an_openai_error_object():
+    _, client = make()
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "FAIL"}]}),
+                       ("/v1/completions", {"prompt": "FAIL"})):
+        r = client.post(path, json={**body, "max_tokens": 5, "stream": True})
+        events = [json.loads(e[6:]) for e in r.data.decode().split("\n\n") if e and e != "data: [DONE]"]
+        assert r.data.endswith(b"data: [DONE]\n\n") and events[-1]["choices"][0]["finish_reason"] == "error"
+        assert events[-1]["error"] == {"message": "boom", "type": "server_error", "param": None, "code": 500}
+    r = client.post("/invocations", json={"messages": [{"role": "user", "content": "FAIL"}], "stream": True})
+    assert json.loads(r.data.decode().splitlines()[-1])["error"] == "boom"  # LMI's string on /invocations
+
+
 def test_vllm_generate_route_plain_and_stream():
     loop, client = make()
     r = client.post("/generate", json={"prompt": "hi", "n": 2, "max_tokens": 3, "temperature": 0,
