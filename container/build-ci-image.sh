@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Build the real Dockerfile without Docker, the way CI does (tests/container/test_image.py):
+# buildah (chroot isolation, vfs storage) FROM a `debootstrap --variant=minbase bookworm` root
+# filesystem imported as a local image, with build arguments only: that base instead of the CUDA
+# one, the default package index for torch (its Linux wheel runs on the CPU) with the triton that
+# torch pins, no cuda-compat package.
+# Build-time mounts give pip the host's CA bundle (a pip.conf naming it, mounted at /etc/pip.conf):
+# nothing in the image depends on them.
+#
+#   container/build-ci-image.sh            # as root; prints the image name as the last line of stdout
+#
+# Installs buildah, podman and debootstrap with apt-get when missing; exits 3 (and says why) only
+# where they cannot be installed or buildah cannot run. Caches (re-runs are fast):
+# the debootstrap root filesystem as a tarball in $OPEN_LMI_CI_CACHE (default
+# /var/cache/open-lmi-ci), the imported base image, and the built image, tagged with a hash of
+# everything the Dockerfile copies (an unchanged tree is not rebuilt; older ci- tags are removed).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+CACHE=${OPEN_LMI_CI_CACHE:-/var/cache/open-lmi-ci}
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+CA_BUNDLE=${HOST_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
+INDEX=${TORCH_INDEX_URL:-https://pypi.org/simple}
+BASE=localhost/open-lmi-ci-base:bookworm
+REPO=localhost/open-lmi
+VFS=(--storage-driver vfs)
+
+log() { echo "[build-ci-image] $(date -u +%T) $*" >&2; }
+
+missing=()
+for tool in buildah podman debootstrap; do
+    command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
+if ((${#missing[@]})); then
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        log "cannot install ${missing[*]}: needs root and apt-get"
+        exit 3
+    fi
+    log "installing ${missing[*]} with apt-get"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah podman debootstrap >/dev/null
+fi
+if ! err=$(buildah "${VFS[@]}" info 2>&1 >/dev/null); then
+    log "buildah cannot run here: ${err##*$'\n'}"
+    exit 3
+fi
+mkdir -p "$CACHE"
+
+if ! podman "${VFS[@]}" image exists "$BASE"; then
+    if [ ! -s "$CACHE/rootfs.tar" ]; then
+        log "debootstrap --variant=minbase bookworm ($MIRROR)"
+        rm -rf "$CACHE/rootfs.tmp"
+        debootstrap --variant=minbase bookworm "$CACHE/rootfs.tmp" "$MIRROR" >"$CACHE/debootstrap.log" 2>&1 \
+            || { tail -20 "$CACHE/debootstrap.log" >&2; exit 1; }
+        tar -C "$CACHE/rootfs.tmp" -cf "$CACHE/rootfs.tar.tmp" .
+        mv "$CACHE/rootfs.tar.tmp" "$CACHE/rootfs.tar"
+        rm -rf "$CACHE/rootfs.tmp"
+    fi
+    log "importing the base root filesystem as $BASE"
+    podman "${VFS[@]}" import "$CACHE/rootfs.tar" "$BASE" >/dev/null
+fi
+
+# Everything the Dockerfile copies (less what .dockerignore drops), hashed: the image's tag.
+cd "$ROOT"
+HASH=$( (echo "$INDEX"; find Dockerfile .dockerignore constraints.txt pyproject.toml requirements-model.txt \
+             serving.properties serving kernels sdk container -type f ! -name '*.pyc' ! -path '*/__pycache__/*' \
+             ! -name build-ci-image.sh -print0 | sort -z | xargs -0 sha256sum) | sha256sum | cut -c1-16)
+IMAGE="$REPO:ci-$HASH"
+if buildah "${VFS[@]}" inspect --type image "$IMAGE" >/dev/null 2>&1; then
+    log "$IMAGE is built already (same files)"
+else
+    printf '[global]\ncert = /host-ca.crt\n' >"$CACHE/pip.conf"
+    log "building $IMAGE"
+    start=$(date +%s)
+    buildah "${VFS[@]}" bud --isolation chroot --pull=never --layers=false --force-rm --format docker -t "$IMAGE" \
+        --build-arg CUDA_IMAGE="$BASE" \
+        --build-arg TORCH_INDEX_URL="$INDEX" \
+        --build-arg CUDA_COMPAT_PACKAGE= \
+        --build-arg TRITON_VERSION= \
+        -v "$CA_BUNDLE:/host-ca.crt:ro" -v "$CACHE/pip.conf:/etc/pip.conf:ro" \
+        "$ROOT" >&2
+    log "built $IMAGE in $(($(date +%s) - start)) s"
+    # Older CI images of this repository: vfs keeps whole copies, so keep one.
+    for old in $(buildah "${VFS[@]}" images --format '{{.Name}}:{{.Tag}}' "$REPO" 2>/dev/null | grep ':ci-' | grep -v ":ci-$HASH\$"); do
+        buildah "${VFS[@]}" rmi "$old" >/dev/null 2>&1 || true
+    done
+fi
+echo "$IMAGE"
