@@ -67,10 +67,15 @@ class Scheduler:
     # ---- admission -----------------------------------------------------------------------
 
     def max_tokens(self, seq: Sequence) -> int:
-        """Most output tokens `seq` may produce (max_tokens, else up to max_model_len)."""
+        """Most output tokens `seq` may produce (max_tokens, else up to the context limit: max_model_len,
+        or what the whole KV cache holds when that is less)."""
         if seq.params.max_tokens is None:
-            return self.max_model_len - seq.num_prompt_tokens
+            return self._context_limit() - seq.num_prompt_tokens
         return seq.params.max_tokens
+
+    def _context_limit(self) -> int:
+        bm = self.block_manager
+        return min(self.max_model_len, bm.num_blocks * bm.block_size)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise ValueError when a request could never be scheduled."""
@@ -82,8 +87,8 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
                 f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        if max_tokens is None:
-            total = self.max_model_len
+        if max_tokens is None:  # up to the context limit: room for the prompt and one token is enough
+            total = num_prompt_tokens + 1
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
             raise ValueError(

@@ -272,3 +272,21 @@ def _async_run_from(sched: Scheduler, runner: FakeRunner, inflight, limit: int =
             sched.update(*inflight)
         inflight = (out, res)
     raise AssertionError("async loop did not finish")
+
+
+def test_no_max_tokens_runs_to_the_context_limit_capped_by_the_kv_cache() -> None:
+    """max_tokens=None (OpenAI chat without max_tokens): up to max_model_len, or up to what the whole
+    KV cache holds when that is less (16 tokens here), never a refusal for a prompt that fits."""
+    sched, runner = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
+    seq = make_sequence(0, list(range(10)), max_tokens=None)
+    sched.add_sequences([seq])
+    run_to_end(sched, runner)
+    assert seq.num_output_tokens == 6 and seq.finish_reason is FinishReason.LENGTH
+    sched, runner = make_scheduler(num_blocks=16, block_size=4, max_model_len=32)
+    seq = make_sequence(1, list(range(10)), max_tokens=None)
+    sched.add_sequences([seq])
+    run_to_end(sched, runner)
+    assert seq.num_output_tokens == 22 and sched.block_manager.num_free_blocks == 16
+    with pytest.raises(ValueError, match="KV cache"):  # the prompt alone does not fit
+        make_scheduler(num_blocks=4, block_size=4, max_model_len=32)[0].add_sequences(
+            [make_sequence(2, list(range(20)), max_tokens=None)])
