@@ -10,9 +10,11 @@ With async scheduling (default on CUDA) a step launches step N on the device and
 reads step N-1's tokens, detokenizes them and applies stops, so that host work overlaps the
 GPU; a sample that stops at step N-1 has computed one extra token, which is dropped. A step
 whose samples read their own history (repetition/frequency/presence penalties) first waits
-for the previous one; so does a step that samples a guided-decoding row (its next-token mask
-depends on the token in flight), and the masks (`serving/engine/guided.py`) are filled on the
-host right before the plan that carries them is sent.
+for the previous one. Guided-decoding rows (`serving/engine/guided.py`) need the token in flight
+for their next-token masks: on a single in-process device the step is launched without them and
+the engine fills them after reading the previous step's tokens, while the forward runs
+(`Executor.sample_deferred`); on executors without that (worker processes), such a step waits
+for the previous one, as penalties do.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class LLMEngine:
         # Guided decoding: built on the first constrained request (loads the tokenizer's vocabulary).
         self._guided: GuidedDecoder | None = None
         self._guided_lock = threading.Lock()
+        self._deferred_mask_ids: list[int] | None = None  # the launched step's guided rows, masks to come
+        self.num_deferred_mask_steps = 0
         # The launched step whose tokens are not read yet (async scheduling), and whether
         # the next step must wait for them (its samples need their own history).
         self._inflight: tuple[SchedulerOutput, StepOutput] | None = None
@@ -253,12 +257,20 @@ class LLMEngine:
         self.scheduler.add_placeholders(sched_out)
         last = self._take_inflight() if self._inflight is not None else None
         self._inflight = (sched_out, runner_out)
+        defer = self.executor.supports_deferred_masks
         self._inflight_blocks_next = any(
-            item.sample and (item.seq.params.needs_token_history or item.seq.params.guided_decoding is not None)
+            item.sample and (item.seq.params.needs_token_history
+                             or (not defer and item.seq.params.guided_decoding is not None))
             for item in sched_out.scheduled
         )
-        if last is not None:
-            deltas += self._process(*last)
+        try:
+            if last is not None:
+                deltas += self._process(*last)
+        finally:
+            if self._deferred_mask_ids is not None:
+                # The previous step's tokens are read and the matchers advanced: this step's masks.
+                ids, self._deferred_mask_ids = self._deferred_mask_ids, None
+                self.executor.sample_deferred(self._guided.fill(ids))  # type: ignore[union-attr]
         return deltas
 
     def recover(self, exc: BaseException) -> list[StreamDelta]:
@@ -276,6 +288,7 @@ class LLMEngine:
             raise exc
         involved = self._involved & self._requests.keys()
         self._inflight = None
+        self._deferred_mask_ids = None
         self.scheduler.requeue_all()
         self.executor.reset()
         for req in self._requests.values():
@@ -374,7 +387,12 @@ class LLMEngine:
             chunks = [i for i, item in enumerate(sched_out.scheduled) if item.sample and item.seq.seq_id in guided]
             if chunks:
                 plan.mask_chunks = chunks
-                plan.masks = guided.fill([sched_out.scheduled[i].seq.seq_id for i in chunks])
+                ids = [sched_out.scheduled[i].seq.seq_id for i in chunks]
+                if self._inflight is not None and self.executor.supports_deferred_masks:
+                    self._deferred_mask_ids = ids  # filled once the token in flight is read (`step`)
+                    self.num_deferred_mask_steps += 1
+                else:
+                    plan.masks = guided.fill(ids)
         return plan
 
     def shutdown(self) -> None:

@@ -34,6 +34,14 @@ class Executor(abc.ABC):
     def execute(self, plan: StepPlan) -> StepOutput:
         """Launch one step on every worker; the output resolves to tokens on first `.sampled`."""
 
+    # Whether `execute` takes a plan whose guided masks come later (`StepPlan.masks` None), through
+    # `sample_deferred(masks)` before the next `execute`: the engine then fills them while the
+    # step's forward runs. Executors without it get every plan with its masks.
+    supports_deferred_masks = False
+
+    def sample_deferred(self, masks: object) -> None:
+        raise NotImplementedError
+
     @abc.abstractmethod
     def reset(self) -> None:
         """Every worker forgets its sequences (after a failed step, all are recomputed)."""
@@ -64,8 +72,13 @@ class InProcessExecutor(Executor):
         executor.runner, executor.info = runner, runner.info()
         return executor
 
+    supports_deferred_masks = True
+
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.execute(plan)
+
+    def sample_deferred(self, masks: object) -> None:
+        self.runner.sample_deferred(masks)
 
     def reset(self) -> None:
         self.runner.reset()

@@ -68,6 +68,7 @@ class ModelRunner:
         self.num_kv_heads = parallel.kv_heads_per_rank(args, world_size, rank)
         self.batch = BatchState()
         self._prev: StepOutput | None = None
+        self._deferred: tuple | None = None  # a launched step waiting for its guided masks
         self.model = build_model(args, self.dtype, self.device, max(self.max_model_len, args.max_position_embeddings))
         if config.load_format == "dummy":
             init_dummy_weights(self.model, seed=config.seed)
@@ -207,6 +208,7 @@ class ModelRunner:
         the device. The returned output resolves to host tokens on first access of `.sampled`
         (prompt logprobs, when asked for, are the one synchronous exception).
         """
+        assert self._deferred is None, "the previous step still waits for its guided masks"
         seqs = self.batch.apply(plan)
         for seq_id in plan.finished_seq_ids:
             self.free_sequence(seq_id)
@@ -233,25 +235,47 @@ class ModelRunner:
             parallel.broadcast_from_driver(token_ids)
             self._prev = StepOutput([], token_ids=token_ids, row_of=row_of)
             return self._prev
-        try:
-            samples = self.sampler.sample(logits, sampled_seqs, [self._generator(s) for s in sampled_seqs],
-                                          masks=_mask_rows(plan))
-        finally:
-            if self.world_size > 1:  # the other ranks wait in the broadcast even if sampling failed
-                ids = samples.token_ids if "samples" in locals() else torch.zeros(
-                    len(sampled_seqs), dtype=torch.long, device=self.device)
-                parallel.broadcast_from_driver(ids)
         prompt_logprobs = {s.seq_id: self._prompt_logprobs.pop(s.seq_id)
                            for s in sampled_seqs if s.seq_id in self._prompt_logprobs}
 
-        def resolve() -> list[SampledToken]:
-            out = samples.tokens()
-            for i, seq in enumerate(sampled_seqs) if prompt_logprobs else ():
-                out[i].prompt_logprobs = prompt_logprobs.get(seq.seq_id)
-            return out
+        def sample(masks: tuple[list[int], object] | None) -> StepOutput:
+            try:
+                samples = self.sampler.sample(logits, sampled_seqs, [self._generator(s) for s in sampled_seqs],
+                                              masks=masks)
+            finally:
+                if self.world_size > 1:  # the other ranks wait in the broadcast even if sampling failed
+                    ids = samples.token_ids if "samples" in locals() else torch.zeros(
+                        len(sampled_seqs), dtype=torch.long, device=self.device)
+                    parallel.broadcast_from_driver(ids)
 
-        self._prev = StepOutput(resolve=resolve, token_ids=samples.token_ids, row_of=row_of)
-        return self._prev
+            def resolve() -> list[SampledToken]:
+                out = samples.tokens()
+                for i, seq in enumerate(sampled_seqs) if prompt_logprobs else ():
+                    out[i].prompt_logprobs = prompt_logprobs.get(seq.seq_id)
+                return out
+
+            self._prev = StepOutput(resolve=resolve, token_ids=samples.token_ids, row_of=row_of)
+            return self._prev
+
+        masks = _mask_rows(plan)
+        if masks is not None and masks[1] is None:
+            # Deferred guided masks: the engine fills them while this forward runs on the device
+            # and hands them to `sample_deferred` before the next step (one rank only).
+            assert self.world_size == 1, "deferred guided-decoding masks need a single rank"
+            held: list[StepOutput] = []
+            out = StepOutput(resolve=lambda: held[0].sampled, row_of=row_of)
+            self._deferred = (sample, masks[0], held, out)
+            return out
+        return sample(masks)
+
+    @torch.inference_mode()
+    def sample_deferred(self, masks: object) -> None:
+        """Sample the step launched without its guided masks (`StepPlan.masks` None), with them now."""
+        assert self._deferred is not None, "no step waits for its masks"
+        sample, rows, held, out = self._deferred
+        self._deferred = None
+        held.append(sample((rows, masks)))
+        out.token_ids = held[0].token_ids
 
     def _generator(self, seq) -> torch.Generator | None:
         if seq.params.seed is None:
@@ -284,6 +308,7 @@ class ModelRunner:
         """Forget all per-sequence state (after a failed step every sequence is recomputed)."""
         self.batch.clear()
         self._prev = None
+        self._deferred = None
         self._generators.clear()
         self._prompt_logprobs.clear()
 

@@ -142,6 +142,8 @@ def test_engine_mixed_batch_outputs_validate(smol, async_scheduling: bool) -> No
     assert alone.token_ids == outs[5].token_ids and len(outs[6].token_ids) == 12
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests() and len(engine.guided_decoder()) == 0  # matchers released
+    # Async: the guided rows' masks were filled while their step's forward ran, not before it.
+    assert (engine.num_deferred_mask_steps > 20) == async_scheduling
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
