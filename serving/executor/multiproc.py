@@ -168,12 +168,12 @@ class MultiprocExecutor(Executor):
                 self._failure = error
         if first:
             logger.error("executor failed: %s", error)
-            self._terminate()
-            if self._callback is not None:
+            if self._callback is not None:  # first: the engine turns unhealthy at once
                 try:
                     self._callback(error)
                 except Exception:  # noqa: BLE001 - the watchdog must not die of a callback
                     logger.exception("executor failure callback raised")
+            self._terminate()  # then the workers go (a stopped one only yields to SIGKILL, ~2 s)
         return self._failure  # type: ignore[return-value]
 
     def _watch(self) -> None:
@@ -199,8 +199,9 @@ class MultiprocExecutor(Executor):
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
+        deadline = time.monotonic() + 2.0  # one grace period for all, then SIGKILL
         for proc in self._procs:
-            proc.join(2.0)
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
