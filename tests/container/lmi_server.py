@@ -6,6 +6,7 @@ waiting is recorded, so tests can check the loading lifecycle (503 before 200, n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import requests
@@ -101,6 +103,18 @@ class LMIServer:
                 return m
             time.sleep(0.2)
         raise AssertionError(f"server did not become idle: { {k: v for k, v in m.items() if 'kv' in k or 'flight' in k} }")
+
+
+@contextlib.contextmanager
+def running_server(tmp_path_factory, env: dict[str, str] | None = None, name: str = "serve") -> Iterator[LMIServer]:
+    """A server for a test module: started in its own temp dir, ready (/ping 200), stopped after."""
+    cwd = tmp_path_factory.mktemp(name)
+    srv = LMIServer(env or {}, cwd, cwd / "serve.log")
+    try:
+        srv.wait(200)
+        yield srv
+    finally:
+        srv.stop()
 
 
 def stream_lines(url: str, body: dict, timeout: float = 120.0) -> tuple[requests.Response, list[str]]:

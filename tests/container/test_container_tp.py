@@ -13,7 +13,7 @@ import time
 
 import pytest
 import requests
-from lmi_server import LMIServer, check_jsonlines, stream_lines
+from lmi_server import LMIServer, check_jsonlines, running_server, stream_lines
 
 pytestmark = pytest.mark.slow
 
@@ -58,13 +58,8 @@ def _rank_processes(worker: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("serve_tp")
-    srv = LMIServer({"TENSOR_PARALLEL_DEGREE": "2", "OPTION_NOT_A_KEY": "1"}, cwd, cwd / "serve.log")
-    try:
-        srv.wait(200)
+    with running_server(tmp_path_factory, {"TENSOR_PARALLEL_DEGREE": "2", "OPTION_NOT_A_KEY": "1"}, "serve_tp") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 import requests
-from lmi_server import LMIServer
+from lmi_server import running_server
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -44,13 +44,8 @@ ASK = [{"role": "user", "content": "Give me a person as JSON."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):  # noqa: ANN001, ANN201
-    cwd = tmp_path_factory.mktemp("serve")
-    srv = LMIServer({"OPTION_MAX_ROLLING_BATCH_SIZE": "16"}, cwd, cwd / "serve.log")
-    try:
-        srv.wait(200)
+    with running_server(tmp_path_factory, {"OPTION_MAX_ROLLING_BATCH_SIZE": "16"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
