@@ -33,7 +33,8 @@ from serving.engine.plan_builder import build_plan
 from serving.engine.scheduler_output import SchedulerOutput
 from serving.engine.sequence import FinishReason, Sequence
 from serving.engine_config import EngineConfig
-from serving.executor.executor import Executor, WorkerFailedError, make_executor
+from serving.executor.executor import Executor, WorkerFailedError
+from serving.executor.factory import make_executor
 from serving.executor.plan import StepOutput, StepPlan
 from serving.model_files import resolve_model_dir
 from serving.outputs import StreamDelta

@@ -99,7 +99,7 @@ class ModelRunner:
         minimum over ranks)."""
         return ExecutorInfo(
             model_dir=str(self.model_dir), cache=self.cache_config, vocab_size=self.vocab_size,
-            eos_token_ids=tuple(self.eos_token_ids), max_num_batched_tokens=self.max_num_batched_tokens,
+            eos_token_ids=tuple(self.eos_token_ids),
             device_type=self.device.type, devices=devices or (str(self.device),),
         )
 

@@ -134,15 +134,14 @@ class ExecutorInfo:
     """What the engine learns from the loaded model, once, from the executor.
 
     The one source of these values: the KV geometry (blocks are the minimum over ranks and
-    replicas' own), the vocabulary, EOS ids (config.json + generation_config.json), the token
-    budget per step, and where the model and tokenizer files are.
+    replicas' own), the vocabulary, EOS ids (config.json + generation_config.json), and where the
+    model and tokenizer files are. (The token budget is the engine's `config.token_budget`.)
     """
 
     model_dir: str
     cache: CacheConfig
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    max_num_batched_tokens: int
     device_type: str  # "cuda" | "cpu"
     devices: tuple[str, ...] = ()  # one per rank, e.g. ("cuda:0", "cuda:1")
 

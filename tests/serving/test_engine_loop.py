@@ -29,7 +29,7 @@ class FakeRunner(Executor):
     def __init__(self, fail_on_step: int | None = None, gate: threading.Event | None = None,
                  poison_min_tokens: int | None = None) -> None:
         self.info = ExecutorInfo(model_dir=".", cache=CacheConfig(4, 32, 1, 1, 1, "float32", 128), vocab_size=1000,
-                                 eos_token_ids=(2,), max_num_batched_tokens=64, device_type="cpu", devices=("cpu",))
+                                 eos_token_ids=(2,), device_type="cpu", devices=("cpu",))
         self.batch = BatchState()
         self.fail_on_step = fail_on_step
         self.gate = gate

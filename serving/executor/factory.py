@@ -1,0 +1,50 @@
+"""`make_executor`: the executor for a configuration, on which devices.
+
+Kept apart from the executors themselves so that `executor.py` (the interface and the
+in-process executor) and `multiproc.py` (which subclasses it) import one way only.
+"""
+
+from __future__ import annotations
+
+from serving.engine_config import EngineConfig
+from serving.executor.executor import Executor, InProcessExecutor
+from serving.executor.multiproc import MultiprocExecutor
+
+
+def make_executor(config: EngineConfig, model_dir: str | None, devices: tuple[str, ...] | None = None,
+                  multiprocess: bool | None = None) -> Executor:
+    """The executor for `config.tensor_parallel_size` ranks on `devices` (default: the first ones).
+
+    `multiprocess`: force worker processes even for one rank (replicas do, to keep each
+    replica's device work off the HTTP process's GIL); default only when there are several ranks.
+    """
+    tp = config.tensor_parallel_size
+    if devices is None:
+        devices = default_devices(config, tp)
+    if len(devices) != tp:
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, got {list(devices)}")
+    if tp == 1 and not multiprocess:
+        return InProcessExecutor(config, model_dir, devices[0])
+    return MultiprocExecutor(config, model_dir, devices)
+
+
+def visible_device_count(config: EngineConfig) -> int:
+    """GPUs this process may use (0 when the engine runs on the CPU)."""
+    import torch
+
+    if config.device == "cpu" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def default_devices(config: EngineConfig, count: int, first: int = 0) -> tuple[str, ...]:
+    """`count` devices from index `first`: GPUs when the engine runs on CUDA, else CPU ranks."""
+    gpus = visible_device_count(config)
+    if gpus == 0:
+        if config.device == "cuda":
+            raise RuntimeError("device='cuda' was asked for but CUDA is not available")
+        return ("cpu",) * count
+    if first + count > gpus:
+        raise ValueError(f"tensor_parallel_degree={count} (from device {first}) exceeds the {gpus} visible GPUs; "
+                         "lower TENSOR_PARALLEL_DEGREE / option.tensor_parallel_degree")
+    return tuple(f"cuda:{first + i}" for i in range(count))
