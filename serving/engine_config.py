@@ -59,10 +59,16 @@ class EngineConfig:
     # Plan step N+1 while step N runs on the device (None: on for CUDA, off on CPU, where
     # nothing runs concurrently and results would only arrive a step later).
     async_scheduling: bool | None = None
+    # Multi-LoRA (LMI / vLLM names and defaults): adapters resident on the device at once
+    # (slots), the largest rank accepted, and adapters kept in host memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "max_loras", "max_lora_rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -70,6 +76,12 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_cpu_loras is not None:
+            v = self.max_cpu_loras
+            if not isinstance(v, int) or isinstance(v, bool) or v < self.max_loras:
+                raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {v!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a boolean, got {self.enable_lora!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not float(self.kv_cache_memory_gb) > 0:
@@ -78,6 +90,11 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept in host memory: `max_cpu_loras`, else `max_loras`."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def token_budget(self, max_model_len: int) -> int:
         """Tokens computed per step (the one place it is derived): the option, else vLLM's
