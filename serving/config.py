@@ -73,6 +73,7 @@ class ServingConfig:
     fail_fast: bool = False
     threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
     graceful_timeout: float = 25.0
+    lora_extra_vocab_size: int = 256  # LMI / vLLM: accepted, logged; adapters adding tokens are refused
     # Engine copies behind the endpoint: visible GPUs // tensor_parallel_degree (1 on CPU).
     model_copies: int = 1
     gpu_count: int = 0  # visible GPUs at start (0: the engine runs on the CPU)
@@ -341,10 +342,11 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
         raise ConfigError(f"{_src(sources, 'engine.tensor_parallel_size')}: tensor_parallel_degree={tp} exceeds "
                           f"the {gpus} visible GPU(s); use at most {gpus} (or max)")
     copies = max(1, gpus // tp) if gpus else 1
-    if values["quantize"] not in (None, "none"):
-        raise ConfigError(
-            f"{_src(sources, 'quantize')}: option.quantize={values['quantize']!r} is not supported: this "
-            "engine runs unquantized float32/float16/bfloat16 weights only (accepts: unset or none)")
+    lora_max, lora_cpu = engine_kwargs["max_loras"], engine_kwargs["max_cpu_loras"]
+    if lora_cpu is not None and lora_cpu < lora_max:
+        raise ConfigError(f"{_src(sources, 'engine.max_cpu_loras')}: option.max_cpu_loras={lora_cpu} is less than "
+                          f"option.max_loras={lora_max} ({_src(sources, 'engine.max_loras')}): adapters on the "
+                          "device are also kept in host memory, so use at least max_loras (or leave it unset)")
     model_id = values["model_id"]
     engine_kwargs["model"] = model_id
     engine_kwargs["revision"] = values["revision"]
@@ -429,5 +431,21 @@ def log_config(config: ServingConfig, log: logging.Logger = logger) -> None:
     if config.enable_streaming != "false":
         log.info("option.enable_streaming=%s has no effect: requests stream with \"stream\": true, or "
                  "for every request with option.output_formatter=jsonlines", config.enable_streaming)
+    _log_lora(config, log)
     if config.output_formatter == "json":
         log.info("option.output_formatter=json: per-request \"stream\": true is ignored (LMI behaviour)")
+
+
+def _log_lora(config: ServingConfig, log: logging.Logger) -> None:
+    """What the LoRA options do here (and that lora_extra_vocab_size changes nothing)."""
+    engine = config.engine
+    if engine.enable_lora:
+        log.info("LoRA adapters enabled: %d on the device at once, %d kept in host memory, rank <= %d; adapters "
+                 "under <model dir>/adapters/<name>/ are registered before /ping answers 200, more through "
+                 "POST /models/%s/adapters", engine.max_loras, engine.num_cpu_loras, engine.max_lora_rank,
+                 config.served_model_name)
+    if config.sources.get("lora_extra_vocab_size", "default") != "default":
+        log.info("option.lora_extra_vocab_size=%d (%s) accepted and has no effect: adapters that add tokens to "
+                 "the vocabulary (new embeddings or a trained lm_head) are refused when registered, whatever "
+                 "its value (vLLM deprecated the option)", config.lora_extra_vocab_size,
+                 config.sources["lora_extra_vocab_size"])

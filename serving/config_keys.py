@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving.engine_config import normalize_dtype
+from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
 
 
 class ConfigError(ValueError):
@@ -208,8 +209,17 @@ KEYS: tuple[Key, ...] = (
     Key("option.load_format", "engine.load_format", _load_format, "auto|safetensors|pt|dummy", "auto"),
     Key("option.max_logprobs", "engine.max_logprobs", _int(0, 100), "an integer 0..100", 20),
     Key("option.tokenizer", "engine.tokenizer", _str, "a tokenizer id or path"),
+    Key("option.enable_lora", "engine.enable_lora", _bool, "true|false", False),
+    Key("option.max_loras", "engine.max_loras", _int(1, 1024), "an integer 1..1024 (adapters on the device at once)",
+        4),
+    Key("option.max_lora_rank", "engine.max_lora_rank", _int(1, 1024), "an integer 1..1024 (the largest LoRA rank)",
+        16),
+    Key("option.max_cpu_loras", "engine.max_cpu_loras", _optional_int(1),
+        "a positive integer >= option.max_loras (adapters kept in host memory), or none", None),
+    Key("option.lora_extra_vocab_size", "lora_extra_vocab_size", _int(0, 1 << 20), "a non-negative integer", 256),
     Key("option.trust_remote_code", "trust_remote_code", _bool, "true|false", False),
-    Key("option.quantize", "quantize", _choice("none"), "unset or none (quantized models are not supported)"),
+    Key("option.quantize", "engine.quantization", parse_quantize_option,
+        f"{QUANTIZE_ACCEPTS}; unset: what the checkpoint's quantization_config says", None, ("option.quantization",)),
     Key("option.enable_streaming", "enable_streaming", _choice("true", "false", "huggingface"),
         "true|false|huggingface", "false"),
     Key("option.output_formatter", "output_formatter",
@@ -252,11 +262,6 @@ IGNORED_KEYS: dict[str, str] = {
     "option.entryPoint": "custom handlers (model.py) are not executed",
     "option.task": "only text generation is served",
     "option.parallel_loading": "weights load once, in the engine thread",
-    "option.enable_lora": "LoRA adapters are not supported yet",
-    "option.max_loras": "LoRA adapters are not supported yet",
-    "option.max_lora_rank": "LoRA adapters are not supported yet",
-    "option.lora_extra_vocab_size": "LoRA adapters are not supported yet",
-    "option.max_cpu_loras": "LoRA adapters are not supported yet",
     "option.speculative_draft_model": "speculative decoding is not supported",
     "option.speculative_length": "speculative decoding is not supported",
     "option.draft_model_tp_size": "speculative decoding is not supported",
@@ -264,7 +269,7 @@ IGNORED_KEYS: dict[str, str] = {
     "load_models": "one model is served: set HF_MODEL_ID / option.model_id",
     "model_store": "the model comes from option.model_id or /opt/ml/model",
     "inference_address": "the port comes from SAGEMAKER_BIND_TO_PORT (default 8080)",
-    "management_address": "there is no separate management API",
+    "management_address": "the management API (/models/{model}/adapters) shares the inference port",
     "wait_model_loading": "/ping answers 503 until the model is ready",
     "retry_threshold": "the engine is not restarted; /ping fails once it is dead",
     "min_workers": "model copies are visible GPUs / tensor_parallel_degree, behind one worker process",

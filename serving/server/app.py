@@ -2,9 +2,11 @@
 
 Routes: `GET /ping`, `POST /invocations` (LMI, TGI-compat and chat bodies), `GET /v1/models`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `POST /generate` (vLLM's legacy api_server),
-`GET /metrics`. Parsing is in
+`GET /metrics`, and DJL's management API for LoRA adapters (`GET /models`, `GET|POST
+/models/{model}/adapters`, `GET|DELETE /models/{model}/adapters/{name}`; `/adapters[/{name}]` for
+the one model). Parsing is in
 `serving/server/protocol.py`, output bytes in `serving/server/formatters.py`, engine interaction in
-`serving/server/request_runner.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status (LMI's) on
+`serving/server/request_runner.py`, adapters in `serving/server/adapters.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status (LMI's) on
 `/invocations`, OpenAI's `{"error": {"message", "type", "param", "code"}}` on `/v1/*` and `/generate`.
 """
 
@@ -24,15 +26,21 @@ from serving.config import ServingConfig
 from serving.server.disconnect import probe_from_environ
 from serving.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.server.metrics import Metrics
+from serving.server.adapters import (
+    AdapterConflict,
+    AdapterNotFound,
+    AdapterRegistry,
+    describe,
+    list_page,
+    select_adapters,
+)
 from serving.server.protocol import (
     GenerateRequest,
     loads_body,
     parse_chat,
     parse_completions,
-    parse_custom_attributes,
     parse_generate,
     parse_invocations,
-    unsupported_adapter,
 )
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState
@@ -41,6 +49,8 @@ from serving.server.request_runner import HTTPError, RequestRunner
 logger = logging.getLogger("serving.server.app")
 UNMATCHED_ROUTE = "unmatched"  # the metrics route label of requests no route/method matched
 _NO_CACHE = {"Cache-Control": "no-cache, no-store, must-revalidate, private", "Pragma": "no-cache"}
+CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+_MODEL_FIELD_ROUTES = ("/v1/completions", "/v1/chat/completions")  # where `model` may name an adapter (vLLM)
 
 
 def _engine_state(engine_loop: EngineClient) -> str:
@@ -69,6 +79,8 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
     metrics = Metrics(lambda: _stats(engine_loop), lambda: runner.inflight if runner else 0)
     runner = RequestRunner(engine_loop, config, metrics)
     app.extensions["runner"] = runner
+    adapters = AdapterRegistry(engine_loop, config)
+    app.extensions["adapters"] = adapters
 
     def error(status: int, message: str, route: str) -> Response:
         metrics.observe_request(route, status)
@@ -109,14 +121,15 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
         body = read_body(route)
         if isinstance(body, Response):
             return body
-        attrs = parse_custom_attributes(request.headers.get("X-Amzn-SageMaker-Custom-Attributes"))
-        if attrs.get("adapter"):
-            return error(400, unsupported_adapter(attrs["adapter"]), route)  # as the `adapters` body field
         request_id = uuid.uuid4().hex
         headers = {"x-request-id": request_id, **_NO_CACHE}
         gone = probe_from_environ(request.environ)  # a client that leaves aborts its request at once
         try:
-            req = parse(body)
+            req = select_adapters(parse(body), request.headers.get(CUSTOM_ATTRIBUTES), adapters,
+                                  model_field=route in _MODEL_FIELD_ROUTES)
+            if req.adapters:
+                logger.info("request %s on adapter(s) %s", request_id,
+                            ", ".join(dict.fromkeys(a or "(base)" for a in req.adapters)))
             if req.stream:
                 records = runner.run_stream(req, request_id, gone)
                 metrics.observe_request(route, 200)
@@ -131,10 +144,89 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             metrics.observe_request(route, 200)  # slow: 200 committed, heartbeats, then the body
             return Response(_flushing(out), 200, content_type=content_type, headers=headers,
                             direct_passthrough=True)
+        except AdapterNotFound as exc:
+            return error(404, str(exc), route)
         except ValueError as exc:
             return error(400, str(exc), route)
         except HTTPError as exc:
             return error(exc.status, exc.message, route)
+
+    def management(route: str, model: str | None, call: Callable[[], tuple[int, dict]],
+                   needs_engine: bool = False) -> Response:
+        """One management-API call: DJL's statuses (404 unknown model or adapter, 409 a name taken,
+        400 bad parameters or LoRA off) in this server's error shape."""
+        busy = not_ready(route) if needs_engine else None
+        if busy is not None:
+            return busy
+        try:
+            if model is not None and model not in adapters.base_names():
+                raise AdapterNotFound(f"The model {model} was not found; this server serves "
+                                      f"{config.served_model_name!r}")
+            status, body = call()
+        except AdapterNotFound as exc:
+            return error(404, str(exc), route)
+        except AdapterConflict as exc:
+            return error(409, str(exc), route)
+        except ValueError as exc:
+            return error(400, str(exc), route)
+        metrics.observe_request(route, status)
+        return Response(json.dumps(body), status, mimetype="application/json")
+
+    def lora_on() -> None:
+        if not adapters.enabled:
+            raise ValueError("LoRA is not enabled: start the server with OPTION_ENABLE_LORA=true")
+
+    def register_params(route: str) -> tuple[str, str]:
+        """DJL's query parameters `name` and `src` (a JSON body {"name", "src"} also works)."""
+        params = dict(request.args)
+        if not ("name" in params and "src" in params) and request.content_length:
+            body = read_body(route)
+            if isinstance(body, dict):
+                params = {**{k: v for k, v in body.items() if isinstance(v, str)}, **params}
+        for key in ("name", "src"):
+            if not params.get(key):
+                raise ValueError(f"Parameter {key} is required: POST /models/{{model}}/adapters?name=<adapter "
+                                 "name>&src=<adapter directory or s3://bucket/prefix>")
+        ignored = sorted(set(params) - {"name", "src"})
+        if ignored:
+            logger.info("adapter %s: options %s accepted and not used (every adapter is loaded when registered "
+                        "and may be moved out of the device when others are needed)", params["name"], ignored)
+        return params["name"], params["src"]
+
+    @app.route("/adapters", methods=["GET", "POST"])
+    @app.route("/models/<path:model>/adapters", methods=["GET", "POST"])
+    def adapter_collection(model: str | None = None) -> Response:
+        route = _route_label()
+
+        def call() -> tuple[int, dict]:
+            lora_on()
+            if request.method == "GET":
+                return 200, list_page(adapters, request.args.get("limit"), request.args.get("next_page_token"))
+            name, src = register_params(route)
+            adapters.register(name, src)
+            return 200, {"status": f"Adapter {name} registered"}
+        return management(route, model, call, needs_engine=request.method == "POST")
+
+    @app.route("/adapters/<name>", methods=["GET", "DELETE"])
+    @app.route("/models/<path:model>/adapters/<name>", methods=["GET", "DELETE"])
+    def adapter_item(name: str, model: str | None = None) -> Response:
+        def call() -> tuple[int, dict]:
+            lora_on()
+            if request.method == "DELETE":
+                adapters.unregister(name)
+                return 200, {"status": f"Adapter {name} unregistered"}
+            adapter = adapters.get(name)
+            if adapter is None:
+                raise AdapterNotFound(f"The adapter {name} was not found")
+            return 200, describe(adapter)
+        return management(_route_label(), model, call, needs_engine=request.method == "DELETE")
+
+    @app.get("/models")
+    def list_models() -> Response:
+        status = {"ready": "READY", "loading": "PENDING"}.get(_engine_state(engine_loop), "FAILED")
+        card = {"modelName": config.served_model_name, "modelUrl": config.model_id or "", "status": status}
+        metrics.observe_request("/models", 200)
+        return Response(json.dumps({"models": [card]}), 200, mimetype="application/json")
 
     @app.get("/ping")
     def ping() -> Response:
@@ -164,10 +256,13 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
 
     @app.get("/v1/models")
     def models() -> Response:
-        card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
+        created = int(time.time())
+        card = {"id": config.served_model_name, "object": "model", "created": created,
                 "owned_by": "open-lmi", "root": config.engine.model or config.served_model_name, "parent": None,
                 "max_model_len": engine_loop.max_model_len, "permission": []}
-        return Response(json.dumps({"object": "list", "data": [card]}), 200, mimetype="application/json")
+        cards = [card] + [{**card, "id": a.name, "root": a.src, "parent": config.served_model_name}
+                          for a in adapters.adapters()]  # vLLM lists each LoRA adapter as a model
+        return Response(json.dumps({"object": "list", "data": cards}), 200, mimetype="application/json")
 
     @app.get("/metrics")
     def prometheus() -> Response:

@@ -53,6 +53,8 @@ class Metrics:
         self.tpot = Histogram("lmi_time_per_output_token_seconds", "mean time per output token after the first",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.generated = Counter("lmi_generated_tokens", "output tokens generated", registry=self.registry)
+        self.adapter_requests = Counter("lmi_adapter_requests", "prompts submitted on a LoRA adapter", ["adapter"],
+                                        registry=self.registry)
         self.registry.register(_EngineCollector(stats, inflight))
 
     def observe_request(self, route: str, status: int) -> None:

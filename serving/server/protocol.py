@@ -16,7 +16,7 @@ import logging
 import math
 import re
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from serving.sampling_params import SamplingParams
@@ -69,11 +69,23 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     model: str | None = None
     tools: ToolSpec | None = None  # chat: functions the model may call (tool_calls in the answer)
+    # LoRA adapter per prompt ("" = the base model); () = the base model for all, one name = for all.
+    adapters: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=())
 
     @property
     def stream(self) -> bool:
         return self.fmt in STREAMING_FORMATS
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts) + len(self.prompt_token_ids) + (1 if self.messages else 0)
+
+    def adapter(self, i: int) -> str | None:
+        """The adapter prompt `i` runs on (None: the base model)."""
+        if not self.adapters:
+            return None
+        return (self.adapters[i] if len(self.adapters) > 1 else self.adapters[0]) or None
 
 
 def loads_body(raw: bytes) -> dict:
@@ -266,10 +278,21 @@ _LMI_KNOWN = {"max_new_tokens", "max_tokens", "do_sample", "temperature", "top_p
 MAX_LMI_SEQUENCES = 16  # n / best_of on /invocations (as on /v1)
 
 
-def unsupported_adapter(name: object) -> str:
-    """The 400 message for a LoRA adapter asked for, by the `adapter` custom attribute or by the
-    `adapters` body field alike (no adapter can be loaded until LoRA support lands)."""
-    return f"unknown adapter {_show(name)}: LoRA adapters are not supported by this server"
+def _body_adapters(body: dict, count: int, batch: bool) -> tuple[str, ...]:
+    """LMI's top-level `adapters`: one name for every input, or a list with one per input ("" or
+    null = the base model for that input). A list whose length differs from the inputs' is a 400."""
+    adapters = body.get("adapters")
+    if adapters is None:
+        return ()
+    if isinstance(adapters, str):
+        return (adapters.strip(),)
+    if not isinstance(adapters, list) or not all(a is None or isinstance(a, str) for a in adapters):
+        raise ValueError(f"adapters must be an adapter name or a list of them (one per input), got {_show(adapters)}")
+    if len(adapters) != count:
+        what = f"{count} inputs" if batch else "a single input"
+        raise ValueError(f"adapters holds {len(adapters)} names for {what}: send one name per input "
+                         "(\"\" for the base model), or a single string for all")
+    return tuple((a or "").strip() for a in adapters)
 
 
 def _lmi_sequences(parameters: dict) -> int:
@@ -334,11 +357,9 @@ def parse_invocations(body: dict, *, tgi_compat: bool = False, output_formatter:
                       ) -> GenerateRequest:
     """Parse a `POST /invocations` body (LMI schema, or chat when it has `messages`)."""
     stream = _get_bool(body, "stream", False)
-    adapters = body.get("adapters")
-    if adapters not in (None, "", []):  # answered as the `adapter` custom attribute is
-        raise ValueError(unsupported_adapter(adapters[0] if isinstance(adapters, list) else adapters))
     if "messages" in body:
-        return parse_chat(body, route="invocations")
+        chat = parse_chat(body, route="invocations")
+        return replace(chat, adapters=_body_adapters(body, 1, False))
     inputs = body.get("inputs", None)
     if inputs is None:
         if "prompt" in body:  # TGI's SageMaker route also takes completion requests
@@ -360,7 +381,7 @@ def parse_invocations(body: dict, *, tgi_compat: bool = False, output_formatter:
         raise ValueError(f"n / best_of > 1 ({params.n} sequences) needs a non-streaming request: "
                          "send \"stream\": false (the others come back in details.best_of_sequences)")
     warnings += _warn_unknown(body, {"inputs", "parameters", "stream", "adapters", "cached_prompt"}, "fields")
-    return GenerateRequest(
+    return GenerateRequest(adapters=_body_adapters(body, len(prompts), batch),
         route="invocations", params=params, fmt=fmt, prompts=prompts, batch=batch,
         # LMI answers n / best_of > 1 with details (best_of_sequences) whether or not they were asked for
         details=tgi_compat or params.n > 1 or _get_bool(parameters, "details", False),
@@ -485,7 +506,7 @@ def parse_chat(body: dict, route: Route = "chat") -> GenerateRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ValueError(f"model must be a string, got {_show(model)}")
-    ignored = STRUCTURED_KEYS | TOOL_KEYS
+    ignored = STRUCTURED_KEYS | TOOL_KEYS | ({"adapters"} if lmi_route else set())  # LMI's adapters: read by the caller
     return GenerateRequest(
         route=route, params=params, fmt=fmt, messages=messages, details=True, top_logprobs=top_logprobs,
         include_usage=_stream_usage(body), model=model, tools=tools,

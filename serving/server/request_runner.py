@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from serving.config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState, RequestStream
+from serving.lora_request import UnknownAdapterError
 from serving.server.formatters import Formatter, Result
 from serving.server.metrics import Metrics
 from serving.outputs import StreamDelta
@@ -149,11 +150,20 @@ class RequestRunner:
             self._inflight += n
         jobs: list[_Job] = []
         try:
-            for text, ids in prompts:
+            for i, (text, ids) in enumerate(prompts):
                 rid = uuid.uuid4().hex
-                stream = self.engine.add_request(rid, ids, req.params)
+                adapter = req.adapter(i)
+                if adapter is None:  # the base model: the call every EngineClient (and test fake) takes
+                    stream = self.engine.add_request(rid, ids, req.params)
+                else:
+                    stream = self.engine.add_request(rid, ids, req.params, lora_name=adapter)
+                if adapter is not None and self.metrics is not None:
+                    self.metrics.adapter_requests.labels(adapter=adapter).inc()
                 result = Result(prompt=text, prompt_token_ids=ids, n=req.params.n, decode_token=self.decode_token)
                 jobs.append(_Job(rid, stream, result))
+        except UnknownAdapterError as exc:  # removed since the request was checked: never the base model
+            self._release(jobs, n)
+            raise HTTPError(404, str(exc)) from None
         except ValueError as exc:
             self._release(jobs, n)
             raise HTTPError(400, str(exc)) from None

@@ -2,8 +2,10 @@
 
 Importing this module builds the app but starts nothing: `start()` (called from gunicorn's
 `post_worker_init`, i.e. after fork) starts the engine thread, which fetches the model (S3 /
-hub / local / default) and loads it while `/ping` answers 503. `stop()` closes the engine on
-worker exit. The configuration comes resolved from `container/serve` (`config_from_env`).
+hub / local / default) and loads it while `/ping` answers 503; then the LoRA adapters under the
+model's `adapters/` are registered, still behind the 503 (one that fails is a failed start).
+`stop()` closes the engine on worker exit. The configuration comes resolved from
+`container/serve` (`config_from_env`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from serving.sampling_params import SamplingParams
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
 from serving.engine.replicas import ReplicaSet
+from serving.lora_request import LoRARequest
 
 logger = logging.getLogger("serving.server.wsgi")
 
@@ -34,10 +37,17 @@ class ServedEngine:
         self.config = config
         self.started_at: float | None = None
         self.load_error: BaseException | None = None
+        self.startup_done = threading.Event()  # start-up adapters registered: READY may show
+        self.startup_error: BaseException | None = None  # a start-up adapter failed: the start failed
 
     @property
     def state(self) -> EngineState:
         st = self.loop.state
+        if st is EngineState.READY:
+            if self.startup_error is not None:  # a start-up adapter could not be registered
+                return EngineState.DEAD
+            if not self.startup_done.is_set():
+                st = EngineState.LOADING
         if st is EngineState.LOADING and self.started_at is not None and \
                 time.monotonic() - self.started_at > self.config.model_loading_timeout:
             self.load_error = self.load_error or TimeoutError(
@@ -47,7 +57,7 @@ class ServedEngine:
 
     @property
     def error(self) -> BaseException | None:
-        return self.loop.error or self.load_error
+        return self.loop.error or self.load_error or self.startup_error
 
     # The rest of the EngineClient interface, as the wrapped client has it.
     @property
@@ -66,9 +76,20 @@ class ServedEngine:
     def max_model_len(self) -> int | None:
         return self.loop.max_model_len
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
-                    ) -> RequestStream:
-        return self.loop.add_request(request_id, prompt, params)
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    lora_name: str | None = None) -> RequestStream:
+        if lora_name is None:
+            return self.loop.add_request(request_id, prompt, params)
+        return self.loop.add_request(request_id, prompt, params, lora_name=lora_name)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        self.loop.add_lora(request)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.loop.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.loop.list_loras()
 
     def stats(self) -> dict:
         return self.loop.stats()
@@ -131,8 +152,8 @@ def _watch(served: ServedEngine) -> None:
         logger.error("engine is dead (%s); fail_fast is on: stopping the server", served.error)
         os.kill(os.getppid(), signal.SIGTERM)
         return
-    if not served.loop.was_ready or served.loop.closing:
-        return
+    if not served.loop.was_ready or served.loop.closing or served.startup_error is not None:
+        return  # never served: a failed start stays failed (/ping 500) rather than restart forever
     logger.error("engine died while serving (%s); this worker exits so gunicorn starts a new one", served.error)
     time.sleep(1.0)  # let open streams write their final error records
     closer = threading.Thread(target=stop, name="engine-close", daemon=True)
@@ -162,7 +183,24 @@ def start() -> None:
         return
     engine_loop.started_at = time.monotonic()
     engine_loop.loop.start()
+    threading.Thread(target=_register_startup_adapters, args=(engine_loop,), name="adapters-at-start",
+                     daemon=True).start()
     threading.Thread(target=_watch, args=(engine_loop,), name="engine-watch", daemon=True).start()
+
+
+def _register_startup_adapters(served: ServedEngine) -> None:
+    """Once the model is loaded: register `<model dir>/adapters/<name>/` (LMI's start-up adapters),
+    then let /ping answer 200. A failure is the start's failure (/ping 500 naming the adapter)."""
+    try:
+        if not served.loop.wait_ready(None):
+            return
+        app.extensions["adapters"].register_startup(_resolved[0] if _resolved else None)
+    except BaseException as exc:  # noqa: BLE001 - the engine died while loading, or an adapter is bad
+        if served.loop.state is not EngineState.DEAD:
+            logger.error("%s", exc)
+            served.startup_error = exc
+    finally:
+        served.startup_done.set()
 
 
 def stop() -> None:

@@ -233,7 +233,7 @@ def test_custom_attributes_header_accepted(server):
              headers={"X-Amzn-SageMaker-Custom-Attributes": "x-trace=abc; user=42"})
     assert r.status_code == 200
     r = post(server, "/invocations", {"inputs": "Hi"}, headers={"X-Amzn-SageMaker-Custom-Attributes": "adapter=a1"})
-    assert r.status_code == 400 and "adapter" in r.json()["error"]
+    assert r.status_code == 404 and "unknown adapter 'a1'" in r.json()["error"]  # LoRA off: never the base model
 
 
 def test_lmi_fidelity_fields_raw_utf8(server):

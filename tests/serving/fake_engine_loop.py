@@ -2,6 +2,7 @@
 
 Character-level tokenizer (id = code point); each request emits "abc..." one char per step from
 a thread. A prompt containing "FAIL" errors after two tokens; "SLOW" sleeps between tokens.
+LoRA: `add_lora` checks only that the path exists; a request on an adapter emits "ABC..." instead.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import queue
 import threading
 import time
 
+from serving.lora_request import LoRARequest, UnknownAdapterError
 from serving.outputs import StreamDelta
 
 
@@ -61,14 +63,33 @@ class FakeEngineLoop:
         self.active: set[str] = set()
         self.closed: list[str] = []
         self.params: list = []
+        self.loras: dict[str, LoRARequest] = {}
+        self.lora_names: list[str | None] = []  # the adapter of each request, in order
+
+    def add_lora(self, request: LoRARequest) -> None:
+        import os
+
+        if not os.path.isdir(request.lora_path):
+            raise ValueError(f"{request.lora_path} is not a directory")
+        if request.lora_name in self.loras:
+            raise ValueError(f"adapter {request.lora_name!r} is already registered")
+        self.loras[request.lora_name] = request
+
+    def remove_lora(self, name: str) -> bool:
+        return self.loras.pop(name, None) is not None
+
+    def list_loras(self) -> list[str]:
+        return sorted(self.loras)
 
     def stats(self) -> dict:
         return {"num_requests_waiting": 0, "num_requests_running": len(self.active), "num_kv_blocks": 100,
                 "num_free_kv_blocks": 100 - len(self.active)}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> FakeStream:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params, lora_name=None) -> FakeStream:
         if self.state != "ready":
             raise RuntimeError("not ready")
+        if lora_name is not None and lora_name not in self.loras:
+            raise UnknownAdapterError(lora_name, self.loras)
         # The check LLMEngine.validate makes (through the scheduler), with its message.
         total = len(prompt_token_ids) + (params.max_tokens or 0)
         if total > self.max_model_len:
@@ -76,13 +97,15 @@ class FakeEngineLoop:
                              f"{total} tokens exceeds max_model_len={self.max_model_len}")
         stream = FakeStream(self, request_id)
         self.params.append(params)
+        self.lora_names.append(lora_name)
         with self.lock:
             self.active.add(request_id)
         prompt = "".join(chr(i) for i in prompt_token_ids if i)
-        threading.Thread(target=self._run, args=(stream, prompt, params), daemon=True).start()
+        first = ord("A") if lora_name else ord("a")
+        threading.Thread(target=self._run, args=(stream, prompt, params, first), daemon=True).start()
         return stream
 
-    def _run(self, stream: FakeStream, prompt: str, params) -> None:
+    def _run(self, stream: FakeStream, prompt: str, params, first: int = ord("a")) -> None:
         n_out = params.max_tokens or self.max_model_len - len(prompt)  # None: up to the context limit
         for s in range(params.n):
             for i in range(n_out):
@@ -90,7 +113,7 @@ class FakeEngineLoop:
                     return
                 if "SLOW" in prompt or self.delay:
                     time.sleep(self.delay or 0.05)
-                tid = ord("a") + i % 26
+                tid = first + i % 26
                 if "FAIL" in prompt and i == 2:
                     stream.q.put(StreamDelta(stream.rid, s, (), "", finish_reason="error", error="boom"))
                     return

@@ -140,6 +140,11 @@ INVALID = [
     ("CUDA_MEMORY_FRACTION", "2", "a number in (0, 1]"),
     ("MAX_CONCURRENT_REQUESTS", "0", "an integer 1..100000"),
     ("SERVING_GRACEFUL_TIMEOUT", "60", "seconds in [0, 30]"),
+    ("OPTION_ENABLE_LORA", "yes please", "true|false"),
+    ("OPTION_MAX_LORAS", "0", "an integer 1..1024"),
+    ("OPTION_MAX_LORA_RANK", "sixteen", "an integer 1..1024"),
+    ("OPTION_MAX_CPU_LORAS", "-1", "a positive integer >= option.max_loras"),
+    ("OPTION_LORA_EXTRA_VOCAB_SIZE", "-5", "a non-negative integer"),
 ]
 
 
@@ -213,3 +218,30 @@ def test_read_properties_continuation_at_end_of_file(tmp_path):
 def test_read_properties_bad_unicode_escape_names_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"serving.properties.*malformed \\uXXXX escape '\\\\u12g4'"):
         _props(tmp_path, "a=\\u12g4\n")
+
+
+def test_lora_keys_lmi_defaults_env_and_properties(tmp_path, caplog):
+    e = load_config({}, []).engine
+    assert (e.enable_lora, e.max_loras, e.max_lora_rank, e.max_cpu_loras) == (False, 4, 16, None)
+    assert load_config({}, []).lora_extra_vocab_size == 256
+    cfg = load_config({"OPTION_ENABLE_LORA": "true", "OPTION_MAX_LORAS": "16", "OPTION_MAX_LORA_RANK": "64",
+                       "OPTION_MAX_CPU_LORAS": "32", "OPTION_LORA_EXTRA_VOCAB_SIZE": "512"}, [])
+    e = cfg.engine
+    assert (e.enable_lora, e.max_loras, e.max_lora_rank, e.max_cpu_loras) == (True, 16, 64, 32)
+    assert cfg.sources["engine.max_loras"] == "env OPTION_MAX_LORAS" and cfg.lora_extra_vocab_size == 512
+    with caplog.at_level(logging.INFO, logger="serving.config"):
+        log_config(cfg)
+    assert "LoRA adapters enabled: 16 on the device at once, 32 kept in host memory, rank <= 64" in caplog.text
+    assert "option.lora_extra_vocab_size=512 (env OPTION_LORA_EXTRA_VOCAB_SIZE) accepted and has no effect" \
+        in caplog.text
+    assert "unknown setting" not in caplog.text and "not supported yet" not in caplog.text
+    props = tmp_path / "serving.properties"
+    props.write_text("option.enable_lora=true\noption.max_loras=2\noption.max_cpu_loras=none\n")
+    e = load_config({"OPTION_MAX_LORAS": "8"}, [props]).engine
+    assert (e.enable_lora, e.max_loras, e.max_cpu_loras) == (True, 2, None)
+
+
+def test_max_cpu_loras_below_max_loras_names_both():
+    with pytest.raises(ConfigError, match=r"env OPTION_MAX_CPU_LORAS: option.max_cpu_loras=2 is less than "
+                                          r"option.max_loras=4 \(default\)"):
+        load_config({"OPTION_MAX_CPU_LORAS": "2"}, [])

@@ -1,0 +1,236 @@
+"""LoRA adapters at the HTTP edge: the registry behind the management API, and which adapter a request names.
+
+`AdapterRegistry` keeps what the server registered on the engine (name -> source) and is the
+one writer of adapters: at start (`<model dir>/adapters/<name>/`, before /ping turns 200) and
+through DJL's management API (`POST|GET /models/{model}/adapters`, `GET|DELETE
+/models/{model}/adapters/{name}`; `management_*` below build its answers). `select_adapters`
+merges the three ways a request names an adapter: the `adapter` custom attribute (SageMaker's
+way), LMI's body field `adapters`, and on `/v1/*` the `model` field (vLLM's way).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from serving.adapter_source import check_adapter_name, fetch_adapter, find_adapters
+from serving.config import ServingConfig
+from serving.engine.client import EngineClient
+from serving.lora_request import LoRARequest
+from serving.server.protocol import GenerateRequest
+
+logger = logging.getLogger("serving.server.adapters")
+ADAPTER_ATTRIBUTE = "adapter"  # X-Amzn-SageMaker-Custom-Attributes: adapter=<name>
+LIST_LIMIT = 100  # DJL's default page size for GET /models/{model}/adapters
+
+
+class AdapterNotFound(LookupError):
+    """A request or a management call named an adapter that is not registered (HTTP 404)."""
+
+
+class AdapterConflict(ValueError):
+    """An adapter of that name is already registered (HTTP 409)."""
+
+
+class StartupAdapterError(RuntimeError):
+    """An adapter under `<model dir>/adapters/` could not be registered: the start fails."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A registered adapter: its name, the `src` it was registered from, and the local copy."""
+
+    name: str
+    src: str
+    path: str
+    lora_int_id: int
+
+
+class AdapterRegistry:
+    """The adapters registered on the engine. Registrations and removals are serialized; readers
+    never wait (they read the current mapping)."""
+
+    def __init__(self, engine: EngineClient, config: ServingConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self._adapters: dict[str, Adapter] = {}
+        self._write = threading.Lock()
+        self._next_id = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.engine.enable_lora
+
+    def names(self) -> list[str]:
+        return sorted(self._adapters)
+
+    def get(self, name: str) -> Adapter | None:
+        return self._adapters.get(name)
+
+    def adapters(self) -> list[Adapter]:
+        return [self._adapters[n] for n in self.names() if n in self._adapters]
+
+    def base_names(self) -> set[str]:
+        """The names that mean the base model: the served name, the model id and its DJL form."""
+        names = {self.config.served_model_name}
+        model_id = self.config.model_id
+        if model_id:
+            names |= {model_id, model_id.rstrip("/").rsplit("/", 1)[-1], re.sub(r"\W", "_", model_id)}
+        return names
+
+    def unknown(self, name: str) -> AdapterNotFound:
+        """The 404 of a request naming `name`, which is not registered: the known names, and why
+        there are none when LoRA is off. Never the base model in its place."""
+        if not self.enabled:
+            return AdapterNotFound(f"unknown adapter {name!r}: LoRA adapters are not enabled on this server "
+                                   "(set OPTION_ENABLE_LORA=true / option.enable_lora=true); known adapters: none")
+        known = ", ".join(repr(n) for n in self.names()) or "none"
+        return AdapterNotFound(f"unknown adapter {name!r}; known adapters: {known} (the base model, "
+                               f"{self.config.served_model_name!r}, is used when no adapter is named)")
+
+    def register(self, name: str, src: str) -> Adapter:
+        """Fetch `src` (local dir or s3:// prefix) and register it on the engine as `name`.
+
+        Raises AdapterConflict (the name is taken), ValueError (bad name, source or weights; the
+        engine's own message for weights that do not fit the base model)."""
+        if not self.enabled:
+            raise ValueError("LoRA is not enabled: start the server with OPTION_ENABLE_LORA=true "
+                             "(option.enable_lora=true) to register adapters")
+        check_adapter_name(name)
+        if name in self.base_names():
+            raise ValueError(f"adapter name {name!r} is the base model's name: choose another")
+        with self._write:
+            if name in self._adapters:
+                raise AdapterConflict(f"adapter {name!r} is already registered (from {self._adapters[name].src}); "
+                                      "DELETE it first to replace it")
+            path = fetch_adapter(name, src, self.config.download_dir, self.config.s3_endpoint_url)
+            adapter = Adapter(name, src, str(path), self._next_id)
+            try:
+                self.engine.add_lora(LoRARequest(name, adapter.lora_int_id, adapter.path))
+            except ValueError as exc:
+                raise ValueError(f"adapter {name!r} from {src}: {exc}") from None
+            self._next_id += 1
+            self._adapters = {**self._adapters, name: adapter}
+        logger.info("adapter %s registered from %s", name, src)
+        return adapter
+
+    def unregister(self, name: str) -> Adapter:
+        """Remove `name`: new requests on it get 404; requests already running on it finish on it."""
+        with self._write:
+            adapter = self._adapters.get(name)
+            if adapter is None:
+                raise AdapterNotFound(f"The adapter {name} was not found")
+            self._adapters = {k: v for k, v in self._adapters.items() if k != name}
+            self.engine.remove_lora(name)
+        logger.info("adapter %s unregistered", name)
+        return adapter
+
+    def register_startup(self, model_dir: object) -> list[str]:
+        """Register every adapter under `<model_dir>/adapters/` (LMI's start-up layout); the first
+        that fails raises with its name (the start fails, as LMI's does). Without
+        option.enable_lora they are listed in a warning and left alone."""
+        found = find_adapters(Path(model_dir)) if model_dir is not None else {}
+        if not found:
+            return []
+        if not self.enabled:
+            logger.warning("%d adapter(s) under %s/adapters are ignored because LoRA is off (%s): set "
+                           "OPTION_ENABLE_LORA=true to serve them", len(found), model_dir, ", ".join(found))
+            return []
+        for name, path in found.items():
+            try:
+                self.register(name, str(path))
+            except ValueError as exc:  # AdapterSourceError, AdapterConflict, the engine's refusal
+                raise StartupAdapterError(f"cannot register adapter {name!r} found at start in {path}: {exc}") from None
+        logger.info("%d adapter(s) registered at start from %s/adapters: %s", len(found), model_dir,
+                    ", ".join(found))
+        return list(found)
+
+
+# ---- which adapter a request runs on -----------------------------------------------------------
+
+def header_adapter(header: str | None) -> str | None:
+    """The `adapter` of `X-Amzn-SageMaker-Custom-Attributes` (`k=v;k2=v2`, DJL's rules: split on ';',
+    then on the first '=', both sides trimmed; other keys ignored). A value in double quotes is
+    unquoted; an empty value is no adapter. The key given twice with two values is a ValueError."""
+    found: set[str] = set()
+    for item in (header or "").split(";"):
+        key, sep, value = item.partition("=")
+        if key.strip().lower() != ADAPTER_ATTRIBUTE or not sep:
+            continue
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] == '"':
+            value = value[1:-1].strip()
+        if value:
+            found.add(value)
+    if len(found) > 1:
+        raise ValueError(f"X-Amzn-SageMaker-Custom-Attributes names more than one adapter ({', '.join(sorted(found))}): "
+                         "send one")
+    return found.pop() if found else None
+
+
+def select_adapters(req: GenerateRequest, header: str | None, registry: AdapterRegistry,
+                    model_field: bool) -> GenerateRequest:
+    """`req` with the adapter of each prompt resolved from the header, the body's `adapters` and
+    (`model_field`: on /v1) the `model` field.
+
+    Raises ValueError (400) when two of them name different adapters, AdapterNotFound (404) for a
+    name not registered. On /v1 with LoRA on, a `model` that is neither the base model's name nor
+    an adapter is a 404 too (vLLM); with LoRA off any `model` is accepted, as before.
+    """
+    from_header = header_adapter(header)
+    chosen = req.adapters
+    if model_field and req.model is not None and req.model not in registry.base_names():
+        if req.model in registry.names() or registry.enabled:
+            chosen = _agree(chosen, (req.model,), "the model field", "the body's adapters")
+    if from_header is not None:
+        chosen = _agree(chosen, (from_header,), "the body" if not model_field else "the model field",
+                        "the adapter custom attribute")
+    for name in dict.fromkeys(chosen):
+        if name and registry.get(name) is None:
+            raise registry.unknown(name)
+    return replace(req, adapters=chosen) if chosen != req.adapters else req
+
+
+def _agree(first: tuple[str, ...], second: tuple[str, ...], what_first: str, what_second: str) -> tuple[str, ...]:
+    """Merge two selections; each may be () (no opinion). Any prompt on which they name different
+    adapters is a ValueError naming both."""
+    if not first:
+        return second
+    if not second:
+        return first
+    name = second[0]
+    clash = sorted({a for a in first if a != name}, key=str)
+    if clash:
+        shown = ", ".join(repr(a) if a else "'' (base)" for a in clash)
+        raise ValueError(f"{what_second} names adapter {name!r} but {what_first} names {shown}: send one, "
+                         "or the same in both")
+    return first
+
+
+# ---- DJL's management API answers --------------------------------------------------------------
+
+def describe(adapter: Adapter) -> dict:
+    """DJL's DescribeAdapterResponse."""
+    return {"name": adapter.name, "src": adapter.src}
+
+
+def list_page(registry: AdapterRegistry, limit: str | None, token: str | None) -> dict:
+    """DJL's ListAdaptersResponse: `adapters` from `next_page_token` (an offset), at most `limit`
+    (default 100); `nextPageToken` when more remain."""
+    try:
+        start = int(token) if token not in (None, "") else 0
+        size = int(limit) if limit not in (None, "") else LIST_LIMIT
+    except ValueError:
+        raise ValueError(f"limit and next_page_token must be integers, got limit={limit!r} "
+                         f"next_page_token={token!r}") from None
+    if start < 0 or size < 1:
+        raise ValueError(f"limit must be >= 1 and next_page_token >= 0, got limit={size} next_page_token={start}")
+    adapters = registry.adapters()
+    end = min(start + size, len(adapters))
+    body: dict = {"adapters": [describe(a) for a in adapters[start:end]]}
+    if end < len(adapters):
+        body["nextPageToken"] = str(end)
+    return body

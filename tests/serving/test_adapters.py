@@ -1,0 +1,233 @@
+"""LoRA adapters at the HTTP edge with the fake engine: which adapter a request names (custom
+attribute, body `adapters`, /v1 `model`), the 404 with the known names, DJL's management API,
+/v1/models, and adapter sources (start-up `adapters/` dirs, local and s3:// `src`)."""
+
+import json
+import logging
+
+import boto3
+import pytest
+
+from fake_engine_loop import FakeEngineLoop
+from serving.adapter_source import AdapterSourceError, fetch_adapter, find_adapters
+from serving.config import load_config
+from serving.server.adapters import AdapterRegistry, StartupAdapterError, header_adapter
+from serving.server.app import create_app
+
+HEADER = "X-Amzn-SageMaker-Custom-Attributes"
+
+
+def peft_dir(path):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text('{"r": 8, "peft_type": "LORA"}')
+    (path / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+    return path
+
+
+def make(tmp_path, lora=True, adapters=("a1", "a2"), **env):
+    loop = FakeEngineLoop()
+    env = {"OPTION_ENABLE_LORA": str(lora).lower(), "SERVING_DOWNLOAD_DIR": str(tmp_path / "dl"),
+           "OPTION_SERVED_MODEL_NAME": "base", **env}
+    app = create_app(loop, load_config(env, []))
+    if lora:
+        for name in adapters:
+            app.extensions["adapters"].register(name, str(peft_dir(tmp_path / name)))
+    return loop, app.test_client()
+
+
+def test_header_parsing():
+    assert header_adapter(None) is None and header_adapter("") is None and header_adapter("x=1;y") is None
+    assert header_adapter("adapter=a1") == "a1"
+    assert header_adapter(' x-trace = t ;  Adapter = "a1" ; other=2') == "a1"  # spaces, case, quotes
+    assert header_adapter("adapter=") is None and header_adapter("adapter=a1;adapter=a1") == "a1"
+    with pytest.raises(ValueError, match="more than one adapter"):
+        header_adapter("adapter=a1;adapter=a2")
+
+
+def test_each_way_of_naming_an_adapter(tmp_path):
+    loop, client = make(tmp_path)
+    r = client.post("/invocations", json={"inputs": "hi", "parameters": {"max_new_tokens": 3}},
+                    headers={HEADER: "x=1; adapter=a1"})
+    assert r.json == {"generated_text": "ABC"} and loop.lora_names[-1] == "a1"
+    r = client.post("/invocations", json={"inputs": "hi", "adapters": "a2", "parameters": {"max_new_tokens": 2}})
+    assert r.json == {"generated_text": "AB"} and loop.lora_names[-1] == "a2"
+    r = client.post("/invocations", json={"inputs": ["x", "y", "z"], "adapters": ["a1", "", "a2"],
+                                          "parameters": {"max_new_tokens": 2}})
+    assert [o["generated_text"] for o in r.json] == ["AB", "ab", "AB"] and loop.lora_names[-3:] == ["a1", None, "a2"]
+    r = client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}], "adapters": ["a1"],
+                                          "max_tokens": 2})
+    assert r.json["choices"][0]["message"]["content"] == "AB" and loop.lora_names[-1] == "a1"
+    r = client.post("/v1/completions", json={"model": "a2", "prompt": "hi", "max_tokens": 2})
+    assert r.json["choices"][0]["text"] == "AB" and loop.lora_names[-1] == "a2"
+    r = client.post("/v1/chat/completions", json={"model": "a1", "messages": [{"role": "user", "content": "x"}],
+                                                  "max_tokens": 2, "stream": True})
+    assert b'"content": "A"' in r.data and loop.lora_names[-1] == "a1"
+    for base in ("base", None):  # the served name (or none) is the base model
+        r = client.post("/v1/completions", json={"model": base, "prompt": "hi", "max_tokens": 2})
+        assert r.json["choices"][0]["text"] == "ab" and loop.lora_names[-1] is None
+    r = client.post("/v1/completions", json={"model": "base", "prompt": "hi", "max_tokens": 2},
+                    headers={HEADER: "adapter=a2"})  # the openai client always sends a model: the header decides
+    assert r.json["choices"][0]["text"] == "AB" and loop.lora_names[-1] == "a2"
+    r = client.post("/generate", json={"prompt": "hi", "max_tokens": 2}, headers={HEADER: "adapter=a1"})
+    assert r.json == {"text": ["hiAB"]}
+
+
+@pytest.mark.parametrize("path, body, headers, needle", [
+    ("/invocations", {"inputs": "x", "adapters": "a2"}, {HEADER: "adapter=a1"}, "custom attribute names adapter 'a1'"),
+    ("/invocations", {"inputs": ["x", "y"], "adapters": ["a1", ""]}, {HEADER: "adapter=a1"}, "'' (base)"),
+    ("/invocations", {"inputs": ["x", "y"], "adapters": ["a1"]}, {}, "1 names for 2 inputs"),
+    ("/invocations", {"inputs": "x", "adapters": ["a1", "a2"]}, {}, "2 names for a single input"),
+    ("/invocations", {"inputs": "x", "adapters": 3}, {}, "adapters must be"),
+    ("/invocations", {"inputs": "x"}, {HEADER: "adapter=a1;adapter=a2"}, "more than one adapter"),
+    ("/v1/completions", {"model": "a2", "prompt": "x"}, {HEADER: "adapter=a1"}, "model field names 'a2'"),
+])
+def test_conflicts_and_bad_values_are_400(tmp_path, path, body, headers, needle):
+    _, client = make(tmp_path)
+    r = client.post(path, json=body, headers=headers)
+    message = r.json["error"]["message"] if path.startswith("/v1") else r.json["error"]
+    assert r.status_code == 400 and needle in message, message
+
+
+def test_unknown_adapter_is_404_with_known_names_never_the_base(tmp_path):
+    loop, client = make(tmp_path)
+    for path, body, headers in [("/invocations", {"inputs": "x"}, {HEADER: "adapter=nope"}),
+                                ("/invocations", {"inputs": ["x", "y"], "adapters": ["a1", "nope"]}, {}),
+                                ("/v1/completions", {"model": "nope", "prompt": "x"}, {}),
+                                ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+                                 {})]:
+        r = client.post(path, json=body, headers=headers)
+        message = r.json["error"]["message"] if path.startswith("/v1") else r.json["error"]
+        assert r.status_code == 404, (path, r.json)
+        assert message.startswith("unknown adapter 'nope'; known adapters: 'a1', 'a2'"), message
+    assert loop.lora_names == []  # nothing ran, on the base model or any other
+    _, off = make(tmp_path / "off", lora=False)
+    r = off.post("/v1/completions", json={"model": "llama-2-13b-chat-hf", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200  # LoRA off: /v1's model is accepted whatever it says, as before
+
+
+def test_adapter_removed_after_the_check_is_still_404(tmp_path):
+    loop, client = make(tmp_path)
+    app_check = client.application.extensions["adapters"]
+    loop.loras.pop("a1")  # the engine no longer has it (as if removed between the check and the submit)
+    r = client.post("/invocations", json={"inputs": "x"}, headers={HEADER: "adapter=a1"})
+    assert r.status_code == 404 and "unknown adapter 'a1'" in r.json["error"] and app_check.get("a1") is not None
+
+
+def test_management_api(tmp_path):
+    loop, client = make(tmp_path, adapters=())
+    src = peft_dir(tmp_path / "new")
+    r = client.post(f"/models/base/adapters?name=n1&src={src}")
+    assert r.status_code == 200 and r.json == {"status": "Adapter n1 registered"} and "n1" in loop.loras
+    assert loop.loras["n1"].lora_path == str(src) and loop.loras["n1"].lora_int_id == 1
+    r = client.post("/adapters", json={"name": "n2", "src": str(src)})  # one model: no prefix; a JSON body
+    assert r.status_code == 200 and loop.loras["n2"].lora_int_id == 2
+    assert client.get("/models/base/adapters").json == {"adapters": [{"name": "n1", "src": str(src)},
+                                                                     {"name": "n2", "src": str(src)}]}
+    assert client.get("/adapters?limit=1").json == {"adapters": [{"name": "n1", "src": str(src)}], "nextPageToken": "1"}
+    assert client.get("/adapters?limit=1&next_page_token=1").json["adapters"][0]["name"] == "n2"
+    assert client.get("/models/base/adapters/n2").json == {"name": "n2", "src": str(src)}
+    r = client.post("/invocations", json={"inputs": "x", "parameters": {"max_new_tokens": 1}},
+                    headers={HEADER: "adapter=n2"})
+    assert r.json == {"generated_text": "A"}
+    ids = [c["id"] for c in client.get("/v1/models").json["data"]]
+    assert ids == ["base", "n1", "n2"]
+    assert client.get("/v1/models").json["data"][1]["parent"] == "base"
+    r = client.delete("/models/base/adapters/n1")
+    assert r.status_code == 200 and r.json == {"status": "Adapter n1 unregistered"} and "n1" not in loop.loras
+    r = client.post("/invocations", json={"inputs": "x"}, headers={HEADER: "adapter=n1"})
+    assert r.status_code == 404 and "known adapters: 'n2'" in r.json["error"]
+    assert client.get("/models").json == {"models": [{"modelName": "base", "modelUrl": "", "status": "READY"}]}
+
+
+@pytest.mark.parametrize("method, path, status, needle", [
+    ("POST", "/models/base/adapters?name=x", 400, "Parameter src is required"),
+    ("POST", "/models/base/adapters?src=/tmp", 400, "Parameter name is required"),
+    ("POST", "/models/base/adapters?name=bad;name&src=/tmp", 400, "invalid adapter name"),
+    ("POST", "/models/base/adapters?name=base&src=/tmp", 400, "the base model's name"),
+    ("POST", "/models/base/adapters?name=a1&src={tmp}/a2", 409, "already registered"),
+    ("POST", "/models/base/adapters?name=z&src={tmp}/missing", 400, "is not a directory"),
+    ("POST", "/models/base/adapters?name=z&src=https://x/y", 400, "neither a local directory nor an s3://"),
+    ("POST", "/models/other/adapters?name=z&src={tmp}/a2", 404, "The model other was not found"),
+    ("GET", "/models/base/adapters/zz", 404, "The adapter zz was not found"),
+    ("DELETE", "/adapters/zz", 404, "The adapter zz was not found"),
+    ("GET", "/adapters?limit=x", 400, "limit and next_page_token must be integers"),
+])
+def test_management_errors(tmp_path, method, path, status, needle):
+    _, client = make(tmp_path)
+    r = client.open(path.format(tmp=tmp_path), method=method)
+    assert r.status_code == status and needle in r.json["error"] and r.json["code"] == status, r.json
+
+
+def test_management_when_lora_is_off_or_loading(tmp_path):
+    loop, client = make(tmp_path, lora=False)
+    r = client.post(f"/adapters?name=a&src={peft_dir(tmp_path / 'a')}")
+    assert r.status_code == 400 and "LoRA is not enabled" in r.json["error"]
+    assert client.get("/adapters").status_code == 400
+    loop, client = make(tmp_path / "l", adapters=())
+    loop.state = "loading"
+    assert client.post(f"/adapters?name=a&src={tmp_path / 'a'}").status_code == 503
+
+
+def test_find_adapters(tmp_path, caplog):
+    assert find_adapters(tmp_path) == {} and find_adapters(None) == {}
+    peft_dir(tmp_path / "adapters" / "b")
+    peft_dir(tmp_path / "adapters" / "a")
+    (tmp_path / "adapters" / ".hidden").mkdir()
+    (tmp_path / "adapters" / "README").write_text("x")
+    with caplog.at_level(logging.WARNING):
+        assert list(find_adapters(tmp_path)) == ["a", "b"]
+    assert "README is not a directory" in caplog.text
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "adapter_model.bin").write_bytes(b"x")
+    with pytest.raises(AdapterSourceError, match=r"adapter 'c': .* has no adapter_config.json or "
+                                                 r"adapter_model.safetensors.*not adapter_model.bin"):
+        fetch_adapter("c", str(tmp_path / "c"), tmp_path)
+
+
+def test_startup_registration(tmp_path, caplog):
+    peft_dir(tmp_path / "adapters" / "s1")
+    loop = FakeEngineLoop()
+    registry = AdapterRegistry(loop, load_config({"OPTION_ENABLE_LORA": "true"}, []))
+    assert registry.register_startup(tmp_path) == ["s1"] and registry.get("s1").src == str(tmp_path / "adapters/s1")
+    off = AdapterRegistry(FakeEngineLoop(), load_config({}, []))
+    with caplog.at_level(logging.WARNING):
+        assert off.register_startup(tmp_path) == []
+    assert "ignored because LoRA is off (s1): set OPTION_ENABLE_LORA=true" in caplog.text
+    (tmp_path / "adapters" / "s0").mkdir()  # not a PEFT adapter: the start fails naming it
+    with pytest.raises(StartupAdapterError, match="cannot register adapter 's0' found at start .* has no adapter_config"):
+        AdapterRegistry(FakeEngineLoop(), registry.config).register_startup(tmp_path)
+    assert off.register_startup(tmp_path) == []  # LoRA off: not even looked at
+
+
+@pytest.fixture()
+def s3_endpoint(monkeypatch):
+    from moto.server import ThreadedMotoServer
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def test_adapters_from_s3(s3_endpoint, tmp_path):
+    """Start-up adapters ride along with an s3:// model (one download); a management `src` may be s3:// too."""
+    from serving.model_source import resolve_model
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="lora-test")  # not "models": moto keeps one store per process
+    files = {"m/config.json": json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}),
+             "m/adapters/sql/adapter_config.json": '{"r": 8}', "m/adapters/sql/adapter_model.safetensors": "w",
+             "loras/chat/adapter_config.json": '{"r": 16}', "loras/chat/adapter_model.safetensors": "w2"}
+    for key, data in files.items():
+        s3.put_object(Bucket="lora-test", Key=key, Body=data.encode())
+    cfg = load_config({"HF_MODEL_ID": "s3://lora-test/m/", "AWS_ENDPOINT_URL_S3": s3_endpoint,
+                       "SERVING_DOWNLOAD_DIR": str(tmp_path), "OPTION_ENABLE_LORA": "true"}, [])
+    model_dir = resolve_model(cfg)
+    assert find_adapters(model_dir) == {"sql": model_dir / "adapters" / "sql"}
+    path = fetch_adapter("chat", "s3://lora-test/loras/chat", tmp_path, endpoint_url=s3_endpoint)
+    assert (path / "adapter_model.safetensors").read_bytes() == b"w2"
+    with pytest.raises(AdapterSourceError, match="adapter 'x': no objects under s3://lora-test/none"):
+        fetch_adapter("x", "s3://lora-test/none/", tmp_path, endpoint_url=s3_endpoint)
