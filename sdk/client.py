@@ -200,29 +200,41 @@ class StreamingClient:
 
     def generate(
         self, inputs: str, parameters: dict[str, Any] | None = None, *,
-        custom_attributes: str | None = None, **extra: Any,
+        custom_attributes: str | None = None, adapter: str | None = None, **extra: Any,
     ) -> GenerationResult:
-        """One request, whole answer. ``extra`` keyword arguments are merged into ``parameters``."""
-        body, _ = self.transport.invoke(self._body(inputs, parameters, False, extra), "invocations", custom_attributes)
+        """One request, whole answer. ``extra`` keyword arguments are merged into ``parameters``;
+        ``adapter`` runs it on that LoRA adapter (the ``adapter=<name>`` custom attribute)."""
+        body, _ = self.transport.invoke(self._body(inputs, parameters, False, extra), "invocations",
+                                        with_adapter(custom_attributes, adapter))
         return parse_response(body)
 
     def stream(
         self, inputs: str, parameters: dict[str, Any] | None = None, *,
-        custom_attributes: str | None = None, **extra: Any,
+        custom_attributes: str | None = None, adapter: str | None = None, **extra: Any,
     ) -> TokenStream:
         """One request with ``"stream": true``; iterate the returned TokenStream for tokens."""
         events = self.transport.invoke_stream(
-            self._body(inputs, parameters, True, extra), "invocations", custom_attributes
+            self._body(inputs, parameters, True, extra), "invocations", with_adapter(custom_attributes, adapter)
         )
         return TokenStream(LineIterator(events))
 
-    def chat(self, messages: list[dict[str, str]], **params: Any) -> GenerationResult:
-        """OpenAI-style chat completion (``/v1/chat/completions`` over HTTP)."""
+    def chat(self, messages: list[dict[str, str]], *, adapter: str | None = None, **params: Any) -> GenerationResult:
+        """OpenAI-style chat completion (``/v1/chat/completions`` over HTTP), on ``adapter`` if given."""
         body = json.dumps({"messages": messages, **params}).encode()
-        payload, _ = self.transport.invoke(body, "chat", None)
+        payload, _ = self.transport.invoke(body, "chat", with_adapter(None, adapter))
         return parse_response(payload)
 
-    def stream_chat(self, messages: list[dict[str, str]], **params: Any) -> TokenStream:
+    def stream_chat(self, messages: list[dict[str, str]], *, adapter: str | None = None, **params: Any) -> TokenStream:
         """Streamed chat completion: chunks as JSON lines or SSE, both parsed."""
         body = json.dumps({"messages": messages, "stream": True, **params}).encode()
-        return TokenStream(LineIterator(self.transport.invoke_stream(body, "chat", None)))
+        return TokenStream(LineIterator(self.transport.invoke_stream(body, "chat", with_adapter(None, adapter))))
+
+
+def with_adapter(custom_attributes: str | None, adapter: str | None) -> str | None:
+    """``custom_attributes`` plus ``adapter=<name>``: how SageMaker requests pick a LoRA adapter
+    (``InvokeEndpoint``'s ``CustomAttributes``; the only way that reaches the container there)."""
+    if not adapter:
+        return custom_attributes
+    if any(c in adapter for c in ";=\"") or adapter != adapter.strip():
+        raise ValueError(f"adapter name {adapter!r} cannot be sent as a custom attribute (no ; = \" or spaces)")
+    return f"{custom_attributes};adapter={adapter}" if custom_attributes else f"adapter={adapter}"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fake_lmi import lmi_lines
-from sdk.client import StreamingClient, TokenStream
+from sdk.client import StreamingClient, TokenStream, with_adapter
 from sdk.parsing import collect, parse_line, parse_response
 from sdk.results import ModelError, Token
 
@@ -132,3 +132,13 @@ def test_client_errors(client: StreamingClient) -> None:
 def test_custom_attributes_reach_container(client: StreamingClient, fake_lmi) -> None:
     client.generate("x", custom_attributes="adapter=a1")
     assert fake_lmi.requests[-1]["headers"]["X-Amzn-SageMaker-Custom-Attributes"] == "adapter=a1"
+
+
+def test_adapter_keyword_sends_the_adapter_custom_attribute(client: StreamingClient, fake_lmi) -> None:
+    client.generate("x", adapter="sql")
+    assert fake_lmi.requests[-1]["headers"]["X-Amzn-SageMaker-Custom-Attributes"] == "adapter=sql"
+    list(client.stream("x", custom_attributes="trace=1", adapter="sql"))
+    assert fake_lmi.requests[-1]["headers"]["X-Amzn-SageMaker-Custom-Attributes"] == "trace=1;adapter=sql"
+    assert with_adapter("trace=1", None) == "trace=1"
+    with pytest.raises(ValueError, match="cannot be sent as a custom attribute"):
+        with_adapter(None, "a;b")
