@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import quant_reference, reference
 
 _FORCE_REFERENCE = os.environ.get("OPEN_LMI_KERNELS", "").strip().lower() == "reference"
 
@@ -122,9 +122,40 @@ def gumbel_sample(
     return impl(logits, inv_temperature, seeds)
 
 
+def quant_linear(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 (fp32 on CPU)
+    qweight: torch.Tensor,  # [K * bits // 32, N] int32, GPTQ packing (row k at bits bits * (k % (32 // bits)))
+    scales: torch.Tensor,  # [num_groups, N], x's dtype
+    zeros: torch.Tensor,  # [num_groups, N], x's dtype (float zero points)
+    g_idx: torch.Tensor | None,  # [K] int32 act-order groups, or None: k // group_size
+    bits: int,  # 4 or 8
+    group_size: int,  # K means per-channel
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x @ ((q - zeros[g]) * scales[g]) + bias -> [M, N] in x's dtype (W is [K, N])."""
+    impl = _mod("int4_matmul").quant_linear if use_triton(x) else quant_reference.quant_linear
+    return impl(x, qweight, scales, zeros, g_idx, bits, group_size, bias)
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn (torch Linear orientation)
+    weight_scale: torch.Tensor,  # fp32 scalar (per-tensor) or [N] (per-channel)
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x @ (weight * weight_scale).T + bias -> [M, N] in x's dtype (FP8 matmul on Hopper)."""
+    impl = _mod("fp8_matmul").fp8_linear if use_triton(x) else quant_reference.fp8_linear
+    return impl(x, weight, weight_scale, bias)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel FP8 at load time: [N, K] -> (float8_e4m3fn [N, K], fp32 scale [N])."""
+    return quant_reference.quantize_fp8(weight)
+
+
 _OPS = frozenset(
-    ("gumbel_sample", "paged_decode_attention", "prefill_attention", "rms_norm", "rotary_embedding",
-     "silu_and_mul", "write_kv_cache")
+    ("fp8_linear", "gumbel_sample", "paged_decode_attention", "prefill_attention", "quant_linear",
+     "quantize_fp8", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache")
 )
 
 
@@ -145,9 +176,12 @@ class _KernelsPackage(ModuleType):
 sys.modules[__name__].__class__ = _KernelsPackage
 
 __all__ = [
+    "fp8_linear",
     "gumbel_sample",
     "paged_decode_attention",
     "prefill_attention",
+    "quant_linear",
+    "quantize_fp8",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

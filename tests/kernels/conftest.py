@@ -23,6 +23,8 @@ _TRITON_MODULES = (
     "kernels.rotary",
     "kernels.activation",
     "kernels.sampling",
+    "kernels.int4_matmul",
+    "kernels.fp8_matmul",
 )
 
 if not torch.cuda.is_available():

@@ -1,0 +1,97 @@
+"""FP8 (e4m3) linear on the GPU: per-token activation quantisation in Triton + torch._scaled_mm.
+
+In: activations `x [M, K]` (bf16/fp16), `weight` float8_e4m3fn `[N, K]`, `weight_scale` fp32
+scalar or `[N]`. Out: `[M, N]` in x's dtype. On Hopper (sm_90+) each row of x gets its own scale
+(dynamic, rowwise) and cuBLAS/CUTLASS multiplies with both scales applied in the epilogue
+(torch 2.11 accepts rowwise scales with a bf16 output only, so fp16 callers get a cast). On
+sm_89 a per-tensor activation scale is used, with a per-tensor weight scale only. Elsewhere, and
+for shapes `_scaled_mm` refuses (K or N not a multiple of 16), the torch reference runs.
+No host sync and shape-only allocations, so the op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import quant_reference
+
+FP8_MAX = quant_reference.FP8_MAX
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] float8e4nv
+    scale_ptr,  # [M] fp32
+    K,
+    stride_xm,
+    stride_qm,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    tl.store(scale_ptr + row, scale)
+    inv = 1.0 / scale
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token FP8: `[M, K]` -> (float8_e4m3fn `[M, K]`, fp32 scale `[M, 1]`)."""
+    M, K = x.shape
+    assert x.stride(1) == 1
+    q = torch.empty((M, K), device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((M, 1), device=x.device, dtype=torch.float32)
+    if M:
+        _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK=1024, num_warps=4)
+    return q, scale
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K] bf16 / fp16
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # fp32 scalar or [N]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x @ (weight * weight_scale).T + bias -> `[M, N]` in x's dtype."""
+    N, K = weight.shape
+    cap = _capability(x.device.index or 0)
+    per_channel = weight_scale.numel() > 1
+    fits = K % 16 == 0 and N % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16)
+    if not fits or cap < (8, 9) or (cap < (9, 0) and per_channel):
+        return quant_reference.fp8_linear(x, weight, weight_scale, bias)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if cap >= (9, 0):
+        x_q, x_scale = quantize_rows_fp8(x)  # [M, K], [M, 1]
+        w_scale = weight_scale.float().reshape(1, -1)
+        if not per_channel:
+            w_scale = w_scale.expand(1, N).contiguous()  # [1, N]
+        out_dtype = torch.bfloat16
+    else:
+        # sm_89: tensorwise scales only. One scale for the whole activation (no host sync).
+        x_scale = (x.abs().amax().float() / FP8_MAX).clamp_min(1e-12)
+        x_q = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        w_scale = weight_scale.float().reshape(())
+        out_dtype = x.dtype
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.to(x.dtype)

@@ -1,0 +1,54 @@
+"""Builders for the quantized-linear tests: random codes packed by the documented layout, with an
+independent dense oracle (dequantised from the codes themselves, never by unpacking qweight)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class IntWeight:
+    """A random quantized [K, N] weight in the canonical layout, plus its dense fp32 value."""
+
+    qweight: torch.Tensor  # [K * bits // 32, N] int32
+    scales: torch.Tensor  # [num_groups, N]
+    zeros: torch.Tensor  # [num_groups, N]
+    g_idx: torch.Tensor | None  # [K] int32
+    bits: int
+    group_size: int
+    dense: torch.Tensor  # [K, N] fp32: (q - zeros[g]) * scales[g]
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[K, N] codes in [0, 2**bits) -> int32 [K * bits // 32, N]: row k at bits bits * (k % pack)."""
+    pack = 32 // bits
+    num_rows, n = q.shape
+    words = torch.zeros(num_rows // pack, n, dtype=torch.int64)
+    for k in range(pack):
+        words |= q[k::pack].to(torch.int64) << (bits * k)
+    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # two's complement
+
+
+def make_int_weight(
+    k: int, n: int, bits: int, group_size: int, act_order: bool, dtype: torch.dtype, seed: int = 0,
+    device: str = "cpu",
+) -> IntWeight:
+    """Random codes, scales (so that w has unit-ish scale) and integer zero points."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (k, n), generator=g)
+    num_groups = k // group_size
+    scales = ((torch.rand(num_groups, n, generator=g) + 0.5) / 2**bits).to(dtype)
+    zeros = torch.randint(0, 2**bits, (num_groups, n), generator=g).to(dtype)
+    if act_order:
+        groups = torch.randperm(k, generator=g) // group_size  # each group still has group_size rows
+        g_idx = groups.to(torch.int32)
+    else:
+        groups = torch.arange(k) // group_size
+        g_idx = None
+    dense = (q.double() - zeros.double()[groups]) * scales.double()[groups]
+    return IntWeight(
+        pack_codes(q, bits).to(device), scales.to(device), zeros.to(device),
+        None if g_idx is None else g_idx.to(device), bits, group_size, dense.float().to(device),
+    )
