@@ -231,3 +231,20 @@ def test_adapters_from_s3(s3_endpoint, tmp_path):
     assert (path / "adapter_model.safetensors").read_bytes() == b"w2"
     with pytest.raises(AdapterSourceError, match="adapter 'x': no objects under s3://lora-test/none"):
         fetch_adapter("x", "s3://lora-test/none/", tmp_path, endpoint_url=s3_endpoint)
+
+
+def test_ping_is_200_only_once_start_up_adapters_are_registered():
+    from serving.engine.engine_loop import EngineState
+    from serving.server.wsgi import ServedEngine
+
+    loop = FakeEngineLoop()
+    loop.state = EngineState.READY  # the model is loaded; the adapters under adapters/ are not yet
+    served = ServedEngine(loop, load_config({"OPTION_ENABLE_LORA": "true"}, []))
+    client = create_app(served, served.config).test_client()
+    assert client.get("/ping").status_code == 503
+    assert client.post("/invocations", json={"inputs": "x"}).status_code == 503
+    served.startup_done.set()
+    assert client.get("/ping").status_code == 200
+    served.startup_error = StartupAdapterError("cannot register adapter 'x' found at start in /m/adapters/x: ...")
+    r = client.get("/ping")
+    assert r.status_code == 500 and "cannot register adapter 'x'" in r.json["error"]
