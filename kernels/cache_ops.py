@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import aligned
+
 
 @triton.jit
 def _write_kv_cache_kernel(
@@ -64,7 +66,7 @@ def write_kv_cache(
         value,
         k_cache,
         v_cache,
-        slot_mapping,
+        aligned(slot_mapping),
         key.stride(0),
         value.stride(0),
         ROW=row,

@@ -16,25 +16,31 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import aligned
+
 _LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
 
 
 @triton.jit
-def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     # Each split covers a whole number of BLOCK_N tiles.
-    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    per_split = tl.cdiv(seq_len, num_splits)
     return tl.cdiv(per_split, BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+# NOTE: the split count and the block-table row stride vary from step to step (eager steps size
+# them to the batch); as runtime values that Triton does not specialise on, one compiled kernel
+# serves every step, so nothing compiles while serving (bench/cold_start.py lists compiles).
+@triton.jit(do_not_specialize=["stride_bt_seq", "num_splits"])
 def _paged_decode_stage1_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    mid_o_ptr,  # [S, H, NUM_SPLITS, HEAD_DIM] fp32
-    mid_lse_ptr,  # [S, H, NUM_SPLITS] fp32 (log2 domain)
+    mid_o_ptr,  # [S, H, num_splits, HEAD_DIM] fp32
+    mid_lse_ptr,  # [S, H, num_splits] fp32 (log2 domain)
     qk_scale,  # softmax scale * log2(e)
     stride_q_seq,
     stride_q_head,
@@ -42,10 +48,10 @@ def _paged_decode_stage1_kernel(
     stride_c_tok,
     stride_c_head,
     stride_bt_seq,
+    num_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -56,7 +62,7 @@ def _paged_decode_stage1_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start >= end:  # empty split: stage 2 skips it by the same arithmetic
@@ -94,12 +100,12 @@ def _paged_decode_stage1_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * NUM_SPLITS + split  # [BLOCK_H]
+    row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits + split  # [BLOCK_H]
     tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
     tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_stage2_kernel(
     mid_o_ptr,
     mid_lse_ptr,
@@ -107,20 +113,20 @@ def _paged_decode_stage2_kernel(
     out_ptr,
     stride_o_seq,
     stride_o_head,
+    num_splits,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # MAX_SPLITS: one kernel for every split count
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    split_len = _split_len(seq_len, num_splits, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    valid = (offs_s < NUM_SPLITS) & (offs_s * split_len < seq_len)
-    row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + offs_s  # [BLOCK_S]
+    valid = (offs_s < num_splits) & (offs_s * split_len < seq_len)
+    row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + offs_s  # [BLOCK_S]
     lse = tl.load(mid_lse_ptr + row, mask=valid, other=float("-inf"))
     m = tl.maximum(tl.max(lse, 0), -1e30)  # finite even when no split is valid (seq_len 0)
     w = tl.where(valid, tl.exp2(lse - m), 0.0)  # [BLOCK_S]
@@ -142,7 +148,7 @@ def _default_num_splits(query: torch.Tensor, num_kv_heads: int, max_context: int
     num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 4
     programs = query.shape[0] * num_kv_heads
     want = triton.cdiv(2 * num_sms, max(programs, 1))
-    return max(1, min(want, triton.cdiv(max_context, block_n), 32))
+    return max(1, min(want, triton.cdiv(max_context, block_n), MAX_SPLITS))
 
 
 def paged_decode_attention_impl(
@@ -174,6 +180,8 @@ def paged_decode_attention_impl(
         block_n = 64 if query.is_cuda else 16
     if num_splits is None:
         num_splits = _default_num_splits(query, num_kv_heads, block_tables.shape[1] * page_size, block_n)
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits
+    block_tables, seq_lens = aligned(block_tables), aligned(seq_lens)
     block_d = triton.next_power_of_2(head_dim)
     mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
@@ -193,10 +201,10 @@ def paged_decode_attention_impl(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        num_splits,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
@@ -211,9 +219,9 @@ def paged_decode_attention_impl(
         out,
         out.stride(0),
         out.stride(1),
+        num_splits,
         HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=MAX_SPLITS,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         num_warps=4,

@@ -13,10 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import aligned
+
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# NOTE: the block-table row stride varies with the step (eager steps size the table to the
+# batch): not specialised on, so one compiled kernel serves every step.
+@triton.jit(do_not_specialize=["stride_bt_seq"])
 def _prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -133,6 +137,7 @@ def prefill_attention_impl(
     if block_n is None:
         block_n = 64 if query.is_cuda else 16
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    block_tables, query_start_loc, seq_lens = aligned(block_tables), aligned(query_start_loc), aligned(seq_lens)
     _prefill_attention_kernel[grid](
         query,
         k_cache,

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import aligned
+
 
 @triton.jit
 def _rotate_heads(base_ptr, cos, sin, offs_h, offs_r, mask, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
@@ -86,7 +88,7 @@ def rotary_embedding(
         return
     half = rot_dim // 2
     _rotary_kernel[(num_tokens,)](
-        positions,
+        aligned(positions),
         query,
         key,
         cos_sin_cache,

@@ -32,6 +32,7 @@ from serving.engine.scheduler import Scheduler
 from serving.engine.plan_builder import build_plan
 from serving.engine.scheduler_output import SchedulerOutput
 from serving.engine.sequence import FinishReason, Sequence
+from serving.engine.warmup import warm_up
 from serving.engine_config import EngineConfig
 from serving.executor.executor import Executor, WorkerFailedError
 from serving.executor.factory import make_executor
@@ -123,6 +124,9 @@ class LLMEngine:
             num_blocks, cache.block_size, num_blocks * cache.block_size, cache.max_model_len,
             config.max_num_seqs, self.max_num_batched_tokens, self.async_scheduling, ",".join(info.devices),
         )
+        if info.device_type == "cuda":
+            # Compile, load and size everything serving will touch before anyone calls this ready.
+            warm_up(self)
 
     # ---- requests ------------------------------------------------------------------------
 
