@@ -282,7 +282,7 @@ def _body_adapters(body: dict, count: int, batch: bool) -> tuple[str, ...]:
     """LMI's top-level `adapters`: one name for every input, or a list with one per input ("" or
     null = the base model for that input). A list whose length differs from the inputs' is a 400."""
     adapters = body.get("adapters")
-    if adapters is None:
+    if adapters is None or adapters == []:  # LMI reads an empty list as no adapters
         return ()
     if isinstance(adapters, str):
         return (adapters.strip(),)

@@ -54,6 +54,8 @@ def test_each_way_of_naming_an_adapter(tmp_path):
     r = client.post("/invocations", json={"inputs": ["x", "y", "z"], "adapters": ["a1", "", "a2"],
                                           "parameters": {"max_new_tokens": 2}})
     assert [o["generated_text"] for o in r.json] == ["AB", "ab", "AB"] and loop.lora_names[-3:] == ["a1", None, "a2"]
+    r = client.post("/invocations", json={"inputs": "x", "adapters": [], "parameters": {"max_new_tokens": 1}})
+    assert r.json == {"generated_text": "a"} and loop.lora_names[-1] is None  # LMI: an empty list is none
     r = client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}], "adapters": ["a1"],
                                           "max_tokens": 2})
     assert r.json["choices"][0]["message"]["content"] == "AB" and loop.lora_names[-1] == "a1"
