@@ -297,15 +297,28 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attend(self.project(positions, hidden)))
+
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """qkv -> RoPE -> this step's K/V into the cache; returns q `[T, num_heads, head_dim]`.
+
+        The part of the layer whose launches depend only on the token count (piecewise CUDA
+        graphs capture it per token bucket; `serving/executor/piecewise_graphs.py`)."""
         meta = get_attention_metadata()
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)  # in place (views)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return q.view(num_tokens, self.num_heads, self.head_dim)
+
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        """Attention of `q` `[T, H, D]` over the paged cache, as the ambient metadata describes;
+        returns `[T, H * D]` (the input of o_proj). Its launches depend on the batch's make-up."""
+        meta = get_attention_metadata()
+        num_tokens = q.shape[0]
         nd = meta.num_decode_tokens
         if meta.num_prefills == 0:
             out = kernels.paged_decode_attention(
@@ -326,7 +339,7 @@ class PagedAttention(nn.Module):
                 meta.query_start_loc[nd:] - nd,  # prefill tokens start right after the decodes
                 meta.seq_lens[nd:], meta.max_query_len, self.scale,
             )
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return out.view(num_tokens, self.q_size)
 
 
 class GatedMLP(nn.Module):
