@@ -29,7 +29,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH \
     OPEN_LMI_CACHE=/opt/open-lmi/cache \
     HF_HOME=/tmp/.cache/huggingface \
-    SERVING_DOWNLOAD_DIR=/tmp/open-lmi/download
+    SERVING_DOWNLOAD_DIR=/tmp/open-lmi/download \
+    TRITON_CACHE_DIR=/tmp/open-lmi/kernel-cache
 
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -67,7 +68,9 @@ RUN grep -v -E '^(torch|triton)==' constraints.txt > /tmp/constraints.txt \
     && chmod -R a+rX /opt/open-lmi
 
 # The brief asks for a non-root user; SageMaker's current docs say it expects root, so the image only
-# writes under /tmp (model downloads, HF cache) and reads /opt/ml/model: it works either way.
+# writes under /tmp (model downloads, HF cache, compiled kernels) and reads /opt/ml/model: it works
+# either way. Compiled Triton kernels go to TRITON_CACHE_DIR: mount a host directory there
+# (`-v ~/.cache/open-lmi-kernels:/tmp/open-lmi/kernel-cache`) and the next start skips compiling.
 RUN useradd --create-home --uid 1000 lmi
 USER 1000
 

@@ -31,6 +31,8 @@ from serving.executor.batch_state import BatchState, WorkerSeq
 from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPlan
 from serving.executor.step_inputs import StepInputs, prepare_inputs
 from serving.executor.weights import init_dummy_weights, load_weights
+from serving.executor.quant import check_device
+from serving.quantization import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,10 @@ class ModelRunner:
         self.batch = BatchState()
         self._prev: StepOutput | None = None
         self._deferred: tuple | None = None  # a launched step waiting for its guided masks
-        self.model = build_model(args, self.dtype, self.device, max(self.max_model_len, args.max_position_embeddings))
+        self.quant = resolve_quantization(self.model_dir, raw, config.quantization)
+        check_device(self.quant, self.device)
+        self.model = build_model(args, self.dtype, self.device, max(self.max_model_len, args.max_position_embeddings),
+                                 quant=self.quant)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, seed=config.seed)
         else:
@@ -86,9 +91,10 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."), max_model_len=self.max_model_len,
         )
         logger.info(
-            "model %s (%s) on %s in %s, loaded in %.1f s; KV cache: %d blocks x %d tokens = %d max concurrent "
-            "tokens (%.2f GiB)", self.model_dir, args.architecture, self.device, self.cache_config.dtype,
-            time.monotonic() - t0, num_blocks, self.block_size, num_blocks * self.block_size,
+            "model %s (%s) on %s in %s, weights %s, loaded in %.1f s; KV cache: %d blocks x %d tokens = %d max "
+            "concurrent tokens (%.2f GiB)", self.model_dir, args.architecture, self.device, self.cache_config.dtype,
+            self.quant.describe() if self.quant else "unquantized", time.monotonic() - t0,
+            num_blocks, self.block_size, num_blocks * self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
         if self.device.type == "cuda" and not config.enforce_eager:
