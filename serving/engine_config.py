@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
+
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's per-step token budget with chunked prefill
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPE_ALIASES = {
@@ -53,6 +55,8 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     load_format: Literal["auto", "dummy"] = "auto"
+    # vLLM's name for option.quantize: None/"none" (what the checkpoint says), gptq, awq, fp8.
+    quantization: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     trust_remote_code: bool = False
     max_logprobs: int = 20
@@ -90,6 +94,12 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
+        if self.quantization is not None:
+            try:
+                object.__setattr__(self, "quantization", parse_quantize_option(str(self.quantization)))
+            except ValueError as exc:
+                reason = str(exc) or f"accepts {QUANTIZE_ACCEPTS}"
+                raise ValueError(f"quantization={self.quantization!r} is invalid: {reason}") from None
 
     @property
     def num_cpu_loras(self) -> int:

@@ -13,6 +13,12 @@ parameter that holds a per-rank slice (`tp_sharded`) is drawn from a generator s
 rank too, so ranks together do NOT hold the slices of the one model a single GPU would draw
 (that would mean every rank drawing every full tensor, too slow for 70B); replicated parameters
 are the same on every rank, and with one rank everything is as it always was.
+
+Quantized layers: their tensors (qweight, scales, weight_scale, ...) load like any other through
+their loaders; a parameter marked `optional_in_checkpoint` may be absent (GPTQ's g_idx without
+desc_act, fp8 input scales); after loading (or the dummy fill, which draws packed int32 words and
+positive scales through each parameter's `fill_dummy`) every quantized layer converts its tensors
+to the kernels' layout once (`quant.process_weights_after_loading`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 from torch import nn
 
 from serving.executor.models.layers import TensorSlice
+from serving.executor.quant import process_weights_after_loading
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +105,11 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     if unexpected:
         raise ValueError(f"checkpoint has tensors the model does not expect: {unexpected[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''}")
-    missing = [n for n in params if not _complete(model, n, filled.get(n))]
+    missing = [n for n, p in params.items()
+               if not _complete(model, n, filled.get(n)) and not getattr(p, "optional_in_checkpoint", False)]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    process_weights_after_loading(model)
     logger.info("loaded %d tensors from %s in %.2f s", len(params), model_dir, time.monotonic() - t0)
 
 
@@ -131,7 +140,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
                 if shard is not None and shard.world_size > 1 and getattr(param, "tp_sharded", False):
                     key = f"{name}@rank{shard.rank}/{shard.world_size}"
                 gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(key))
-                param.normal_(0.0, std, generator=gen)
+                fill = getattr(param, "fill_dummy", None)
+                if fill is not None:  # quantized tensors: packed words, positive scales, valid g_idx
+                    fill(param, gen, std)
+                else:
+                    param.normal_(0.0, std, generator=gen)
+    process_weights_after_loading(model)
 
 
 def _stable_hash(name: str) -> int:

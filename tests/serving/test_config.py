@@ -134,7 +134,7 @@ INVALID = [
     ("OPTION_PREDICT_TIMEOUT", "soon", "seconds"),
     ("OPTION_MODEL_LOADING_TIMEOUT", "0", "seconds"),
     ("SAGEMAKER_BIND_TO_PORT", "70000", "an integer port 1..65535"),
-    ("OPTION_QUANTIZE", "awq", "unset or none"),
+    ("OPTION_QUANTIZE", "int3", "none|gptq|awq|fp8"),
     ("MAX_BATCH_SIZE", "many", "a positive integer"),
     ("SM_NUM_GPUS", "x", "a positive integer or max"),
     ("CUDA_MEMORY_FRACTION", "2", "a number in (0, 1]"),

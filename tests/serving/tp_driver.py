@@ -12,6 +12,7 @@ of a gloo group and saves what it got.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from serving.executor.attention_metadata import AttentionMetadata, forward_conte
 from serving.executor.models import build_model
 from serving.executor.weights import load_weights
 from serving.model_config import ModelArgs
+from serving.quantization import resolve_quantization
 
 
 @dataclass
@@ -63,7 +65,8 @@ def greedy_logits(
 ) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Per prompt: logits [computed rows, vocab] float32, and prompt + greedy tokens."""
     args = ModelArgs.from_dir(model_dir)
-    model = build_model(args, torch.float32, torch.device("cpu"))
+    quant = resolve_quantization(model_dir, json.loads((Path(model_dir) / "config.json").read_text()), None)
+    model = build_model(args, torch.float32, torch.device("cpu"), quant=quant)
     load_weights(model, model_dir)
     num_blocks = sum(len(p) + decode_steps + block_size for p in prompts) // block_size + 1
     kv = torch.zeros(2, args.num_hidden_layers, num_blocks, block_size, model.num_kv_heads_per_rank, args.head_dim)

@@ -20,6 +20,7 @@ from torch import nn
 from serving.executor.models.llama import LlamaForCausalLM
 from serving.executor.parallel import TPShard
 from serving.model_config import SUPPORTED_ARCHITECTURES, ModelArgs, UnsupportedModelError
+from serving.quantization import QuantConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -51,13 +52,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(
     args: ModelArgs, dtype: torch.dtype, device: torch.device, max_position: int | None = None,
-    shard: TPShard | None = None,
+    shard: TPShard | None = None, quant: QuantConfig | None = None,
 ) -> nn.Module:
     """Instantiate the model (this rank's slice) with uninitialised parameters of `dtype` directly on `device`.
 
-    Raises ValueError when the model does not split over the tensor-parallel degree.
+    `quant`: the checkpoint's quantization (its linear layers then hold quantized tensors).
+    Raises ValueError when the model does not split over the tensor-parallel degree (or its
+    quantized groups do not).
     """
     cls = get_model_class(args)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(args, max_position=max_position, shard=shard)
+        model = cls(args, max_position=max_position, shard=shard, quant=quant)
     return model.eval()

@@ -16,6 +16,9 @@ the rows/columns its rank holds, so a rank never reads a whole sharded tensor. P
 parameters are filled from separate HF tensors (q|k|v -> qkv_proj, gate|up -> gate_up_proj,
 `shard_id` = the part) or from a checkpoint that is already fused (Phi-3, `shard_id` None).
 Parameters that hold a per-rank slice are marked `tp_sharded = True` (for dummy weights).
+Quantized layers: a linear layer built with a `LinearMethod` (`serving/executor/quant/`) lets it
+create, load and apply its checkpoint tensors (qweight/scales/..., each loaded by this rank's
+slice as its `LinearSpec` says); without one the layer is the plain float path, unchanged.
 `PagedAttention` writes this step's K/V into the paged cache, then runs decode attention for the
 leading one-token sequences and prefill attention for the rest, as described by the ambient
 `AttentionMetadata`.
@@ -34,6 +37,8 @@ import kernels
 from serving.executor import parallel
 from serving.executor.attention_metadata import get_attention_metadata
 from serving.executor.parallel import TPShard, attention_shard, vocab_per_rank
+from serving.executor.quant import LinearMethod, LinearSpec, linear_method
+from serving.quantization import QuantConfig
 
 SINGLE = TPShard()  # one process holds everything
 
@@ -86,12 +91,22 @@ def default_weight_loader(param: torch.Tensor, loaded: Loaded, shard_id: object 
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), W stored [out_features, in_features] as in HF; replicated on every rank."""
+    """y = x W^T (+ b), W stored [out_features, in_features] as in HF; replicated on every rank.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    With a `quant_method` (and the layer's `spec`), the method creates the weight tensors instead.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant_method: LinearMethod | None = None, spec: LinearSpec | None = None) -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features)
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method = quant_method
+        if quant_method is not None and quant_method.creates_weights:
+            quant_method.create_weights(self, spec or LinearSpec(in_features, 0, in_features,
+                                                                 {"": even_part(out_features, SINGLE)},
+                                                                 {"": (0, out_features)}))
+        else:
+            self.weight = _param(out_features, in_features)
+            self.weight.weight_loader = self.weight_loader
         self.bias = _param(out_features) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
@@ -99,8 +114,13 @@ class Linear(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 @dataclass(frozen=True)
@@ -128,18 +148,20 @@ class ColumnParallelLinear(Linear):
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, shard: TPShard = SINGLE,
-        *, parts: dict[str, OutputPart] | None = None,
+        *, parts: dict[str, OutputPart] | None = None, quant_method: LinearMethod | None = None, name: str = "",
     ) -> None:
         parts = parts if parts is not None else {"": even_part(out_features, shard)}
         assert sum(p.full for p in parts.values()) == out_features
-        super().__init__(in_features, sum(p.size for p in parts.values()), bias)
-        self.parts = parts
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offsets: dict[str, tuple[int, int]] = {}
         offset = 0
-        for name, part in parts.items():
-            self.shard_offsets[name] = (offset, part.size)
+        for part_name, part in parts.items():
+            offsets[part_name] = (offset, part.size)
             offset += part.size
-        _mark_sharded(any(p.size != p.full for p in parts.values()), self.weight, self.bias)
+        spec = LinearSpec(in_features, 0, in_features, parts, offsets, name)
+        super().__init__(in_features, offset, bias, quant_method, spec)
+        self.parts = parts
+        self.shard_offsets = offsets
+        _mark_sharded(any(p.size != p.full for p in parts.values()), getattr(self, "weight", None), self.bias)
 
     def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
         """`shard_id` None: the whole (possibly fused, parts in order) tensor; else that part alone."""
@@ -165,23 +187,28 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
     part's name) or already fused in `parts` order (Phi-3's qkv_proj, shard_id None).
     """
 
-    def __init__(self, in_features: int, parts: dict[str, OutputPart], bias: bool = False) -> None:
-        super().__init__(in_features, sum(p.full for p in parts.values()), bias, parts=parts)
+    def __init__(self, in_features: int, parts: dict[str, OutputPart], bias: bool = False,
+                 quant_method: LinearMethod | None = None, name: str = "") -> None:
+        super().__init__(in_features, sum(p.full for p in parts.values()), bias, parts=parts,
+                         quant_method=quant_method, name=name)
 
 
 class RowParallelLinear(Linear):
     """Input dim split over ranks: y = all_reduce(x_local W_local^T) (+ b, added by rank 0 only)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TPShard = SINGLE,
-                 in_part: tuple[int, int] | None = None) -> None:
+                 in_part: tuple[int, int] | None = None, quant_method: LinearMethod | None = None,
+                 name: str = "") -> None:
         """`in_part` = (start, size) of this rank's input columns when not an even split (o_proj
         under an uneven head split)."""
         in_start, size = in_part if in_part is not None else shard.split(in_features)
-        super().__init__(size, out_features, bias)
+        spec = LinearSpec(in_features, in_start, size, {"": OutputPart(out_features, 0, out_features)},
+                          {"": (0, out_features)}, name)
+        super().__init__(size, out_features, bias, quant_method, spec)
         self.in_start, self.full_in_features = in_start, in_features
         self.reduce = shard.world_size > 1
         self.bias_rank = shard.rank == 0
-        _mark_sharded(self.reduce, self.weight)
+        _mark_sharded(self.reduce, getattr(self, "weight", None))
 
     def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
         if param.dim() == 1:  # the bias: replicated
@@ -193,8 +220,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.reduce:
-            return F.linear(x, self.weight, self.bias)
-        return parallel.all_reduce(F.linear(x, self.weight, self.bias if self.bias_rank else None))
+            return self._linear(x, self.bias)
+        return parallel.all_reduce(self._linear(x, self.bias if self.bias_rank else None))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -277,6 +304,8 @@ class PagedAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         shard: TPShard = SINGLE,
+        quant: QuantConfig | None = None,
+        prefix: str = "self_attn",
     ) -> None:
         super().__init__()
         heads = attention_shard(num_heads, num_kv_heads, shard)
@@ -286,9 +315,12 @@ class PagedAttention(nn.Module):
         kv_part = OutputPart(num_kv_heads * head_dim, heads.kv_head_start * head_dim, self.kv_size)
         parts = {"q": OutputPart(num_heads * head_dim, heads.q_head_start * head_dim, self.q_size),
                  "k": kv_part, "v": kv_part}
-        self.qkv_proj = PackedColumnParallelLinear(hidden_size, parts, qkv_bias)
+        qkv = [f"{prefix}.{p}_proj" for p in "qkv"]
+        self.qkv_proj = PackedColumnParallelLinear(hidden_size, parts, qkv_bias, linear_method(quant, *qkv),
+                                                   f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, shard,
-                                        in_part=(heads.q_head_start * head_dim, self.q_size))
+                                        in_part=(heads.q_head_start * head_dim, self.q_size),
+                                        quant_method=linear_method(quant, f"{prefix}.o_proj"), name=f"{prefix}.o_proj")
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.cos_sin_cache = torch.empty(0)  # shared, set by the model
@@ -345,11 +377,16 @@ class PagedAttention(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate|up packed as gate_up_proj (this rank's columns)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard = SINGLE) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard = SINGLE,
+                 quant: QuantConfig | None = None, prefix: str = "mlp") -> None:
         super().__init__()
         part = even_part(intermediate_size, shard)
-        self.gate_up_proj = PackedColumnParallelLinear(hidden_size, {"0": part, "1": part}, bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, shard)
+        gate_up = linear_method(quant, f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        self.gate_up_proj = PackedColumnParallelLinear(hidden_size, {"0": part, "1": part}, bias, gate_up,
+                                                       f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, shard,
+                                           quant_method=linear_method(quant, f"{prefix}.down_proj"),
+                                           name=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))

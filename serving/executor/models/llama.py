@@ -9,6 +9,8 @@ the runner only to the rows it samples.
 Tensor parallel: the model is built for one `TPShard` (default: this process's,
 `parallel.tp_shard()`) and holds only that rank's slices; `compute_logits` still returns the
 full vocab on every rank. `num_kv_heads_per_rank` is what the runner's KV cache must hold.
+Quantized checkpoints: `quant` (a `QuantConfig`) reaches each linear layer with its HF module name,
+so the layer's linear method (and the checkpoint's skip list) decide what it holds.
 """
 
 from __future__ import annotations
@@ -26,18 +28,19 @@ from serving.executor.models.layers import (
 from serving.executor.models.rotary import build_cos_sin_cache
 from serving.executor.parallel import TPShard, kv_heads_per_rank, tp_shard, validate_tensor_parallel
 from serving.model_config import ModelArgs
+from serving.quantization import QuantConfig
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x -> norm -> attention -> (+res) norm -> MLP, residual carried fused."""
 
-    def __init__(self, args: ModelArgs, shard: TPShard) -> None:
+    def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.self_attn = PagedAttention(
             args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard,
+            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
         )
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -67,10 +70,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF `model.*`)."""
 
-    def __init__(self, args: ModelArgs, max_position: int, shard: TPShard) -> None:
+    def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, shard) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, shard, quant, f"model.layers.{i}")
+                                    for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, rot_dim] float32
@@ -121,12 +125,14 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "1"),
     }
 
-    def __init__(self, args: ModelArgs, max_position: int | None = None, shard: TPShard | None = None) -> None:
+    def __init__(self, args: ModelArgs, max_position: int | None = None, shard: TPShard | None = None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.args = args
         self.tp_shard = shard = shard or tp_shard()
+        self.quant = quant
         validate_tensor_parallel(args, shard.world_size)
-        self.model = LlamaModel(args, max_position or args.max_position_embeddings, shard)
+        self.model = LlamaModel(args, max_position or args.max_position_embeddings, shard, quant)
         if args.tie_word_embeddings:
             self.lm_head = None
         else:

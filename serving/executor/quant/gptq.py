@@ -1,0 +1,124 @@
+"""GPTQ int4/int8 linear layers: the checkpoint's qweight/qzeros/scales/g_idx -> `kernels.quant_linear`.
+
+Checkpoint (AutoGPTQ / GPTQModel, K = input rows, N = output columns, G = group_size):
+  qweight int32 [K / pf, N]   pf = 32 // bits values of consecutive rows per word (the kernels' order)
+  qzeros  int32 [K / G, N / pf] packed along N; v1 checkpoints (checkpoint_format "gptq") store zero - 1
+  scales  fp16  [K / G, N]
+  g_idx   int32 [K]           group of each input row (act-order / desc_act permutes it)
+After loading, zeros are unpacked to float [groups, N] (+1 for v1) and scales cast to the
+activation dtype: w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n], g = g_idx[k] or k // G.
+Tensor parallel: column-parallel layers split N (whole words of qzeros: 8 columns for int4);
+row-parallel layers split K on group boundaries, or, with desc_act, keep every group's scales and
+zeros and their rows' g_idx (a rank's rows may reference any group).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from serving.executor.quant.loading import LinearSpec, QuantAxes, make_loader
+from serving.executor.quant.packing import unpack_int32
+from serving.quantization import QuantConfig
+
+
+def _param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, spec: LinearSpec,
+           axes: QuantAxes, optional: bool = False) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = make_loader(spec, axes)
+    p.tp_sharded = spec.is_sharded
+    p.fill_dummy = _fill_dummy
+    if optional:
+        p.optional_in_checkpoint = True
+    layer.register_parameter(name, p)
+    return p
+
+
+def _fill_dummy(param: torch.Tensor, gen: torch.Generator, std: float) -> None:
+    """Random packed words / positive scales (benchmarks' dummy weights)."""
+    if param.dtype == torch.int32:
+        param.copy_(torch.randint(-(2**31), 2**31, param.shape, generator=gen, device=param.device,
+                                  dtype=torch.int64).to(torch.int32))
+    else:  # scales: |N(0, std)| / 4 keeps (q - z) * s near the unquantized std
+        param.normal_(0.0, std / 4, generator=gen).abs_()
+
+
+class GroupQuantLinearMethod:
+    """Shared part of the integer formats: groups, zeros, the kernel call."""
+
+    creates_weights = True
+
+    def __init__(self, quant: QuantConfig) -> None:
+        self.quant = quant
+        self.bits, self.pf = quant.bits, quant.pack_factor
+
+    def group_layout(self, spec: LinearSpec) -> tuple[int, int, bool]:
+        """(G in input rows, groups this rank holds, keep every group) for this layer."""
+        q, name = self.quant, spec.name or "layer"
+        if spec.in_full % self.pf or spec.in_size % self.pf:
+            raise ValueError(f"{name}: input size {spec.in_size} of {spec.in_full} is not a multiple of {self.pf} "
+                             f"({q.bits}-bit values per int32)")
+        if q.group_size is None:  # per output channel: one group, every rank keeps it
+            return spec.in_full, 1, True
+        g = q.group_size
+        if spec.in_full % g:
+            raise ValueError(f"{name}: input size {spec.in_full} is not a multiple of group_size {g}")
+        if q.desc_act and spec.in_size != spec.in_full:
+            return g, spec.in_full // g, True
+        if spec.in_start % g or spec.in_size % g:
+            raise ValueError(f"{name}: the tensor-parallel split of its {spec.in_full} input rows at "
+                             f"[{spec.in_start}, {spec.in_start + spec.in_size}) does not fall on group_size {g} "
+                             "boundaries; use a tensor parallel degree that does, or a checkpoint with a smaller group")
+        return g, spec.in_size // g, False
+
+    def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
+        g, groups, whole = self.group_layout(spec)
+        n, dtype = spec.out_size, torch.get_default_dtype()
+        _param(layer, "qweight", (spec.in_size // self.pf, n), torch.int32, spec,
+               QuantAxes(in_dim=0, in_unit=self.pf, out_dim=1))
+        _param(layer, "qzeros", (groups, n // self.pf), torch.int32, spec,
+               QuantAxes(in_dim=0, in_unit=g, in_whole=whole, out_dim=1, out_unit=self.pf))
+        _param(layer, "scales", (groups, n), dtype, spec, QuantAxes(in_dim=0, in_unit=g, in_whole=whole, out_dim=1))
+        g_idx = _param(layer, "g_idx", (spec.in_size,), torch.int32, spec, QuantAxes(in_dim=0),
+                       optional=not self.quant.desc_act)
+        g_idx.weight_loader = _same_g_idx_loader(g_idx.weight_loader, spec)
+        g_idx.fill_dummy = _fill_g_idx(spec.in_start, g)
+        layer.quant_group_size = g if not whole or groups > 1 else spec.in_size
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        zeros = unpack_int32(layer.qzeros.data, self.bits, dim=1)[:, : layer.scales.shape[1]] + self.quant.zero_offset
+        layer.zeros = nn.Parameter(zeros.to(layer.scales.dtype), requires_grad=False)  # [groups, N]
+        del layer.qzeros
+        if not self.quant.desc_act:  # rows in natural order: the kernel derives k // G itself
+            del layer.g_idx
+            layer.g_idx = None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return kernels.quant_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.bits,
+                                    layer.quant_group_size, bias)
+
+
+def _same_g_idx_loader(load, spec: LinearSpec):
+    """Parts of a fused layer (q|k|v, gate|up) read the same input, so GPTQ gives them the same act
+    order: each part's g_idx must equal the first one loaded."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def loader(param: torch.Tensor, loaded: object, shard_id: object = None) -> None:
+        load(param, loaded, shard_id)
+        if seen and not torch.equal(param.data, next(iter(seen.values()))):
+            raise ValueError(f"{spec.name}: g_idx of part {shard_id!r} differs from part {next(iter(seen))!r}'s; "
+                             "a fused layer needs one act order for all its parts")
+        seen[str(shard_id)] = param.data.clone()
+
+    return loader
+
+
+def _fill_g_idx(in_start: int, group: int):
+    def fill(param: torch.Tensor, gen: torch.Generator, std: float) -> None:
+        rows = torch.arange(in_start, in_start + param.shape[0], device=param.device)
+        param.copy_((rows // group).to(torch.int32))
+    return fill
+
+
+GPTQLinearMethod = GroupQuantLinearMethod  # the checkpoint layout IS the kernels' layout
