@@ -24,54 +24,168 @@ import triton.language as tl
 
 
 class MatmulConfig(NamedTuple):
-    """One tiling of the kernel; `split_k` 1 means no workspace."""
+    """One tiling. `block_m` < 16 selects the GEMV kernel with that many rows (1, 2 or 4); 0 the
+    dequantise-then-cuBLAS path (the other fields unused)."""
 
     block_m: int
     block_n: int
     block_k: int
-    split_k: int
+    split_k: int  # 1: no workspace
     num_warps: int
     num_stages: int
-    split_unpack: bool = False  # one sub-dot per packed slot (no redundant qweight loads)
+    split_unpack: bool = False  # tile kernel: one sub-dot per packed slot (no redundant loads)
 
 
 @triton.jit
-def _codes_to_float(q, MODE: tl.constexpr, DTYPE: tl.constexpr):
-    # q: unsigned codes (int32) -> 16-bit floats equal to OFFSET + q (MODE 1: bf16 128 + q,
-    # MODE 2: fp16 1024 + q), or q converted exactly (MODE 0, OFFSET 0).
-    if MODE == 1:
-        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif MODE == 2:
-        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+def _unit_float(words, J: tl.constexpr, BITS: tl.constexpr):
+    # Field J of each packed word as the fp32 1 + q / 2**BITS (exact): the field is moved to the
+    # top of the mantissa and the exponent of 1.0 is or-ed in. One shift + one and/or per weight,
+    # no int-to-float conversion (those issue at 1/8 the FMA rate).
+    SHIFT: tl.constexpr = 23 - BITS - BITS * J
+    if SHIFT >= 0:
+        moved = words << SHIFT
     else:
-        return q.to(DTYPE)
+        moved = words >> (-SHIFT)
+    return ((moved & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _int_matmul_kernel(
-    x_ptr,  # [M, K]
+@triton.jit
+def _finish_tile(
+    acc, offs_m, offs_n, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr,
+    counter_ptr, stride_om, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
+):
+    # acc [BM, BN] fp32 -> out (+ bias). With split-K: store this split's partial; the last split
+    # of the tile (per-tile counter) sums all partials in split order and resets the counter.
+    out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if USE_SPLIT:
+        part_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + split.to(tl.int64) * M * N + part_offs, acc, mask=out_mask)
+        # NOTE: the barrier orders every thread's partial store before the release below.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            total = tl.zeros_like(acc)
+            for s_i in range(split_k):
+                total += tl.load(partial_ptr + s_i * M * N + part_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(counter_ptr + tile, 0)  # ready for the next launch
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
+def _int_gemv_kernel(
+    x_ptr,  # [M, K], M <= ROWS
     qw_ptr,  # [K // PACK, N] int32
     scales_ptr,  # [G, N]
     zeros_ptr,  # [G, N]
-    g_idx_ptr,  # [K] int32 (only read with HAS_G_IDX)
     bias_ptr,  # [N] (only read with HAS_BIAS)
     out_ptr,  # [M, N]
     partial_ptr,  # [split_k, M, N] fp32 (only with USE_SPLIT)
     counter_ptr,  # [>= tiles] int32, zero between launches (only with USE_SPLIT)
-    M,
-    N,
-    K,
-    group_size,
-    tiles_per_split,
-    split_k,
-    stride_xm,
-    stride_qk,
-    stride_sg,
-    stride_om,
+    M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_qk, stride_sg, stride_om,
     BITS: tl.constexpr,
-    MODE: tl.constexpr,
-    OFFSET: tl.constexpr,
-    HAS_G_IDX: tl.constexpr,
+    ROWS: tl.constexpr,  # 1, 2 or 4 rows of x per program
+    HAS_BIAS: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides group_size: one group per tile
+):
+    # Decode (M <= 4): CUDA-core FMAs, no tensor cores. A [BLOCK_K / PACK, BLOCK_N] tile of words
+    # keeps its rows inside each thread (num_warps = BLOCK_N / 128), so the sums over k are
+    # thread-local. Per group: sum_k x (q - z) s = s (2**B sum_k x f - (2**B + z) sum_k x) with
+    # f = 1 + q / 2**B. The next tile's words are loaded before this tile is used (latency hiding).
+    PACK: tl.constexpr = 32 // BITS
+    UNIT: tl.constexpr = 1 << BITS
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_i = tl.arange(0, BLOCK_K // PACK)
+    num_words = K // PACK
+    # NOTE: rows past M re-read row M - 1 (always valid memory); the epilogue drops them.
+    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    t_start = split * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
+    rows_i = t_start * (BLOCK_K // PACK) + offs_i
+    rows_end = tl.minimum(num_words, t_end * (BLOCK_K // PACK))  # this split's last word row + 1
+    w_mask = (rows_i < rows_end)[:, None] & mask_n[None, :]
+    words_next = tl.load(qw_ptr + rows_i[:, None] * stride_qk + offs_n[None, :], mask=w_mask, other=0,
+                         eviction_policy="evict_first")
+    for t in range(t_start, t_end):
+        words = words_next
+        rows_i = t * (BLOCK_K // PACK) + offs_i
+        mask_i = rows_i < num_words
+        nxt = rows_i + BLOCK_K // PACK
+        w_mask = (nxt < rows_end)[:, None] & mask_n[None, :]
+        words_next = tl.load(qw_ptr + nxt[:, None] * stride_qk + offs_n[None, :], mask=w_mask, other=0,
+                             eviction_policy="evict_first")
+        d0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        d1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        d2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        d3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        xs0 = 0.0
+        xs1 = 0.0
+        xs2 = 0.0
+        xs3 = 0.0
+        for j in tl.static_range(PACK):
+            f = _unit_float(words, j, BITS)  # [BLOCK_K // PACK, BLOCK_N]
+            cols = rows_i * PACK + j
+            x0 = tl.load(x_ptr + cols, mask=mask_i, other=0.0).to(tl.float32)
+            d0 += tl.sum(f * x0[:, None], axis=0)
+            xs0 += tl.sum(x0, axis=0)
+            if ROWS > 1:
+                x1 = tl.load(x_ptr + tl.minimum(M - 1, 1) * stride_xm + cols, mask=mask_i, other=0.0).to(tl.float32)
+                d1 += tl.sum(f * x1[:, None], axis=0)
+                xs1 += tl.sum(x1, axis=0)
+            if ROWS > 2:
+                x2 = tl.load(x_ptr + tl.minimum(M - 1, 2) * stride_xm + cols, mask=mask_i, other=0.0).to(tl.float32)
+                d2 += tl.sum(f * x2[:, None], axis=0)
+                xs2 += tl.sum(x2, axis=0)
+                x3 = tl.load(x_ptr + tl.minimum(M - 1, 3) * stride_xm + cols, mask=mask_i, other=0.0).to(tl.float32)
+                d3 += tl.sum(f * x3[:, None], axis=0)
+                xs3 += tl.sum(x3, axis=0)
+        g_row = (t * BLOCK_K // group_size) * stride_sg
+        s = tl.load(scales_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        zu = tl.load(zeros_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32) + UNIT
+        acc0 += s * (UNIT * d0 - zu * xs0)
+        if ROWS > 1:
+            acc1 += s * (UNIT * d1 - zu * xs1)
+        if ROWS > 2:
+            acc2 += s * (UNIT * d2 - zu * xs2)
+            acc3 += s * (UNIT * d3 - zu * xs3)
+    # Stack the rows into one [ROWS, BLOCK_N] tile for the shared epilogue (at least 2 rows:
+    # a 1-row tile repeats row 0, which the store mask drops).
+    offs_m = tl.arange(0, 2 if ROWS == 1 else ROWS)
+    if ROWS == 1:
+        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc0[None, :])
+    elif ROWS == 2:
+        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc1[None, :])
+    else:
+        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc1[None, :])
+        acc = tl.where(offs_m[:, None] == 2, acc2[None, :], acc)
+        acc = tl.where(offs_m[:, None] == 3, acc3[None, :], acc)
+    _finish_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
+                 partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
+def _int_matmul_kernel(
+    # as _int_gemv_kernel's, plus g_idx [K] int32 (only read with HAS_G_IDX)
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_qk, stride_sg, stride_om,
+    BITS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,  # per-row groups (act-order, or groups smaller than BLOCK_K)
     HAS_BIAS: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     SPLIT_UNPACK: tl.constexpr,
@@ -81,8 +195,10 @@ def _int_matmul_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # Tensor-core tiles: dequantise a [BLOCK_K, BLOCK_N] weight tile into x's dtype with one FMA per
+    # weight, w = f * (2**B s) - (2**B + z) s (f = 1 + q / 2**B), and accumulate inside tl.dot.
     PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    UNIT: tl.constexpr = 1 << BITS
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -108,69 +224,98 @@ def _int_matmul_kernel(
     for t in range(t_start, t_end):
         k0 = t * BLOCK_K
         if SPLIT_UNPACK:
-            # One sub-dot per slot j of the packed int32: rows k0 + PACK * i + j. Each qweight word
-            # is loaded once; the x columns are gathered to match (a sum over k ignores its order).
+            # One sub-dot per slot j of the packed words: rows k0 + PACK * i + j. Each word is
+            # loaded once; x's columns are gathered to match (a sum over k ignores its order).
             offs_i = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
             mask_i = offs_i < K // PACK
-            qw = tl.load(qw_ptr + offs_i[:, None] * stride_qk + offs_n[None, :],
-                         mask=mask_i[:, None] & mask_n[None, :], other=0)  # [BLOCK_K // PACK, BLOCK_N]
-            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            words = tl.load(qw_ptr + offs_i[:, None] * stride_qk + offs_n[None, :],
+                            mask=mask_i[:, None] & mask_n[None, :], other=0)  # [BLOCK_K // PACK, BLOCK_N]
+            g_row = (k0 // group_size) * stride_sg  # the tile lies in one group
+            s = tl.load(scales_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            su = (s * UNIT)[None, :]
+            c = ((z + UNIT) * s)[None, :]
             for j in tl.static_range(PACK):
                 xj = tl.load(x_rows + (offs_i * PACK + j)[None, :], mask=mask_m[:, None] & mask_i[None, :], other=0.0)
-                wj = _codes_to_float((qw >> (j * BITS)) & MASK, MODE, DTYPE)
-                part += tl.dot(xj, wj, input_precision=DOT_PRECISION)
-                x_sum += tl.sum(xj.to(tl.float32), axis=1)
+                wj = (_unit_float(words, j, BITS) * su - c).to(DTYPE)
+                acc = tl.dot(xj, wj, acc, input_precision=DOT_PRECISION)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
             # Each word is read by the PACK rows it holds (L1 hits after the first).
-            qw = tl.load(qw_ptr + (offs_k // PACK)[:, None] * stride_qk + offs_n[None, :],
-                         mask=mask_k[:, None] & mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N]
-            q = (qw >> ((offs_k % PACK) * BITS)[:, None]) & MASK
+            words = tl.load(qw_ptr + (offs_k // PACK)[:, None] * stride_qk + offs_n[None, :],
+                            mask=mask_k[:, None] & mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N]
+            fields = (words >> ((offs_k % PACK) * BITS)[:, None]) << (23 - BITS)
+            f = ((fields & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
             if HAS_G_IDX:
-                # Act-order: every row has its own group, so dequantise the whole tile.
                 g = tl.load(g_idx_ptr + offs_k, mask=mask_k, other=0)
                 sg_offs = g[:, None] * stride_sg + offs_n[None, :]
                 sg_mask = mask_k[:, None] & mask_n[None, :]
                 s = tl.load(scales_ptr + sg_offs, mask=sg_mask, other=0.0).to(tl.float32)
                 z = tl.load(zeros_ptr + sg_offs, mask=sg_mask, other=0.0).to(tl.float32)
-                w = ((q.to(tl.float32) - z) * s).to(DTYPE)
-                acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+                w = (f * (s * UNIT) - (z + UNIT) * s).to(DTYPE)
             else:
-                part = tl.dot(x, _codes_to_float(q, MODE, DTYPE), input_precision=DOT_PRECISION)
-                x_sum = tl.sum(x.to(tl.float32), axis=1)
-        if not HAS_G_IDX:
-            # The tile lies inside one group (the host makes group_size a multiple of BLOCK_K).
-            g_row = (k0 // group_size) * stride_sg
-            s = tl.load(scales_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32) + OFFSET
-            acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+                g_row = (k0 // group_size) * stride_sg  # the tile lies in one group
+                s = tl.load(scales_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                z = tl.load(zeros_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                w = (f * (s * UNIT)[None, :] - ((z + UNIT) * s)[None, :]).to(DTYPE)
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
 
-    out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if not USE_SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(partial_ptr + split.to(tl.int64) * M * N + part_offs, acc, mask=out_mask)
-        # NOTE: the barrier orders every thread's partial store before the release below.
-        tl.debug_barrier()
-        tile = pid_m * num_pid_n + pid_n
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            # Last split of this tile: sum the partials in split order (deterministic).
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s_i in range(split_k):
-                total += tl.load(partial_ptr + s_i * M * N + part_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(counter_ptr + tile, 0)  # ready for the next launch
+    _finish_tile(acc, offs_m, offs_n, mask_m, mask_n, split, split_k, pid_m * num_pid_n + pid_n, M, N, bias_ptr,
+                 out_ptr, partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+
+
+@triton.jit
+def _dequant_kernel(
+    qw_ptr,  # [K // PACK, N] int32
+    scales_ptr,  # [G, N]
+    zeros_ptr,  # [G, N]
+    g_idx_ptr,  # [K] int32 (only read with HAS_G_IDX)
+    w_ptr,  # [K, N] out, x's dtype
+    N, K, group_size, stride_qk, stride_sg, stride_wk,
+    BITS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # packed rows per program
+    BLOCK_N: tl.constexpr,
+):
+    # The whole weight in x's dtype, for large M (prefill): then cuBLAS does the multiply.
+    PACK: tl.constexpr = 32 // BITS
+    UNIT: tl.constexpr = 1 << BITS
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_r < K // PACK)[:, None] & (offs_n < N)[None, :]
+    words = tl.load(qw_ptr + offs_r[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
+    for j in tl.static_range(PACK):
+        rows = offs_r * PACK + j
+        if HAS_G_IDX:
+            g = tl.load(g_idx_ptr + rows, mask=rows < K, other=0)
+        else:
+            g = rows // group_size
+        sg = g[:, None] * stride_sg + offs_n[None, :]
+        s = tl.load(scales_ptr + sg, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + sg, mask=mask, other=0.0).to(tl.float32)
+        w = _unit_float(words, j, BITS) * (s * UNIT) - (z + UNIT) * s
+        tl.store(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + offs_n[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor | None, bits: int,
+    group_size: int, dtype: torch.dtype,
+) -> torch.Tensor:
+    """The dense `[K, N]` weight in `dtype` (one launch; the large-M path multiplies it with cuBLAS)."""
+    num_words, N = qweight.shape
+    K = num_words * (32 // bits)
+    w = torch.empty((K, N), device=qweight.device, dtype=dtype)
+    block_r, block_n = 8, 256
+    grid = (triton.cdiv(num_words, block_r), triton.cdiv(N, block_n))
+    _dequant_kernel[grid](
+        qweight, scales, zeros, g_idx if g_idx is not None else qweight, w,
+        N, K, group_size, qweight.stride(0), scales.stride(0), w.stride(0),
+        BITS=bits, HAS_G_IDX=g_idx is not None, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4,
+    )
+    return w
 
 
 _NUM_COUNTERS = 1 << 16
@@ -199,23 +344,34 @@ def _largest_dividing_block(block_k: int, group_size: int) -> int:
     return block_k
 
 
+def _split_for(tiles: int, num_k_tiles: int, target_programs: int) -> int:
+    """Split K so that tiles * split reaches target_programs, with no empty split."""
+    if tiles >= target_programs:
+        return 1
+    split = max(1, min(num_k_tiles, triton.cdiv(target_programs, tiles), 32))
+    return triton.cdiv(num_k_tiles, triton.cdiv(num_k_tiles, split))
+
+
 def pick_config(M: int, N: int, K: int, group_size: int, bits: int, has_g_idx: bool, num_sms: int) -> MatmulConfig:
-    """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies)."""
-    if M <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 256, 4, 3
+    """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
+
+    M <= 4: GEMV on CUDA cores (bandwidth-bound); M <= 64: 16/64-row tensor-core tiles with split-K;
+    larger M: 128-row tiles, split-K only while the grid is under two waves.
+    """
+    if M <= 4 and not has_g_idx:
+        rows = 1 if M == 1 else (2 if M == 2 else 4)
+        bm, bn, bk, warps, stages, unpack, target = rows, 256, 128, 2, 1, False, 4 * num_sms
+    elif M <= 16:
+        bm, bn, bk, warps, stages, unpack, target = 16, 64, 128, 4, 3, True, 4 * num_sms
     elif M <= 64:
-        bm, bn, bk, warps, stages = 64, 64, 128, 4, 3
+        bm, bn, bk, warps, stages, unpack, target = 64, 64, 128, 4, 3, False, 2 * num_sms
     else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+        bm, bn, bk, warps, stages, unpack, target = 128, 64, 64, 4, 4, False, 2 * num_sms
     if not has_g_idx:
         bk = _largest_dividing_block(bk, group_size)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    num_k_tiles = triton.cdiv(K, bk)
-    split = 1
-    if tiles < 2 * num_sms:  # too few programs to fill the GPU: split K (up to ~4 per SM)
-        split = max(1, min(num_k_tiles, (4 * num_sms) // tiles, 16))
-        split = triton.cdiv(num_k_tiles, triton.cdiv(num_k_tiles, split))  # no empty splits
-    return MatmulConfig(bm, bn, bk, split, warps, stages)
+    split = _split_for(tiles, triton.cdiv(K, bk), target)
+    return MatmulConfig(bm, bn, bk, split, warps, stages, unpack)
 
 
 def quant_linear_impl(
@@ -234,24 +390,24 @@ def quant_linear_impl(
     N = qweight.shape[1]
     assert bits in (4, 8) and qweight.dtype == torch.int32 and qweight.shape[0] * (32 // bits) == K
     assert x.stride(1) == 1 and qweight.is_contiguous()
-    assert scales.shape == zeros.shape and scales.shape[1] == N and scales.stride(1) == 1 and zeros.stride() == scales.stride()
+    assert scales.shape == zeros.shape and scales.shape[1] == N and scales.stride(1) == 1
+    assert zeros.stride() == scales.stride()
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
         return out
     if config is None:
         num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
         config = pick_config(M, N, K, group_size, bits, g_idx is not None, num_sms)
+    if config.block_m == 0:  # dequantise, then cuBLAS (large M: the dequantise is amortised)
+        w = dequantize(qweight, scales, zeros, g_idx, bits, group_size, x.dtype)
+        return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
+    gemv = config.block_m < 16
+    assert not gemv or (M <= config.block_m and g_idx is None and group_size % config.block_k == 0)
     if g_idx is None and group_size % config.block_k:
-        # A group smaller than any tile the dot accepts: fall back to per-row groups.
+        # Groups smaller than the tile: per-row groups, as with act-order.
         g_idx = torch.arange(K, device=x.device, dtype=torch.int32) // group_size
     if g_idx is not None:
         assert g_idx.shape == (K,) and g_idx.dtype == torch.int32
-    if x.dtype == torch.bfloat16 and bits == 4:
-        mode, offset = 1, 128.0
-    elif x.dtype == torch.float16:
-        mode, offset = 2, 1024.0
-    else:
-        mode, offset = 0, 0.0
     split = config.split_k
     grid_tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
     if split > 1:
@@ -260,16 +416,23 @@ def quant_linear_impl(
         counters = _tile_counters(x.device)
     else:
         partial = counters = out  # never read
+    bias_arg = bias if bias is not None else scales
+    tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
+    common = (M, N, K, group_size, tiles_per_split, split, x.stride(0), qweight.stride(0), scales.stride(0),
+              out.stride(0))
+    if gemv:
+        _int_gemv_kernel[(grid_tiles, split)](
+            x, qweight, scales, zeros, bias_arg, out, partial, counters, *common,
+            BITS=bits, ROWS=config.block_m, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return out
     split_unpack = config.split_unpack and g_idx is None and config.block_k // (32 // bits) >= 16
     _int_matmul_kernel[(grid_tiles, split)](
-        x, qweight, scales, zeros,
-        g_idx if g_idx is not None else qweight,
-        bias if bias is not None else scales,
-        out, partial, counters,
-        M, N, K, group_size, triton.cdiv(triton.cdiv(K, config.block_k), split), split,
-        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BITS=bits, MODE=mode, OFFSET=offset,
-        HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None,
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, bias_arg, out, partial, counters,
+        *common,
+        BITS=bits, HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None,
         USE_SPLIT=split > 1, SPLIT_UNPACK=split_unpack,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -15,6 +15,7 @@ import torch
 
 import kernels
 from kernels import quant_reference
+from kernels.int4_matmul import MatmulConfig, quant_linear_impl
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +74,32 @@ def test_int8_real_shape(group_size, act_order, dtype):
         out = kernels.quant_linear(x, qweight, scales, zeros, g_idx, 8, group_size)
         ref = quant_reference.quant_linear(x, qweight, scales, zeros, g_idx, 8, group_size)
         assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+PATHS = [
+    # every kernel path at a real shape, whatever pick_config chooses today (block_m < 16: GEMV rows;
+    # 0: dequantise + cuBLAS; split_unpack: one sub-dot per packed slot)
+    MatmulConfig(1, 256, 128, 8, 2, 1), MatmulConfig(1, 512, 64, 4, 4, 1), MatmulConfig(1, 128, 128, 1, 1, 1),
+    MatmulConfig(2, 256, 128, 4, 2, 1), MatmulConfig(4, 512, 128, 2, 4, 1),
+    MatmulConfig(16, 64, 128, 4, 4, 3, True), MatmulConfig(16, 128, 64, 2, 4, 3),
+    MatmulConfig(64, 64, 128, 2, 4, 3), MatmulConfig(128, 64, 64, 1, 4, 4), MatmulConfig(128, 128, 128, 2, 8, 3, True),
+    MatmulConfig(0, 0, 0, 1, 0, 0),
+]
+
+
+@pytest.mark.parametrize("config", PATHS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_every_path(config, act_order):
+    if act_order and 0 < config.block_m < 16:
+        pytest.skip("the GEMV kernel takes no g_idx (pick_config sends act-order to the tile kernel)")
+    K, N = 14336, 4096
+    qweight, scales, zeros, g_idx = _gpu_int_weight(K, N, 4, 128, act_order, torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    m = config.block_m if 0 < config.block_m < 16 else 37
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    out = quant_linear_impl(x, qweight, scales, zeros, g_idx, 4, 128, bias, config)
+    ref = quant_reference.quant_linear(x, qweight, scales, zeros, g_idx, 4, 128, bias)
+    assert rel_err(out, ref) < 1e-2
 
 
 def _graph_of(fn):

@@ -15,7 +15,11 @@ from kernels import quant_reference
 from kernels.int4_matmul import MatmulConfig, pick_config, quant_linear, quant_linear_impl
 
 CASES = [
-    # (bits, dtype, group_size, act_order, M, config)
+    # (bits, dtype, group_size, act_order, M, config); block_m < 16 is the GEMV kernel
+    (4, torch.float32, 128, False, 1, MatmulConfig(1, 32, 128, 2, 1, 1)),
+    (4, torch.float16, 64, False, 2, MatmulConfig(2, 32, 64, 1, 1, 1)),
+    (4, torch.float16, 32, False, 3, MatmulConfig(4, 64, 32, 3, 1, 1)),
+    (8, torch.float16, 128, False, 4, MatmulConfig(4, 32, 64, 2, 1, 1)),
     (4, torch.float16, 32, False, 3, MatmulConfig(16, 32, 32, 1, 4, 1)),
     (4, torch.float16, 64, False, 5, MatmulConfig(16, 32, 64, 2, 4, 1)),
     (4, torch.float16, 128, False, 5, MatmulConfig(16, 32, 128, 2, 4, 1, True)),
@@ -57,9 +61,12 @@ def test_public_launcher_k_tail_and_strided_x(device):
 
 
 def test_pick_config_buckets():
-    small = pick_config(1, 4096, 4096, 128, 4, False, 132)
-    assert small == pick_config(16, 4096, 4096, 128, 4, False, 132)  # one tiling for all decode sizes
-    assert small.block_m == 16 and small.split_k > 1 and 128 % small.block_k == 0
+    gemv = pick_config(1, 4096, 4096, 128, 4, False, 132)
+    assert gemv.block_m == 1 and gemv.split_k > 1 and 128 % gemv.block_k == 0
+    assert pick_config(3, 4096, 4096, 128, 4, False, 132).block_m == 4
+    assert pick_config(3, 4096, 4096, 128, 4, True, 132).block_m == 16  # act-order: tensor-core path
+    small = pick_config(16, 4096, 4096, 128, 4, False, 132)
+    assert small == pick_config(5, 4096, 4096, 128, 4, False, 132)  # one tiling per bucket
     assert pick_config(1, 4096, 4096, 32, 4, False, 132).block_k == 32
     big = pick_config(2048, 4096, 4096, 128, 4, False, 132)
     assert big.block_m >= 64 and big.split_k == 1
