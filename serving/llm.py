@@ -4,12 +4,19 @@
 Builds an `EngineConfig` from vLLM option names, runs an `LLMEngine` to completion over all
 prompts (they share the rolling batch), and returns vLLM-shaped `RequestOutput`s in input order,
 with a tqdm "Processed prompts" bar that shows token throughput.
+
+Lifetime: `shutdown()` (or leaving `with LLM(...) as llm:`, or dropping the last reference)
+stops the engine and gives back what it holds: GPU memory (weights, KV cache, CUDA graphs and
+their pool), worker processes and threads; a second `LLM` can then be built in the same process.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
+import sys
 import time
+import weakref
 from collections.abc import Sequence as Seq
 
 from serving.engine.llm_engine import LLMEngine
@@ -34,16 +41,45 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **options: object) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_options(model, **options))
-        self._request_ids = itertools.count()
+        self._attach(LLMEngine(EngineConfig.from_options(model, **options)))
+        _collect_cycles_holding_this_call()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
-        """Wrap an existing engine (tests share one ModelRunner between engines)."""
+        """Wrap an existing engine (tests share one ModelRunner between engines); the LLM owns it
+        from now on: its shutdown, or its collection, shuts the engine down."""
         llm = cls.__new__(cls)
-        llm.llm_engine = engine
-        llm._request_ids = itertools.count()
+        llm._attach(engine)
         return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self._engine: LLMEngine | None = engine
+        self._request_ids = itertools.count()
+        # The engine goes with the last reference to this object (`del llm`): the callback holds
+        # the engine, never `self`, so it does not keep this object alive.
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's attribute); RuntimeError once this LLM is shut down."""
+        if self._engine is None:
+            raise RuntimeError("this LLM is shut down: build a new LLM to generate")
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Stop the engine and give back its GPU memory, worker processes and threads (idempotent).
+
+        Afterwards `torch.cuda.memory_allocated()` is back where it was before this LLM was built
+        (and `memory_reserved()` too after `torch.cuda.empty_cache()`); every other call raises.
+        """
+        self._finalizer()
+        self._engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):  # noqa: ANN201 - HF tokenizer
         return self.llm_engine.tokenizer
@@ -175,6 +211,7 @@ class LLM:
                 raise RuntimeError(f"engine finished but {len(remaining)} requests have no final output")
         if pbar is not None:
             pbar.close()
+        _collect_cycles_holding_this_call()
 
     def _apply(self, out: RequestOutput, delta: StreamDelta) -> None:
         comp = out.outputs[delta.index]
@@ -214,6 +251,30 @@ class LLM:
                     c.logprobs = None
             out.outputs = best
         return out
+
+
+# References to the frame of a running function when nothing else holds it: the interpreter's,
+# the local that holds it and getrefcount's argument.
+_RUNNING_FRAME_REFS = 3
+
+
+def _collect_cycles_holding_this_call() -> None:
+    """Run the cyclic collector when a reference cycle holds the frames of the running LLM call.
+
+    Work done under an `LLM` method can leave one of its frames in a reference cycle (first-use
+    imports in torch and transformers: `torch.fx.wrap` keeps its own frame in a local; Triton
+    compiling a kernel). A finished frame holds its callers' frames (`f_back`) and their locals,
+    `self` among them, so `del llm` would free nothing until the collector happens to run. Such
+    a holder shows as an extra reference to a frame of this module still running; only then is
+    the collection (~0.3 s) paid, which in practice is in the first calls of a process.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        if sys.getrefcount(frame) > _RUNNING_FRAME_REFS:
+            del frame  # our own reference must not survive the collection
+            gc.collect()
+            return
+        frame = frame.f_back
 
 
 def _chat_message(message: object, content_format: str, where: str) -> dict:

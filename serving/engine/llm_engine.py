@@ -401,8 +401,14 @@ class LLMEngine:
         return plan
 
     def shutdown(self) -> None:
-        """Stop the executor's workers and free the devices (idempotent)."""
+        """Stop the executor's workers and free the devices (idempotent). Open requests are
+        aborted; a step after this raises WorkerFailedError ("the executor is shut down")."""
         self._finalizer()
+        for request_id in list(self._requests):
+            self.abort_request(request_id)
+        self._inflight = None  # the last step's device tensors
+        self._deferred_mask_ids = None
+        self._guided = None  # the grammar matchers and their native threads
 
     # ---- observability -------------------------------------------------------------------
 

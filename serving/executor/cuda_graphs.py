@@ -134,3 +134,17 @@ class DecodeGraphRunner:
         # NOTE: columns past `width` keep stale block ids; seq_lens bounds every read.
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+    def close(self) -> None:
+        """Destroy the graphs and drop their outputs and static buffers, so that the shared pool
+        goes back to the allocator (`torch.cuda.empty_cache()` then returns it to the device)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+        self.forward = self.compute_logits = None  # type: ignore[assignment]  # they hold the model
+        self.input_ids = self.positions = self.slot_mapping = torch.empty(0)
+        self.seq_lens = self.block_tables = self.query_start_loc = torch.empty(0)
+        self.logits = None
+        self.batch_sizes = [0]  # `can_run` is False from now on

@@ -11,6 +11,7 @@ parallelism and for model replicas (each replica's workers outside the HTTP proc
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable
 
 from typing import TYPE_CHECKING
@@ -62,8 +63,16 @@ class InProcessExecutor(Executor):
 
         from serving.executor.model_runner import ModelRunner
 
-        self.runner = ModelRunner(config, model_dir, device=torch.device(device) if device else None)
-        self.info = self.runner.info()
+        runner = ModelRunner.__new__(ModelRunner)
+        try:
+            runner.__init__(config, model_dir, device=torch.device(device) if device else None)
+        except BaseException:
+            with contextlib.suppress(Exception):  # a failed device may fail this too
+                runner.close()  # what a failed start allocated goes back now, not when its traceback goes
+            raise
+        self.runner = runner
+        self.info = runner.info()
+        self._owns_runner = True
 
     @classmethod
     def from_runner(cls, runner: ModelRunner) -> InProcessExecutor:
@@ -71,11 +80,14 @@ class InProcessExecutor(Executor):
         executor = cls.__new__(cls)
         runner.reset()
         executor.runner, executor.info = runner, runner.info()
+        executor._owns_runner = False  # shutting this executor down leaves the runner to its owner
         return executor
 
     supports_deferred_masks = True
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        if self.runner is None:
+            raise WorkerFailedError("the executor is shut down")
         return self.runner.execute(plan)
 
     def sample_deferred(self, masks: object) -> None:
@@ -85,4 +97,6 @@ class InProcessExecutor(Executor):
         self.runner.reset()
 
     def shutdown(self) -> None:
-        self.runner = None  # type: ignore[assignment]  # drop the model and KV cache
+        runner, self.runner = self.runner, None  # type: ignore[assignment]
+        if runner is not None and self._owns_runner:
+            runner.close()  # weights, KV cache, CUDA graphs: freed now, whoever still holds the runner

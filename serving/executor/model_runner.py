@@ -324,6 +324,29 @@ class ModelRunner:
         self._generators.pop(seq_id, None)
         self._prompt_logprobs.pop(seq_id, None)
 
+    def close(self) -> None:
+        """Give the device memory back: CUDA graphs and their pool, weights, KV cache, batch and
+        sampler state, even while something still holds the runner (it cannot run afterwards).
+
+        Also breaks the one reference cycle of a runner: its graphs call back into its forward.
+        Safe on a runner whose constructor failed half-way.
+        """
+        from serving.executor.teardown import release_module, release_tensor
+
+        state = vars(self)
+        device = state.get("device")
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)  # nothing in flight reads what is freed below
+        if state.get("graph_runner") is not None:
+            self.graph_runner.close()
+        if state.get("piecewise") is not None:
+            self.piecewise.close()
+        if state.get("model") is not None:
+            release_module(self.model)  # weights, and the attention layers' views of the KV cache
+        if state.get("kv_cache") is not None:
+            release_tensor(self.kv_cache)
+        state.clear()  # the batch mirror, sampler, last step's output: whatever else is on the device
+
 
 def _mask_rows(plan: StepPlan) -> tuple[list[int], object] | None:
     """The plan's guided-decoding masks, keyed by sampled row (chunk index -> row among sampling chunks)."""

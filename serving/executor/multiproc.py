@@ -55,6 +55,7 @@ class MultiprocExecutor(Executor):
         self._callback: Callable[[BaseException], None] | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self._watchdog: threading.Thread | None = None
         ctx = mp.get_context("spawn")  # never fork: CUDA and the engine's threads do not survive it
         self._heartbeats = ctx.Array("d", self.world_size, lock=False)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -221,4 +222,7 @@ class MultiprocExecutor(Executor):
             except OSError:
                 pass
         self._terminate(grace_s=3.0)
+        watchdog = self._watchdog
+        if watchdog is not None and watchdog is not threading.current_thread():
+            watchdog.join()  # it sees `_closed` within one period
         logger.info("executor: %d worker processes stopped", len(self._procs))
