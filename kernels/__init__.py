@@ -112,6 +112,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return impl(x)
 
 
+# Multi-LoRA: rows grouped by adapter slot once per step (plain torch on every device), then a
+# shrink and an expand per adapted projection (kernels/lora.py).
+lora_segments = reference.lora_segments
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K]
+    a_stacked: torch.Tensor,  # [num_slots, R, K]
+    sorted_rows: torch.Tensor,  # [>= T] int32 (lora_segments)
+    seg_starts: torch.Tensor,  # [num_slots] int32
+    seg_counts: torch.Tensor,  # [num_slots] int32
+) -> torch.Tensor:
+    """Per row of slot s: x[t] · a_stacked[s]ᵀ -> float32 partial sums [P, T, R] (sum over dim 0)."""
+    impl = _mod("lora").lora_shrink if use_triton(x) else reference.lora_shrink
+    return impl(x, a_stacked, sorted_rows, seg_starts, seg_counts)
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, N], in place
+    partials: torch.Tensor,  # [P, T, slices * r] float32
+    b_stacked: torch.Tensor,  # [num_slots, N, r]
+    slice_sizes: tuple[int, ...],  # output columns per packed slice, summing to N
+    sorted_rows: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_counts: torch.Tensor,
+) -> None:
+    """Per row of slot s and slice p: y[t, cols(p)] += (Σ partials)[t, p-th r columns] · B[s, cols(p)]ᵀ."""
+    impl = _mod("lora").lora_expand if use_triton(y) else reference.lora_expand
+    impl(y, partials, b_stacked, slice_sizes, sorted_rows, seg_starts, seg_counts)
+
+
 def gumbel_sample(
     logits: torch.Tensor,  # [num_rows, vocab] float
     inv_temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy row

@@ -1,16 +1,15 @@
-"""Triton dequantise-and-multiply for GPTQ-packed int4 / int8 weights: y = x @ W (+ bias).
+"""Quantized linear for GPTQ-packed int4 / int8 weights: y = x @ W (+ bias), three paths by M.
 
 In: activations `x [M, K]`, `qweight` int32 `[K * bits // 32, N]` (row k at bits
 `bits * (k % (32 // bits))` of packed row `k // (32 // bits)`), `scales`/`zeros [num_groups, N]`,
-optional act-order `g_idx [K]`. Out: `[M, N]` in x's dtype. One kernel serves every M: the host
-picks the tiling by M bucket (16-row tiles with split-K for decode, where the op is bandwidth-bound;
-128-row tiles for prefill, where it is compute-bound). Codes become 16-bit floats with the magic
-trick (`0x4300 | q` is the bf16 `128 + q`, `0x6400 | q` the fp16 `1024 + q`), go through `tl.dot`
-unscaled, and the per-group scale and zero point are applied to the tile's partial sum:
-`sum_k x (q - z) s = s * (dot(x, 128 + q) - (128 + z) * sum_k x)`, so dequantising costs two
-integer ops per weight. Split-K partials meet in an fp32 workspace; the last program of each
-tile (a self-resetting per-tile counter) sums them in order and writes the output: one launch,
-deterministic, no host sync, shapes-only launch parameters (CUDA-graph capturable).
+optional act-order `g_idx [K]`. Out: `[M, N]` in x's dtype. The host picks a `MatmulConfig` from
+shapes alone (fixed per M bucket, so no recompiles as M varies): M <= 4 runs the CUDA-core GEMV
+(`kernels/int4_gemv.py`, bandwidth-bound); larger M the tensor-core tile kernel here, which
+dequantises a `[BLOCK_K, BLOCK_N]` tile into x's dtype (w = f * 2**B s - (2**B + z) s with the exact
+f = 1 + q / 2**B from integer ops, one FMA per weight) and accumulates inside `tl.dot`; or the
+whole weight is dequantised once and cuBLAS multiplies (large prefill). Split-K partials meet in an
+fp32 workspace (`kernels/int4_common.py`): one launch, deterministic, no host sync, shape-only
+launch parameters (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -21,6 +20,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from kernels.int4_common import finish_tile, unit_float
+from kernels.int4_gemv import int_gemv_kernel
 
 
 class MatmulConfig(NamedTuple):
@@ -36,152 +38,9 @@ class MatmulConfig(NamedTuple):
     split_unpack: bool = False  # tile kernel: one sub-dot per packed slot (no redundant loads)
 
 
-@triton.jit
-def _unit_float(words, J: tl.constexpr, BITS: tl.constexpr):
-    # Field J of each packed word as the fp32 1 + q / 2**BITS (exact): the field is moved to the
-    # top of the mantissa and the exponent of 1.0 is or-ed in. One shift + one and/or per weight,
-    # no int-to-float conversion (those issue at 1/8 the FMA rate).
-    SHIFT: tl.constexpr = 23 - BITS - BITS * J
-    if SHIFT >= 0:
-        moved = words << SHIFT
-    else:
-        moved = words >> (-SHIFT)
-    return ((moved & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _finish_tile(
-    acc, offs_m, offs_n, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr,
-    counter_ptr, stride_om, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
-):
-    # acc [BM, BN] fp32 -> out (+ bias). With split-K: store this split's partial; the last split
-    # of the tile (per-tile counter) sums all partials in split order and resets the counter.
-    out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if USE_SPLIT:
-        part_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(partial_ptr + split.to(tl.int64) * M * N + part_offs, acc, mask=out_mask)
-        # NOTE: the barrier orders every thread's partial store before the release below.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for s_i in range(split_k):
-                total += tl.load(partial_ptr + s_i * M * N + part_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(counter_ptr + tile, 0)  # ready for the next launch
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
-def _int_gemv_kernel(
-    x_ptr,  # [M, K], M <= ROWS
-    qw_ptr,  # [K // PACK, N] int32
-    scales_ptr,  # [G, N]
-    zeros_ptr,  # [G, N]
-    bias_ptr,  # [N] (only read with HAS_BIAS)
-    out_ptr,  # [M, N]
-    partial_ptr,  # [split_k, M, N] fp32 (only with USE_SPLIT)
-    counter_ptr,  # [>= tiles] int32, zero between launches (only with USE_SPLIT)
-    M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_qk, stride_sg, stride_om,
-    BITS: tl.constexpr,
-    ROWS: tl.constexpr,  # 1, 2 or 4 rows of x per program
-    HAS_BIAS: tl.constexpr,
-    USE_SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # divides group_size: one group per tile
-):
-    # Decode (M <= 4): CUDA-core FMAs, no tensor cores. A [BLOCK_K / PACK, BLOCK_N] tile of words
-    # keeps its rows inside each thread (num_warps = BLOCK_N / 128), so the sums over k are
-    # thread-local. Per group: sum_k x (q - z) s = s (2**B sum_k x f - (2**B + z) sum_k x) with
-    # f = 1 + q / 2**B. The next tile's words are loaded before this tile is used (latency hiding).
-    PACK: tl.constexpr = 32 // BITS
-    UNIT: tl.constexpr = 1 << BITS
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_i = tl.arange(0, BLOCK_K // PACK)
-    num_words = K // PACK
-    # NOTE: rows past M re-read row M - 1 (always valid memory); the epilogue drops them.
-    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    num_k_tiles = tl.cdiv(K, BLOCK_K)
-    t_start = split * tiles_per_split
-    t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
-    rows_i = t_start * (BLOCK_K // PACK) + offs_i
-    rows_end = tl.minimum(num_words, t_end * (BLOCK_K // PACK))  # this split's last word row + 1
-    w_mask = (rows_i < rows_end)[:, None] & mask_n[None, :]
-    words_next = tl.load(qw_ptr + rows_i[:, None] * stride_qk + offs_n[None, :], mask=w_mask, other=0,
-                         eviction_policy="evict_first")
-    for t in range(t_start, t_end):
-        words = words_next
-        rows_i = t * (BLOCK_K // PACK) + offs_i
-        mask_i = rows_i < num_words
-        nxt = rows_i + BLOCK_K // PACK
-        w_mask = (nxt < rows_end)[:, None] & mask_n[None, :]
-        words_next = tl.load(qw_ptr + nxt[:, None] * stride_qk + offs_n[None, :], mask=w_mask, other=0,
-                             eviction_policy="evict_first")
-        d0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        d1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        d2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        d3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        xs0 = 0.0
-        xs1 = 0.0
-        xs2 = 0.0
-        xs3 = 0.0
-        for j in tl.static_range(PACK):
-            f = _unit_float(words, j, BITS)  # [BLOCK_K // PACK, BLOCK_N]
-            cols = rows_i * PACK + j
-            x0 = tl.load(x_ptr + cols, mask=mask_i, other=0.0).to(tl.float32)
-            d0 += tl.sum(f * x0[:, None], axis=0)
-            xs0 += tl.sum(x0, axis=0)
-            if ROWS > 1:
-                x1 = tl.load(x_ptr + tl.minimum(M - 1, 1) * stride_xm + cols, mask=mask_i, other=0.0).to(tl.float32)
-                d1 += tl.sum(f * x1[:, None], axis=0)
-                xs1 += tl.sum(x1, axis=0)
-            if ROWS > 2:
-                x2 = tl.load(x_ptr + tl.minimum(M - 1, 2) * stride_xm + cols, mask=mask_i, other=0.0).to(tl.float32)
-                d2 += tl.sum(f * x2[:, None], axis=0)
-                xs2 += tl.sum(x2, axis=0)
-                x3 = tl.load(x_ptr + tl.minimum(M - 1, 3) * stride_xm + cols, mask=mask_i, other=0.0).to(tl.float32)
-                d3 += tl.sum(f * x3[:, None], axis=0)
-                xs3 += tl.sum(x3, axis=0)
-        g_row = (t * BLOCK_K // group_size) * stride_sg
-        s = tl.load(scales_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        zu = tl.load(zeros_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32) + UNIT
-        acc0 += s * (UNIT * d0 - zu * xs0)
-        if ROWS > 1:
-            acc1 += s * (UNIT * d1 - zu * xs1)
-        if ROWS > 2:
-            acc2 += s * (UNIT * d2 - zu * xs2)
-            acc3 += s * (UNIT * d3 - zu * xs3)
-    # Stack the rows into one [ROWS, BLOCK_N] tile for the shared epilogue (at least 2 rows:
-    # a 1-row tile repeats row 0, which the store mask drops).
-    offs_m = tl.arange(0, 2 if ROWS == 1 else ROWS)
-    if ROWS == 1:
-        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc0[None, :])
-    elif ROWS == 2:
-        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc1[None, :])
-    else:
-        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc1[None, :])
-        acc = tl.where(offs_m[:, None] == 2, acc2[None, :], acc)
-        acc = tl.where(offs_m[:, None] == 3, acc3[None, :], acc)
-    _finish_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
-                 partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
-
-
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
 def _int_matmul_kernel(
-    # as _int_gemv_kernel's, plus g_idx [K] int32 (only read with HAS_G_IDX)
+    # as int_gemv_kernel's, plus g_idx [K] int32 (only read with HAS_G_IDX)
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_qk, stride_sg, stride_om,
     BITS: tl.constexpr,
@@ -237,7 +96,7 @@ def _int_matmul_kernel(
             c = ((z + UNIT) * s)[None, :]
             for j in tl.static_range(PACK):
                 xj = tl.load(x_rows + (offs_i * PACK + j)[None, :], mask=mask_m[:, None] & mask_i[None, :], other=0.0)
-                wj = (_unit_float(words, j, BITS) * su - c).to(DTYPE)
+                wj = (unit_float(words, j, BITS) * su - c).to(DTYPE)
                 acc = tl.dot(xj, wj, acc, input_precision=DOT_PRECISION)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -262,7 +121,7 @@ def _int_matmul_kernel(
                 w = (f * (s * UNIT)[None, :] - ((z + UNIT) * s)[None, :]).to(DTYPE)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
 
-    _finish_tile(acc, offs_m, offs_n, mask_m, mask_n, split, split_k, pid_m * num_pid_n + pid_n, M, N, bias_ptr,
+    finish_tile(acc, offs_m, offs_n, mask_m, mask_n, split, split_k, pid_m * num_pid_n + pid_n, M, N, bias_ptr,
                  out_ptr, partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
 
@@ -295,7 +154,7 @@ def _dequant_kernel(
         sg = g[:, None] * stride_sg + offs_n[None, :]
         s = tl.load(scales_ptr + sg, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(zeros_ptr + sg, mask=mask, other=0.0).to(tl.float32)
-        w = _unit_float(words, j, BITS) * (s * UNIT) - (z + UNIT) * s
+        w = unit_float(words, j, BITS) * (s * UNIT) - (z + UNIT) * s
         tl.store(w_ptr + rows.to(tl.int64)[:, None] * stride_wk + offs_n[None, :], w.to(w_ptr.dtype.element_ty),
                  mask=mask)
 
@@ -421,7 +280,7 @@ def quant_linear_impl(
     common = (M, N, K, group_size, tiles_per_split, split, x.stride(0), qweight.stride(0), scales.stride(0),
               out.stride(0))
     if gemv:
-        _int_gemv_kernel[(grid_tiles, split)](
+        int_gemv_kernel[(grid_tiles, split)](
             x, qweight, scales, zeros, bias_arg, out, partial, counters, *common,
             BITS=bits, ROWS=config.block_m, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k,

@@ -175,3 +175,68 @@ def gumbel_sample(
         noise = -torch.log(-torch.log(u))
         out[r] = (x[r] * inv_t[r] + noise).argmax()
     return out
+
+
+def lora_segments(
+    token_slots: torch.Tensor,  # [T] int: each row's adapter slot, -1 = base model
+    num_slots: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group rows by slot, without a host sync (CUDA-graph safe), for lora_shrink / lora_expand.
+
+    Returns `sorted_rows` [T + 1] int32 (rows of slot 0, then slot 1, ...; base rows not listed;
+    the last entry is scratch), `seg_starts` [num_slots] and `seg_counts` [num_slots] int32.
+    Plain torch on every device: one compare matrix [num_slots, T], no sort.
+    """
+    num_tokens = token_slots.shape[0]
+    slots = token_slots.long()
+    ids = torch.arange(num_slots, device=slots.device)
+    member = (slots[None, :] == ids[:, None]).long()  # [S, T]
+    counts = member.sum(1)  # [S]
+    starts = counts.cumsum(0) - counts
+    rank = member.cumsum(1) - 1  # [S, T]: position of each row among its slot's rows
+    valid = slots >= 0
+    clamped = slots.clamp(min=0)
+    dest = starts[clamped] + rank.gather(0, clamped[None, :])[0]
+    dest = torch.where(valid, dest, num_tokens)  # base rows all land in the scratch entry
+    rows = torch.zeros(num_tokens + 1, dtype=torch.int32, device=slots.device)
+    rows.scatter_(0, dest, torch.arange(num_tokens, dtype=torch.int32, device=slots.device))
+    return rows, starts.to(torch.int32), counts.to(torch.int32)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K]
+    a_stacked: torch.Tensor,  # [num_slots, R, K]: per slot, the slices' A rows stacked (R = slices * r)
+    sorted_rows: torch.Tensor,  # [>= T] int32: rows grouped by slot (lora_segments)
+    seg_starts: torch.Tensor,  # [num_slots] int32
+    seg_counts: torch.Tensor,  # [num_slots] int32
+) -> torch.Tensor:
+    """Per row of slot s: x[t] · a_stacked[s]ᵀ, as float32 partial sums [num_splits, T, R] (sum over
+    dim 0); rows of no slot are left unwritten (expand never reads them)."""
+    out = torch.zeros((1, x.shape[0], a_stacked.shape[1]), dtype=torch.float32, device=x.device)
+    for s, (start, count) in enumerate(zip(seg_starts.tolist(), seg_counts.tolist())):
+        if count:
+            rows = sorted_rows[start : start + count].long()
+            out[0, rows] = x[rows].float() @ a_stacked[s].float().T
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, N], updated in place
+    partials: torch.Tensor,  # [P, T, slices * r] float32 (lora_shrink's output)
+    b_stacked: torch.Tensor,  # [num_slots, N, r]: the slices' B rows one after another
+    slice_sizes: tuple[int, ...],  # output columns of each slice (1 to 3 of them), summing to N
+    sorted_rows: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_counts: torch.Tensor,
+) -> None:
+    """Per row of slot s and slice p: y[t, cols(p)] += (Σ partials)[t, p*r:(p+1)*r] · B[s, cols(p)]ᵀ."""
+    r = b_stacked.shape[2]
+    buf = partials.sum(0)  # [T, slices * r]
+    for s, (start, count) in enumerate(zip(seg_starts.tolist(), seg_counts.tolist())):
+        if not count:
+            continue
+        rows = sorted_rows[start : start + count].long()
+        # The slices side by side: one block-diagonal product [count, slices*r] x [slices*r, N].
+        delta = torch.cat([buf[rows, p * r : (p + 1) * r] @ b.float().T
+                           for p, b in enumerate(b_stacked[s].split(list(slice_sizes)))], dim=1)
+        y[rows] += delta.to(y.dtype)

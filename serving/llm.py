@@ -21,6 +21,7 @@ from collections.abc import Sequence as Seq
 
 from serving.engine.llm_engine import LLMEngine
 from serving.engine_config import EngineConfig
+from serving.lora_request import LoRARequest
 from serving.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
 from serving.sampling_params import SamplingParams
 
@@ -37,7 +38,8 @@ class LLM:
         model: HF model dir or hub id; None for the embedded default model.
         **options: vLLM option names (`dtype`, `max_model_len`, `max_num_seqs`,
             `max_num_batched_tokens`, `block_size`, `enable_prefix_caching`, `seed`,
-            `skip_tokenizer_init`, `load_format`, ...); unknown names raise TypeError.
+            `skip_tokenizer_init`, `load_format`, `enable_lora`, `max_loras`, `max_lora_rank`,
+            `max_cpu_loras`, ...); unknown names raise TypeError.
     """
 
     def __init__(self, model: str | None = None, **options: object) -> None:
@@ -90,13 +92,17 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         prompt_token_ids: list[int] | list[list[int]] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results in input order.
 
         `prompts` may be a string, a list of strings, or `{"prompt_token_ids": [...]}` /
         `{"prompt": "..."}` dicts; `prompt_token_ids` (a list of id lists) is the older form.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt;
+        an adapter not registered yet is registered on first use, as vLLM does.
         """
         inputs = _normalize_inputs(prompts, prompt_token_ids)
+        loras = self._lora_requests(lora_request, len(inputs))
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             params_list = [sampling_params or SamplingParams()] * len(inputs)
         else:
@@ -108,13 +114,14 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         wanted: dict[str, SamplingParams] = {}
         try:
-            for (text, ids), params in zip(inputs, params_list):
+            for (text, ids), params, lora in zip(inputs, params_list, loras):
                 rid = str(next(self._request_ids))
                 run_params = params
                 if params.best_of is not None and params.best_of > params.n:
                     # Sample best_of, keep the n with the highest cumulative logprob.
                     run_params = params.replace(n=params.best_of, logprobs=params.logprobs or 0)
-                seqs = engine.add_request(rid, text, run_params, prompt_token_ids=ids, final_only=True)
+                seqs = engine.add_request(rid, text, run_params, prompt_token_ids=ids, final_only=True,
+                                          lora_request=lora)
                 order.append(rid)
                 wanted[rid] = params
                 results[rid] = RequestOutput(
@@ -128,12 +135,35 @@ class LLM:
                     engine.abort_request(rid)
         return [self._finalize(results[rid], wanted[rid]) for rid in order]
 
+    def _lora_requests(self, lora_request: LoRARequest | Seq[LoRARequest | None] | None,
+                       num_prompts: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each registered with the engine if it is not yet."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * num_prompts
+        elif not isinstance(lora_request, (list, tuple)):
+            raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+        else:
+            loras = list(lora_request)
+            if len(loras) != num_prompts:
+                raise ValueError(f"got {len(loras)} lora requests for {num_prompts} prompts")
+        engine = self.llm_engine
+        for lora in dict.fromkeys(r for r in loras if r is not None):
+            if not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+            known = engine.lora.get(lora.lora_name) if engine.lora is not None else None
+            if known is None:
+                engine.add_lora(lora)  # ValueError when LoRA is off or the adapter does not fit
+            elif known != lora:
+                raise ValueError(f"adapter name {lora.lora_name!r} is registered as {known}; "
+                                 f"got {lora} (remove it first to change its id or path)")
+        return loras
+
     def chat(
         self,
         messages: list[dict] | Seq[list[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: object = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -149,10 +179,9 @@ class LLM:
         string) is given; `tools` and `chat_template_kwargs` are passed to it. The rendered text is
         tokenized without adding special tokens (the template writes them), as the server's chat
         routes do. Content given as OpenAI text parts is joined into one string (`"auto"` /
-        `"string"`) or passed on as parts (`"openai"`). LoRA and multi-modal inputs are refused.
+        `"string"`) or passed on as parts (`"openai"`). `lora_request` as in `generate` (one adapter,
+        or one per conversation). Multi-modal inputs are refused.
         """
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported")
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs: multi-modal inputs are not supported")
         if continue_final_message and add_generation_prompt:
@@ -175,7 +204,7 @@ class LLM:
                                            continue_final_message=continue_final_message, tools=tools,
                                            chat_template=chat_template, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": list(tok.encode(text, add_special_tokens=False))})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         engine = self.llm_engine

@@ -4,7 +4,8 @@ The scheduler asks it whether a sequence fits (`can_allocate` / `can_append`) an
 `seq.block_table` through it (`allocate` / `append_slots` / `free`). No tensors live here: the
 model runner owns the KV tensor and only reads block tables. Full blocks whose K/V are computed
 are registered under a chained hash key (parent hash, token ids) so later prompts with the same
-prefix reuse them; freed cached blocks stay reusable until evicted in LRU order.
+prefix reuse them; freed cached blocks stay reusable until evicted in LRU order. A sequence on
+a LoRA adapter starts its chain from the adapter (name, id, path), so adapters never share K/V.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ class BlockManager:
         """Chained keys of the first `num_full_blocks` full blocks of `seq` (memoized)."""
         keys = self._seq_keys.setdefault(seq.seq_id, [])
         bs = self.block_size
+        lora = seq.lora_request
+        root = None if lora is None else hash(("lora", lora.lora_name, lora.lora_int_id, lora.lora_path))
         while len(keys) < num_full_blocks:
             i = len(keys)
-            parent = hash(keys[-1]) if keys else None
+            parent = hash(keys[-1]) if keys else root
             keys.append((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return keys
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from serving.lora_request import LoRARequest
 from serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,8 +37,14 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int | None: ...  # None while loading
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
-                    ) -> RequestStream: ...
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    lora_name: str | None = None) -> RequestStream: ...  # UnknownAdapterError for a bad name
+
+    def add_lora(self, request: LoRARequest) -> None: ...  # ValueError saying why it cannot be served
+
+    def remove_lora(self, name: str) -> bool: ...  # running requests on it finish on it
+
+    def list_loras(self) -> list[str]: ...
 
     def stats(self) -> dict: ...
 

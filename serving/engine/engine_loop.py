@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from serving.engine_config import EngineConfig
+from serving.lora_request import LoRARequest
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 
@@ -114,6 +115,7 @@ class _Add:
     payload: str | list[int]
     params: SamplingParams
     text: str | None
+    lora: LoRARequest | str | None = None  # resolved, or a name to resolve (submitted while loading)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,7 @@ class EngineLoop:
         self._submit: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pending_loras: dict[str, LoRARequest] = {}  # added while loading: registered once loaded
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -212,11 +215,13 @@ class EngineLoop:
     # ---- submitting ----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        lora_name: str | None = None,
     ) -> RequestStream:
-        """Submit a request (text or token ids); returns its stream at once.
+        """Submit a request (text or token ids), on the adapter `lora_name` if given; returns its stream at once.
 
         Raises:
+            UnknownAdapterError: `lora_name` is not a registered adapter (a ValueError).
             ValueError: the request can never run (too long, bad ids) -> HTTP 400.
             QueueFullError: too many unfinished requests -> HTTP 503.
             EngineDeadError: the engine died or is closed -> HTTP 503/500.
@@ -228,10 +233,12 @@ class EngineLoop:
         if engine is not None:
             # Tokenize and validate on the caller's thread: errors come back synchronously,
             # and the engine thread does no per-request CPU work beyond the step.
+            lora: LoRARequest | str | None = engine.resolve_lora(lora_name)
             ids = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
             engine.validate(ids, params)
             payload: str | list[int] = ids
         else:
+            lora = lora_name
             payload = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
         stream = RequestStream(self, request_id, params.n)
         with self._lock:
@@ -242,8 +249,39 @@ class EngineLoop:
             if len(self._streams) >= self.max_queue_size:
                 raise QueueFullError(f"too many unfinished requests (max_queue_size={self.max_queue_size})")
             self._streams[request_id] = stream
-        self._submit.put(_Add(request_id, payload, params, prompt if isinstance(prompt, str) else None))
+        self._submit.put(_Add(request_id, payload, params, prompt if isinstance(prompt, str) else None, lora))
         return stream
+
+    # ---- LoRA adapters (any thread) ------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register an adapter (ValueError saying why it cannot be served). While the engine loads,
+        it is kept and registered once the engine is up (a failure then is logged)."""
+        with self._lock:
+            engine = self.engine
+            if engine is None:
+                if not self.config.enable_lora:
+                    raise ValueError("LoRA adapters are not enabled: set option.enable_lora=true")
+                if request.lora_name in self._pending_loras:
+                    raise ValueError(f"an adapter named {request.lora_name!r} is already registered")
+                self._pending_loras[request.lora_name] = request
+                return
+        engine.add_lora(request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter: new requests on it are refused; running ones finish on it."""
+        with self._lock:
+            engine = self.engine
+            if engine is None:
+                return self._pending_loras.pop(name, None) is not None
+        return engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        with self._lock:
+            engine = self.engine
+            if engine is None:
+                return list(self._pending_loras)
+        return engine.list_loras()
 
     def abort(self, request_id: str) -> None:
         """Ask the loop to abort a request (no-op if unknown or finished)."""
@@ -258,7 +296,14 @@ class EngineLoop:
             logger.exception("engine failed to load")
             self._die(exc)
             return
-        self.engine = engine
+        with self._lock:  # (add_lora reads `engine` under the lock: none is left pending)
+            pending, self._pending_loras = list(self._pending_loras.values()), {}
+            self.engine = engine
+        for lora in pending:
+            try:
+                engine.add_lora(lora)
+            except ValueError as exc:
+                logger.error("adapter %r not registered: %s", lora.lora_name, exc)
         engine.executor.set_failure_callback(self._die)  # a dead or hung worker, seen by its watchdog
         with self._lock:
             if self.state is EngineState.LOADING:
@@ -320,10 +365,14 @@ class EngineLoop:
             self._streams.pop(request_id, None)
             return
         try:
+            lora = add.lora
+            if isinstance(lora, str):  # submitted while loading
+                lora = self.engine.resolve_lora(lora)  # type: ignore[union-attr]
             if isinstance(payload, str):
-                self.engine.add_request(request_id, payload, params)  # type: ignore[union-attr]
+                self.engine.add_request(request_id, payload, params, lora_request=lora)  # type: ignore[union-attr]
             else:
-                self.engine.add_request(request_id, text, params, prompt_token_ids=payload)  # type: ignore[union-attr]
+                self.engine.add_request(request_id, text, params, prompt_token_ids=payload,  # type: ignore[union-attr]
+                                        lora_request=lora)
         except ValueError as exc:
             self._fail_stream(stream, str(exc))
 

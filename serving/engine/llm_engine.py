@@ -27,6 +27,7 @@ import weakref
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.guided import GuidedDecoder
+from serving.engine.lora_slots import LoRARegistry
 from serving.engine.request_state import RequestState
 from serving.engine.scheduler import Scheduler
 from serving.engine.plan_builder import build_plan
@@ -37,6 +38,7 @@ from serving.engine_config import EngineConfig
 from serving.executor.executor import Executor, WorkerFailedError
 from serving.executor.factory import make_executor
 from serving.executor.plan import StepOutput, StepPlan
+from serving.lora_request import LoRARequest
 from serving.model_files import resolve_model_dir
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
@@ -94,7 +96,10 @@ class LLMEngine:
             max_model_len=cache.max_model_len,
             eos_token_ids=self.eos_token_ids,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
+        # LoRA adapters: registered by name (any thread), assigned to device slots per step.
+        self.lora = LoRARegistry(info.model_dir, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         self._requests: dict[str, RequestState] = {}
         # Guided decoding: built on the first constrained request (loads the tokenizer's vocabulary).
         self._guided: GuidedDecoder | None = None
@@ -164,6 +169,31 @@ class LLMEngine:
                     self._guided = GuidedDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._guided
 
+    # ---- LoRA adapters (thread-safe) ------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register a PEFT adapter (checked against the base model; ValueError saying why not)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True "
+                             "(option.enable_lora=true)")
+        self.lora.add(request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter: new requests on it are refused, running ones finish on it."""
+        return self.lora.remove(name) if self.lora is not None else False
+
+    def list_loras(self) -> list[str]:
+        return self.lora.names() if self.lora is not None else []
+
+    def resolve_lora(self, lora_name: str | None) -> LoRARequest | None:
+        """The registered adapter `lora_name` (None: the base model); UnknownAdapterError if unknown."""
+        if lora_name is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"adapter {lora_name!r} asked for, but LoRA adapters are not enabled "
+                             "(enable_lora=True / option.enable_lora=true)")
+        return self.lora.resolve(lora_name)
+
     def add_request(
         self,
         request_id: str,
@@ -171,15 +201,23 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         final_only: bool = False,
+        lora_name: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[Sequence]:
         """Queue a request: `n` samples sharing the prompt. Raises ValueError if it cannot run.
 
         `final_only`: no per-step deltas; each sample's one delta, when it ends, carries all its
         tokens, text and logprobs (what offline `generate` needs, at a fraction of the cost).
+        `lora_name`: run on that registered adapter (UnknownAdapterError if none is); or
+        `lora_request`: an adapter already resolved (it may have been removed since: it still runs).
         """
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is None:
+            lora_request = self.resolve_lora(lora_name)
+        elif self.lora is None:
+            raise ValueError("LoRA adapters are not enabled (enable_lora=True / option.enable_lora=true)")
         text: str | None = None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -193,7 +231,8 @@ class LLMEngine:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_token_ids, params)
         seqs = [
-            Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, index=i) for i in range(params.n)
+            Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, index=i, lora_request=lora_request)
+            for i in range(params.n)
         ]
         if params.guided_decoding is not None:
             guided = self.guided_decoder()
@@ -387,6 +426,8 @@ class LLMEngine:
                 self._preempted_ids.append(seq.seq_id)
         plan = build_plan(self.num_steps, sched_out, self._finished_ids, self._preempted_ids)
         self._finished_ids, self._preempted_ids = [], []
+        if self.lora is not None:
+            plan.lora_slots, plan.lora_loads = self.lora.assign(sched_out)
         guided = self._guided
         if guided is not None and len(guided):
             chunks = [i for i, item in enumerate(sched_out.scheduled) if item.sample and item.seq.seq_id in guided]

@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 
 from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
+from serving.lora_request import LoRARequest
 from serving.sampling_params import SamplingParams
 
 _AFFINITY_ENTRIES = 16384  # remembered prompt prefixes (LRU)
@@ -100,20 +101,42 @@ class ReplicaSet:
 
     # ---- routing -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
-                    ) -> RequestStream:
-        index = self.route(prompt)
-        stream = self.loops[index].add_request(request_id, prompt, params)
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    lora_name: str | None = None) -> RequestStream:
+        index = self.route(prompt, lora_name)
+        stream = self.loops[index].add_request(request_id, prompt, params, lora_name)
         self.num_routed[index] += 1
         return stream
 
-    def route(self, prompt: str | list[int]) -> int:
+    # ---- LoRA adapters: every copy holds the same ones -----------------------------------
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register on every copy; if one refuses, the others forget it again (and the error is raised)."""
+        done: list[EngineLoop] = []
+        try:
+            for loop in self.loops:
+                loop.add_lora(request)
+                done.append(loop)
+        except BaseException:
+            for loop in done:
+                loop.remove_lora(request.lora_name)
+            raise
+
+    def remove_lora(self, name: str) -> bool:
+        return any([loop.remove_lora(name) for loop in self.loops])  # (a list: every copy removes it)
+
+    def list_loras(self) -> list[str]:
+        return self.loops[0].list_loras()
+
+    def route(self, prompt: str | list[int], lora_name: str | None = None) -> int:
         """The copy for a prompt: the least loaded, or the one that saw its prefix (see module doc)."""
         loads = [loop.num_open_requests if loop.state is EngineState.READY else 1 << 30 for loop in self.loops]
         least = min(loads)
         candidates = [i for i, load in enumerate(loads) if load == least]
         choice = candidates[next(self._next) % len(candidates)]
         key = self._prefix_key(prompt)
+        if key is not None and lora_name is not None:
+            key = hash((lora_name, key))  # an adapter's cached prefix is its own
         if key is None:
             return choice
         with self._lock:

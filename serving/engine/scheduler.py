@@ -34,6 +34,8 @@ class Scheduler:
         max_model_len: most tokens (prompt + output) of one sequence.
         eos_token_ids: ids that end a sample unless `ignore_eos`.
         enable_chunked_prefill: when False a prompt is only admitted whole.
+        max_loras: most distinct LoRA adapters in one step (the device slots; None: LoRA off).
+            A sequence whose adapter would be one too many waits (running ones keep their blocks).
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         enable_chunked_prefill: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             # Otherwise the decodes at the back of the running list could starve forever.
@@ -56,6 +59,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras
         self.waiting: list[Sequence] = []  # FCFS; preempted sequences go back to the front
         self.running: list[Sequence] = []  # sorted by seq_id (= arrival order)
         self._groups: dict[str, list[Sequence]] = {}  # request_id -> its n samples
@@ -151,6 +155,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
+        loras: set | None = set() if self.max_loras is not None else None  # this step's adapters
 
         # Running sequences in arrival order; victims are taken from the back, so a sequence
         # already scheduled this step is never preempted.
@@ -162,6 +167,9 @@ class Scheduler:
             num_tokens = len(ids)
             if ids[-1] == PLACEHOLDER and num_tokens >= seq.max_num_tokens:
                 i += 1  # its token in flight is its last: nothing more to compute
+                continue
+            if loras is not None and not self._lora_fits(seq, loras):
+                i += 1  # its adapter would need one slot too many: it waits a step
                 continue
             computed = seq.num_computed_tokens
             num_new = min(num_tokens - computed, budget)
@@ -191,7 +199,8 @@ class Scheduler:
             seq = self.waiting[j]
             assert seq.token_ids[-1] != PLACEHOLDER, f"seq {seq.seq_id} waits with a token in flight"
             leader = self._leader(seq)
-            if self._waits_for_leader(seq, leader) or (self.suspects and self._another_suspect_runs(seq)):
+            if (self._waits_for_leader(seq, leader) or (self.suspects and self._another_suspect_runs(seq))
+                    or (loras is not None and not self._lora_fits(seq, loras, admit=False))):
                 j += 1
                 continue
             donor = leader if leader is not None and not leader.is_finished else None
@@ -202,6 +211,8 @@ class Scheduler:
             if not bm.can_allocate(seq, num_new, donor):
                 break
             num_cached = bm.allocate(seq, num_new, donor)
+            if loras is not None and seq.lora_request is not None:
+                loras.add(seq.lora_request)
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
@@ -214,6 +225,17 @@ class Scheduler:
         decodes = [s for s in scheduled if s.num_tokens == 1]
         others = [s for s in scheduled if s.num_tokens != 1]
         return SchedulerOutput(scheduled=decodes + others, num_decodes=len(decodes), preempted=preempted)
+
+    def _lora_fits(self, seq: Sequence, loras: set, admit: bool = True) -> bool:
+        """Whether `seq`'s adapter (if any) fits this step's slots; with `admit`, count it in."""
+        lora = seq.lora_request
+        if lora is None or lora in loras:
+            return True
+        if len(loras) >= self.max_loras:  # type: ignore[operator]
+            return False
+        if admit:
+            loras.add(lora)
+        return True
 
     def _another_suspect_runs(self, seq: Sequence) -> bool:
         """Whether `seq` is a suspect and a different suspect request is already running."""

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from serving.lora_request import LoRARequest
 from serving.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Sequence:
     in_worker: bool = False
     num_synced: int = 0
     num_blocks_sent: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it runs on (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

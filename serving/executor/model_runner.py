@@ -20,6 +20,7 @@ import torch
 
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 from serving.executor.cuda_graphs import DecodeGraphRunner
+from serving.executor.lora import LoRAManager
 from serving.engine_config import CacheConfig, EngineConfig
 from serving.model_files import resolve_model_dir
 from serving.executor.models import build_model
@@ -79,6 +80,9 @@ class ModelRunner:
             init_dummy_weights(self.model, seed=config.seed)
         else:
             load_weights(self.model, self.model_dir)
+        # Multi-LoRA: wrap the adapted projections, allocate the slots (before the KV cache is sized).
+        self.lora = LoRAManager(self.model, config, args, max(self.max_num_batched_tokens, config.max_num_seqs)
+                                ) if config.enable_lora else None
         self.sampler = Sampler(self.device, seed=config.seed, eos_token_ids=self.eos_token_ids)
         self._generators: dict[int, torch.Generator] = {}
         self._prompt_logprobs: dict[int, list[float | None]] = {}
@@ -181,7 +185,7 @@ class ModelRunner:
         # Graphs call the model directly: the graph runner sets the forward context itself.
         t0 = time.monotonic()
         runner = DecodeGraphRunner(
-            lambda ids, pos: self.model(ids, pos), self.config.max_num_seqs,
+            self._model_forward, self.config.max_num_seqs,
             (self.max_model_len + self.block_size - 1) // self.block_size, self.model_args.hidden_size,
             self.max_model_len, self.device, compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
         )
@@ -204,7 +208,13 @@ class ModelRunner:
             hidden = graphs.run(input_ids, positions, meta)
             return hidden, None if graphs.logits is None else graphs.logits[: hidden.shape[0]]
         with forward_context(meta):
-            return self.model(input_ids, positions), None
+            return self._model_forward(input_ids, positions), None
+
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's forward (through the LoRA manager, which reads the staged row slots)."""
+        if self.lora is None:
+            return self.model(input_ids, positions)
+        return self.lora.forward(self.model, input_ids, positions)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -221,6 +231,9 @@ class ModelRunner:
         prev, self._prev = self._prev, None
         if plan.is_empty:
             return StepOutput([])
+        if self.lora is not None:  # fill the slots this step needs, then each row's slot
+            self.lora.apply_loads(plan.lora_loads)
+            self.lora.stage(plan.lora_slots, plan.num_tokens)
         inputs = prepare_inputs(plan, seqs, self.block_size, self.device, prev)
         hidden, all_logits = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprob_chunks:

@@ -76,6 +76,10 @@ class StepPlan:
     # has bit v set when token v may be sampled (numpy, so it pickles as one buffer).
     mask_chunks: list[int] = field(default_factory=list)
     masks: Any = None
+    # Multi-LoRA: the adapter slot of each chunk (-1: base model; None: no chunk uses an adapter),
+    # and the slots to fill before running it: slot -> (name, int id, PEFT dir), or None to free.
+    lora_slots: list[int] | None = None
+    lora_loads: dict[int, tuple[str, int, str] | None] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -23,6 +23,8 @@ _TRITON_MODULES = (
     "kernels.rotary",
     "kernels.activation",
     "kernels.sampling",
+    "kernels.int4_common",
+    "kernels.int4_gemv",
     "kernels.int4_matmul",
     "kernels.fp8_matmul",
 )

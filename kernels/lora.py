@@ -1,0 +1,171 @@
+"""Triton batched multi-LoRA: shrink (x · A[slot]ᵀ) and expand (y += · B[slot]ᵀ), rows grouped by slot.
+
+Every token row carries an adapter slot (-1: the base model, untouched). `lora_segments`
+(kernels/reference.py, plain torch, no host sync) orders the rows by slot once per step:
+`sorted_rows[seg_starts[s] : seg_starts[s] + seg_counts[s]]` are the rows of slot s. Both
+kernels run one program per (slot, block of BLOCK_M of its rows, ...) and return at once when
+the slot has fewer rows, so each slot's A/B tiles are read once per row block rather than once
+per row (a per-row gather would read a rank-16 8B adapter ~40 MB per token). The grid depends
+only on the shapes, so both launches are CUDA-graph capturable.
+
+Shrink splits K over programs (decode has few rows: parallelism comes from K) and writes
+float32 partial sums `[num_splits, T, R]`; expand adds those partials while loading them, so
+no atomics, no zeroing and the result is deterministic. Packed outputs (q|k|v, gate|up) are up
+to three slices: slice p reads partial columns [p*r, (p+1)*r) and writes its own output columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_M = 16  # rows per program (tl.dot needs >= 16)
+_SHRINK_BLOCK_K = 64
+_SHRINK_K_PER_SPLIT = 512  # K elements per shrink program
+_EXPAND_BLOCK_N = 64
+
+
+@triton.jit
+def _slot_rows(rows_ptr, starts_ptr, s, count, m0, BLOCK_M: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M of slot s's segment (int64), and which of them exist."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    rows = tl.load(rows_ptr + tl.load(starts_ptr + s) + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return rows, m_mask
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr,
+    K, R, k_per_split,
+    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_op, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    s = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    split = tl.program_id(2)
+    count = tl.load(counts_ptr + s)
+    if m0 >= count:
+        return
+    rows, m_mask = _slot_rows(rows_ptr, starts_ptr, s, count, m0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    a_base = a_ptr + s.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
+    for k in range(k_begin, k_end, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        xt = tl.load(x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        at = tl.load(a_base + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :],
+                     other=0.0)  # [BLOCK_R, BLOCK_K]
+        if IEEE:
+            acc += tl.dot(xt, tl.trans(at), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, tl.trans(at))
+    out = out_ptr + split.to(tl.int64) * stride_op + rows[:, None] * stride_ot + offs_r[None, :]
+    tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr, p_ptr, b_ptr, rows_ptr, starts_ptr, counts_ptr,
+    n0, n1, n2, R, num_partials, num_n_blocks,
+    stride_yt, stride_yn, stride_pp, stride_pt, stride_bs, stride_bn, stride_br,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+):
+    s = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    pid = tl.program_id(2)
+    part = pid // num_n_blocks
+    n_start = (pid % num_n_blocks) * BLOCK_N
+    size = n0 * (part == 0) + n1 * (part == 1) + n2 * (part == 2)
+    count = tl.load(counts_ptr + s)
+    if (m0 >= count) | (n_start >= size):
+        return
+    col0 = n0 * (part > 0) + n1 * (part > 1)  # first output column of this slice
+    rows, m_mask = _slot_rows(rows_ptr, starts_ptr, s, count, m0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    mr_mask = m_mask[:, None] & r_mask[None, :]
+    buf = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    p_tile = p_ptr + rows[:, None] * stride_pt + (part * R + offs_r)[None, :]
+    for p in range(num_partials):
+        buf += tl.load(p_tile + p * stride_pp, mask=mr_mask, other=0.0)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < size
+    bt = tl.load(b_ptr + s.to(tl.int64) * stride_bs + (col0 + offs_n)[:, None] * stride_bn
+                 + offs_r[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+    if IEEE:
+        acc = tl.dot(buf.to(bt.dtype), tl.trans(bt), input_precision="ieee")
+    else:
+        acc = tl.dot(buf.to(bt.dtype), tl.trans(bt))  # [BLOCK_M, BLOCK_N]
+    y_tile = y_ptr + rows[:, None] * stride_yt + (col0 + offs_n)[None, :] * stride_yn
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_tile, mask=mn_mask, other=0.0).to(tl.float32)
+    tl.store(y_tile, (y + acc).to(y_ptr.dtype.element_ty), mask=mn_mask)
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K]
+    a_stacked: torch.Tensor,  # [num_slots, R, K]: per slot, the slices' A rows stacked (R = slices * r)
+    sorted_rows: torch.Tensor,  # [>= T] int32: rows grouped by slot (lora_segments)
+    seg_starts: torch.Tensor,  # [num_slots] int32
+    seg_counts: torch.Tensor,  # [num_slots] int32
+) -> torch.Tensor:
+    """Per row of slot s: x[t] · a_stacked[s]ᵀ, as float32 partial sums [num_splits, T, R] (sum over
+    dim 0); rows of no slot are left unwritten (expand never reads them)."""
+    assert x.dim() == 2 and a_stacked.dim() == 3 and a_stacked.shape[2] == x.shape[1], (x.shape, a_stacked.shape)
+    assert a_stacked.dtype == x.dtype, (a_stacked.dtype, x.dtype)
+    assert seg_starts.shape == seg_counts.shape == (a_stacked.shape[0],)
+    num_tokens, k = x.shape
+    num_slots, r = a_stacked.shape[:2]
+    num_splits = triton.cdiv(k, _SHRINK_K_PER_SPLIT)
+    out = torch.empty((num_splits, num_tokens, r), dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out
+    grid = (num_slots, triton.cdiv(num_tokens, _BLOCK_M), num_splits)
+    _lora_shrink_kernel[grid](
+        x, a_stacked, out, sorted_rows, seg_starts, seg_counts,
+        k, r, _SHRINK_K_PER_SPLIT,
+        x.stride(0), x.stride(1), a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=_BLOCK_M, BLOCK_R=_block(r), BLOCK_K=_SHRINK_BLOCK_K, IEEE=x.dtype == torch.float32,
+    )
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, N], updated in place
+    partials: torch.Tensor,  # [P, T, slices * r] float32 (lora_shrink's output)
+    b_stacked: torch.Tensor,  # [num_slots, N, r]: the slices' B rows one after another
+    slice_sizes: tuple[int, ...],  # output columns of each slice (1 to 3 of them), summing to N
+    sorted_rows: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_counts: torch.Tensor,
+) -> None:
+    """Per row of slot s and slice p: y[t, cols(p)] += (Σ partials)[t, p*r:(p+1)*r] · B[s, cols(p)]ᵀ."""
+    assert y.dim() == 2 and y.stride(1) == 1 and b_stacked.dim() == 3, (y.shape, y.stride(), b_stacked.shape)
+    assert 1 <= len(slice_sizes) <= 3 and sum(slice_sizes) == y.shape[1] == b_stacked.shape[1]
+    num_slots, _, r = b_stacked.shape
+    assert partials.shape[1:] == (y.shape[0], len(slice_sizes) * r) and partials.stride(2) == 1
+    num_tokens = y.shape[0]
+    if num_tokens == 0:
+        return
+    sizes = tuple(slice_sizes) + (0,) * (3 - len(slice_sizes))
+    num_n_blocks = triton.cdiv(max(slice_sizes), _EXPAND_BLOCK_N)
+    grid = (num_slots, triton.cdiv(num_tokens, _BLOCK_M), len(slice_sizes) * num_n_blocks)
+    _lora_expand_kernel[grid](
+        y, partials, b_stacked, sorted_rows, seg_starts, seg_counts,
+        sizes[0], sizes[1], sizes[2], r, partials.shape[0], num_n_blocks,
+        y.stride(0), y.stride(1), partials.stride(0), partials.stride(1),
+        b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
+        BLOCK_M=_BLOCK_M, BLOCK_N=_EXPAND_BLOCK_N, BLOCK_R=_block(r), IEEE=b_stacked.dtype == torch.float32,
+    )
