@@ -5,6 +5,10 @@ figure is the steady decode cost: (time of a 1+N-token request - time of a 1-tok
 through the offline API with random weights, so it includes every per-step engine overhead.
 
   python bench/latency.py --shapes llama-3.2-1b,llama-3-8b
+  python bench/latency.py --shapes llama-3-8b --quantize bf16,gptq    # int4 g128 vs bf16, same call
+
+With several `--quantize` variants (bench/dummy_model.py QUANT_VARIANTS) each row also gives its
+ms/token as a fraction of the same shape's bf16 row, and its floor counts the variant's bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
-from bench.dummy_model import make_dummy_model_dir, weight_bytes  # noqa: E402
+from bench.dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, weight_bytes  # noqa: E402
 
 
 def _time_request(llm, prompt: list[int], max_tokens: int, reps: int = 3) -> float:
@@ -48,6 +52,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantize", default="bf16", help=f"comma-separated variants of {sorted(QUANT_VARIANTS)}")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from serving import LLM
@@ -57,27 +62,34 @@ def main() -> None:
     prompt = list(range(1000, 1000 + args.prompt_len))
     tok_dir = args.tokenizer_dir if Path(args.tokenizer_dir).is_dir() else None
     rows = {}
-    for shape in args.shapes.split(","):
-        model_dir = make_dummy_model_dir(shape, Path(args.model_root) / shape, tok_dir)
+    for shape, variant in [(s, q) for s in args.shapes.split(",") for q in args.quantize.split(",")]:
+        model_dir = make_dummy_model_dir(shape, dummy_dir(args.model_root, shape, variant), tok_dir, variant)
         llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
-                  gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager)
+                  gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager,
+                  quantization=QUANT_VARIANTS[variant][1])
         _time_request(llm, prompt, 8, reps=1)  # warm-up
         t1 = _time_request(llm, prompt, 1)
         tn = _time_request(llm, prompt, 1 + args.new_tokens)
         ms = (tn - t1) / args.new_tokens * 1e3
-        floor_ms = weight_bytes(shape) / (bw * 1e9) * 1e3
-        rows[shape] = {"ms_per_token": ms, "floor_ms": floor_ms, "frac_floor": floor_ms / ms, "ttft_ms": t1 * 1e3}
-        print(f"[{shape}] {ms:.2f} ms/token, floor {floor_ms:.2f} ms -> {floor_ms / ms:.1%}; "
-              f"1-token request {t1 * 1e3:.1f} ms", flush=True)
+        floor_ms = weight_bytes(shape, quantize=variant) / (bw * 1e9) * 1e3
+        key = shape if variant == "bf16" else f"{shape}/{variant}"
+        rows[key] = {"ms_per_token": ms, "floor_ms": floor_ms, "frac_floor": floor_ms / ms, "ttft_ms": t1 * 1e3}
+        if variant != "bf16" and shape in rows:
+            rows[key]["vs_bf16"] = ms / rows[shape]["ms_per_token"]
+        print(f"[{key}] {ms:.2f} ms/token, floor {floor_ms:.2f} ms -> {floor_ms / ms:.1%}; "
+              f"1-token request {t1 * 1e3:.1f} ms"
+              + (f"; {rows[key]['vs_bf16']:.2f}x the bf16 ms/token" if "vs_bf16" in rows[key] else ""), flush=True)
         shutdown = getattr(llm, "shutdown", None)
         if callable(shutdown):
             shutdown()
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"\n{'shape':14} {'ms/token':>9} {'floor ms':>9} {'of floor':>9} {'prefill+1 ms':>13}")
+    print(f"\n{'shape':20} {'ms/token':>9} {'floor ms':>9} {'of floor':>9} {'prefill+1 ms':>13} {'vs bf16':>8}")
     for shape, r in rows.items():
-        print(f"{shape:14} {r['ms_per_token']:>9.2f} {r['floor_ms']:>9.2f} {r['frac_floor']:>9.1%} {r['ttft_ms']:>13.1f}")
+        vs = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-"
+        print(f"{shape:20} {r['ms_per_token']:>9.2f} {r['floor_ms']:>9.2f} {r['frac_floor']:>9.1%} "
+              f"{r['ttft_ms']:>13.1f} {vs:>8}")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": bw, "shapes": rows},
                                              indent=2))

@@ -8,6 +8,10 @@ same reduced workload (all 256 prompts, output lengths divided by --peer-div: th
 ~1K tok/s, so the full workload would cost minutes of device time). Prints one table.
 
   python bench/offline.py --shapes llama-3.2-1b,llama-3-8b --peer --out /tmp/offline.json
+  python bench/offline.py --shapes llama-3-8b --quantize bf16,gptq,fp8     # quantized vs bf16, same call
+
+`--quantize` runs each variant of bench/dummy_model.py QUANT_VARIANTS per shape (int4 g128 GPTQ /
+AWQ packed dummy weights, fp8 converted at load) and adds its tokens/s as a ratio to bf16's.
 """
 
 from __future__ import annotations
@@ -26,17 +30,18 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs, matmul_tflops  # noqa: E402
-from bench.dummy_model import make_dummy_model_dir, shape_info  # noqa: E402
+from bench.dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, shape_info  # noqa: E402
 from bench.workload import reference_workload, workload_floor_s  # noqa: E402
 
 
-def build_llm(model_dir: Path, args: argparse.Namespace):
+def build_llm(model_dir: Path, args: argparse.Namespace, quantization: str | None = None):
     from serving import LLM
 
     return LLM(
         str(model_dir),
         load_format="dummy",
         dtype="bfloat16",
+        quantization=quantization,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -115,6 +120,7 @@ def main() -> None:
     ap.add_argument("--peer-div", type=int, default=8, help="divide output lengths by this for the peer ratio")
     ap.add_argument("--peer-timeout", type=float, default=150.0)
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--quantize", default="bf16", help=f"comma-separated variants of {sorted(QUANT_VARIANTS)}")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -126,19 +132,23 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "copy_gbs": bw, "matmul_tflops": tf,
                      "torch": torch.__version__, "shapes": {}}
     tok_dir = args.tokenizer_dir if Path(args.tokenizer_dir).is_dir() else None
-    for shape in args.shapes.split(","):
-        model_dir = make_dummy_model_dir(shape, Path(args.model_root) / shape, tok_dir)
+    for shape, variant in [(s, q) for s in args.shapes.split(",") for q in args.quantize.split(",")]:
+        key = shape if variant == "bf16" else f"{shape}/{variant}"
+        model_dir = make_dummy_model_dir(shape, dummy_dir(args.model_root, shape, variant), tok_dir, variant)
         floor = workload_floor_s(shape, [len(p) for p in prompts], out_lens, tf * 1e12, bw * 1e9)
         row: dict = {"floor_s": floor["floor_s"], "floor_flops_s": floor["flops_s"], "floor_bytes_s": floor["bytes_s"]}
         t0 = time.perf_counter()
-        llm = build_llm(model_dir, args)
+        llm = build_llm(model_dir, args, QUANT_VARIANTS[variant][1])
         row["startup_s"] = time.perf_counter() - t0
         run_ours(llm, [[1, 2, 3, 4, 5]], [8])  # warm-up request
         dt, produced = run_ours(llm, prompts, out_lens)
         row.update(ours_s=dt, ours_tokens=produced, ours_tok_s=produced / dt, frac_floor=floor["floor_s"] / dt)
-        print(f"[{shape}] ours: {produced} tokens in {dt:.2f} s = {produced / dt:,.0f} tok/s, "
-              f"{floor['floor_s'] / dt:.1%} of the workload floor ({floor['floor_s']:.2f} s)", flush=True)
-        if args.peer:
+        if variant != "bf16" and shape in results["shapes"]:
+            row["vs_bf16"] = row["ours_tok_s"] / results["shapes"][shape]["ours_tok_s"]
+        print(f"[{key}] ours: {produced} tokens in {dt:.2f} s = {produced / dt:,.0f} tok/s, "
+              f"{floor['floor_s'] / dt:.1%} of the (bf16) workload floor ({floor['floor_s']:.2f} s)"
+              + (f"; {row['vs_bf16']:.2f}x bf16 tok/s" if "vs_bf16" in row else ""), flush=True)
+        if args.peer and variant == "bf16":  # the peer runs the unquantized model
             dt_s, produced_s = run_ours(llm, prompts, small_lens)
             row.update(ours_small_tok_s=produced_s / dt_s, ours_small_s=dt_s)
         llm_shutdown = getattr(llm, "shutdown", None)
@@ -147,7 +157,7 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-        if args.peer:
+        if args.peer and variant == "bf16":  # the peer runs the unquantized model
             try:
                 row.update(run_peer(shape, prompts, small_lens, args.peer_timeout))
                 row["ratio_vs_peer"] = row["ours_small_tok_s"] / row["peer_tok_s"]
@@ -156,14 +166,17 @@ def main() -> None:
             except Exception as exc:  # the peer is a guest: report, don't die
                 row["peer_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"[{shape}] peer failed: {row['peer_error']}", flush=True)
-        results["shapes"][shape] = row
+        results["shapes"][key] = row
 
-    print(f"\n{'shape':14} {'ours tok/s':>11} {'floor tok/s':>12} {'of floor':>9} {'peer tok/s':>11} {'ratio':>7}")
+    print(f"\n{'shape':20} {'ours tok/s':>11} {'floor tok/s':>12} {'of floor':>9} {'peer tok/s':>11} {'ratio':>7} "
+          f"{'vs bf16':>8}")
     for shape, r in results["shapes"].items():
         floor_tok_s = sum(out_lens) / r["floor_s"]
         peer = f"{r['peer_tok_s']:,.0f}" if "peer_tok_s" in r else "-"
         ratio = f"{r['ratio_vs_peer']:.1f}x" if "ratio_vs_peer" in r else "-"
-        print(f"{shape:14} {r['ours_tok_s']:>11,.0f} {floor_tok_s:>12,.0f} {r['frac_floor']:>9.1%} {peer:>11} {ratio:>7}")
+        vs = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-"
+        print(f"{shape:20} {r['ours_tok_s']:>11,.0f} {floor_tok_s:>12,.0f} {r['frac_floor']:>9.1%} {peer:>11} {ratio:>7} "
+              f"{vs:>8}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

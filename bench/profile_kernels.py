@@ -31,7 +31,7 @@ def main() -> None:
 
     from serving import SamplingParams
 
-    llm = dummy_llm(args.shape, args.model_root, args.num_seqs, args.budget)
+    llm = dummy_llm(args.shape, args.model_root, args.num_seqs, args.budget, quantize=args.quantize)
     engine = llm.llm_engine
     prompts, _ = reference_workload(args.num_seqs)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

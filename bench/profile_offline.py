@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     from serving import SamplingParams
 
-    llm = dummy_llm(args.shape, args.model_root)
+    llm = dummy_llm(args.shape, args.model_root, quantize=args.quantize)
     prompts, out_lens = reference_workload(args.num_seqs)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, detokenize=False) for n in out_lens]
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)

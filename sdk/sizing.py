@@ -5,6 +5,10 @@ Out: a ``SizingReport`` with weight bytes, GQA-correct KV bytes per token
 (``2 x layers x kv_heads x head_dim x bytes``) beside the seed article's hidden-size formula
 (``2 x bytes x layers x hidden``, which overestimates for GQA models), the total, and a suggestion.
 CLI: ``python -m sdk.sizing --config config.json --dtype fp16 --batch 4 --seq-len 4096``.
+Quantized weights (``--quantize gptq|awq|fp8``, ``option.quantize``): the linear layers' weights
+at ``bits`` per weight plus a float16 scale and zero point per ``group_size`` input rows (as the
+engine holds them: GPTQ/AWQ int4 group 128 = 0.53 bytes per weight; fp8 = 1 byte plus one float32
+scale per output channel); embeddings, the LM head and norms stay in ``dtype``.
 Units: GB = 1e9 bytes (as the article), GiB = 2**30 (as GPU memory is sold).
 """
 
@@ -84,6 +88,12 @@ class ModelShape:
             num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1),
         )
 
+    def linear_params(self) -> int:
+        """Weights of the decoder layers' linear projections (what GPTQ / AWQ / FP8 quantize)."""
+        q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
+        k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * (q_o + k_v + 3 * self.hidden_size * self.intermediate_size * self.num_experts)
+
     def num_params(self) -> int:
         """Parameter count of a LLaMA-style decoder (gated MLP, RMSNorm, no biases)."""
         q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
@@ -93,6 +103,33 @@ class ModelShape:
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * (q_o + k_v + mlp + norms) + embed + lm_head + self.hidden_size
+
+
+QUANTIZATIONS = ("gptq", "awq", "fp8")
+
+
+def quantized_weight_bytes(shape: ModelShape, quantization: str, dtype: str = "fp16", bits: int = 4,
+                           group_size: int | None = 128) -> float:
+    """Weight bytes with the linear layers quantized (the rest in ``dtype``), as the engine holds them.
+
+    gptq / awq: ``bits`` per weight + a 2-byte scale and a 2-byte zero point per output column and
+    group of ``group_size`` input rows (None: one group, per output channel); fp8: 1 byte per
+    weight + a 4-byte scale per output column. (GPTQ's act-order ``g_idx``, 4 bytes per input row,
+    is under 0.1 % and left out.)
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; one of {', '.join(QUANTIZATIONS)}")
+    linear = shape.linear_params()
+    rest = (shape.num_params() - linear) * DTYPE_BYTES[dtype]
+    h = shape.hidden_size
+    out_cols = shape.num_layers * (shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim + h
+                                   + shape.num_experts * (2 * shape.intermediate_size + h))
+    if quantization == "fp8":
+        return linear + 4 * out_cols + rest
+    if bits not in (4, 8) or (quantization == "awq" and bits != 4):
+        raise ValueError(f"{quantization} weights are {'4 or 8' if quantization == 'gptq' else '4'} bits, got {bits}")
+    scales_zeros = linear * 4 / group_size if group_size else 4 * out_cols
+    return linear * bits / 8 + scales_zeros + rest
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float) -> float:
@@ -172,10 +209,13 @@ def suggest(total_bytes: float, shape: ModelShape | None, gpu_memory_utilization
 
 def size(*, shape: ModelShape | None = None, num_params: int | None = None, dtype: str = "fp16",
          batch: int = 1, seq_len: int = 4096, kv_dtype: str | None = None, seed_hidden_size: int | None = None,
-         gpu_memory_utilization: float = 0.9, overhead_bytes: float = 0.0) -> SizingReport:
+         gpu_memory_utilization: float = 0.9, overhead_bytes: float = 0.0, quantization: str | None = None,
+         bits: int = 4, group_size: int | None = 128) -> SizingReport:
     """Size one deployment. Give ``shape`` (from config.json), ``num_params``, or both (params win).
 
     ``seed_hidden_size`` replaces the config's hidden size in the seed formula (the article used 4096).
+    ``quantization`` (gptq / awq / fp8, as ``option.quantize``) sizes the linear layers' weights as
+    ``quantized_weight_bytes`` does (needs ``shape``); ``dtype`` is then the rest's and the KV cache's.
     """
     if shape is None and num_params is None:
         raise ValueError("need a model shape (config.json) or a parameter count")
@@ -185,6 +225,10 @@ def size(*, shape: ModelShape | None = None, num_params: int | None = None, dtyp
     kbytes = DTYPE_BYTES[kv_dtype or (dtype if wbytes >= 2 else "fp16")]
     params = num_params if num_params is not None else shape.num_params()  # type: ignore[union-attr]
     weight_bytes = params * wbytes
+    if quantization is not None:
+        if shape is None:
+            raise ValueError("sizing quantized weights needs the model shape (config.json)")
+        weight_bytes = quantized_weight_bytes(shape, quantization, dtype, bits, group_size) * params / shape.num_params()
     tokens = batch * seq_len
     if shape is not None:
         per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kbytes)
@@ -197,7 +241,7 @@ def size(*, shape: ModelShape | None = None, num_params: int | None = None, dtyp
     if instance in SAME_GPU:
         note = f"same GPU, more CPU/RAM: {SAME_GPU[instance]}"
     return SizingReport(
-        dtype=dtype, batch=batch, seq_len=seq_len, num_params=int(params), weight_bytes=weight_bytes,
+        dtype=dtype if quantization is None else f"{quantization}+{dtype}", batch=batch, seq_len=seq_len, num_params=int(params), weight_bytes=weight_bytes,
         kv_bytes_per_token=per_token, seed_kv_bytes_per_token=seed_per_token,
         seed_overestimate=(seed_per_token / per_token) if per_token else 0.0,
         kv_cache_bytes=per_token * tokens, seed_kv_cache_bytes=seed_per_token * tokens,
@@ -245,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=float, help="parameter count, e.g. 3.8e9 (overrides the config's)")
     parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
     parser.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES))
+    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+                        help="quantized linear layers (option.quantize); --dtype is then the rest's")
+    parser.add_argument("--bits", type=int, default=4, help="gptq/awq bits per weight (4; gptq also 8)")
+    parser.add_argument("--group-size", type=int, default=128, help="gptq/awq group size (-1: per channel)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--seed-hidden-size", type=int, help="hidden size used in the seed formula (article: 4096)")
@@ -261,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --config, --phi3-mini or --params")
     report = size(shape=shape, num_params=int(args.params) if args.params else None, dtype=args.dtype,
                   batch=args.batch, seq_len=args.seq_len, kv_dtype=args.kv_dtype,
-                  seed_hidden_size=args.seed_hidden_size, gpu_memory_utilization=args.gpu_memory_utilization)
+                  seed_hidden_size=args.seed_hidden_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                  quantization=args.quantize, bits=args.bits,
+                  group_size=None if args.group_size in (-1, 0) else args.group_size)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0

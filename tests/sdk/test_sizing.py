@@ -63,3 +63,39 @@ def test_cli(tmp_path) -> None:
     assert "TENSOR_PARALLEL_DEGREE=1" in out and "ml.g5.xlarge" in out
     report = json.loads(subprocess.run(cmd + ["--json"], check=True, capture_output=True, text=True).stdout)
     assert report["kv_bytes_per_token"] == 393_216
+
+
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False}
+
+
+def test_quantized_weight_bytes() -> None:
+    """Llama-3-8B: 6.98 B linear weights; int4 g128 = 0.5 B + 4 B of scale/zero per 128 weights each,
+    the 1.05 B embedding / head / norm weights stay 2 B."""
+    shape = ModelShape.from_config(LLAMA3_8B)
+    linear, rest = shape.linear_params(), shape.num_params() - shape.linear_params()
+    assert linear == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    bf16 = size(shape=shape, dtype="bf16", batch=1, seq_len=1).weight_bytes
+    int4 = size(shape=shape, dtype="bf16", batch=1, seq_len=1, quantization="gptq")
+    assert int4.weight_bytes == pytest.approx(linear * (0.5 + 4 / 128) + rest * 2)
+    assert int4.dtype == "gptq+bf16" and 0.35 < int4.weight_bytes / bf16 < 0.37  # 5.8 GB of 16.1 GB
+    awq = size(shape=shape, dtype="bf16", batch=1, seq_len=1, quantization="awq").weight_bytes
+    assert awq == int4.weight_bytes
+    int8 = size(shape=shape, dtype="bf16", batch=1, seq_len=1, quantization="gptq", bits=8, group_size=None)
+    out_cols = 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096)
+    assert int8.weight_bytes == pytest.approx(linear + 4 * out_cols + rest * 2)
+    fp8 = size(shape=shape, dtype="bf16", batch=1, seq_len=1, quantization="fp8").weight_bytes
+    assert fp8 == pytest.approx(linear + 4 * out_cols + rest * 2) and 9.0e9 < fp8 < 9.2e9
+    with pytest.raises(ValueError, match="awq weights are 4 bits"):
+        size(shape=shape, quantization="awq", bits=8)
+    with pytest.raises(ValueError, match="needs the model shape"):
+        size(num_params=8_000_000_000, quantization="gptq")
+
+
+def test_cli_quantized(tmp_path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA3_8B))
+    cmd = [sys.executable, "-m", "sdk.sizing", "--config", str(cfg), "--dtype", "bf16", "--quantize", "gptq",
+           "--batch", "1", "--seq-len", "4096", "--json"]
+    report = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    assert report["dtype"] == "gptq+bf16" and 5.7e9 < report["weight_bytes"] < 5.9e9
