@@ -3,7 +3,8 @@
 Each shape runs in its own fresh Python process (`--child`), with Triton's cache directory
 emptied first unless `--keep-cache` (so "cold" means: nothing compiled on this machine yet,
 unless the product itself fills the cache during start-up). In that process:
-  constructor (LLM(...) to ready) -> reference workload (first run) -> the same again (second run)
+  constructor (LLM(...) to ready) -> reference workload (first run) -> the same again (second run,
+  which finds every prompt in the prefix cache) -> the same after emptying the prefix cache (third)
 and every Triton specialisation compiled (or loaded from the disk cache) is recorded with the
 phase it happened in, its kernel name and its specialisation key, through
 `triton.knobs.runtime.jit_cache_hook` (called once per new in-process specialisation).
@@ -58,19 +59,28 @@ def _child(args: argparse.Namespace) -> dict:
     startup = time.perf_counter() - t0
     row: dict = {"shape": args.shape, "startup_s": startup, "triton": triton.__version__,
                  "device": torch.cuda.get_device_name()}
-    for name in ("first", "second"):
+    engine = llm.llm_engine
+    for name in ("first", "second", "third"):
+        # The second run finds the first's prompts in the prefix cache (on by default); the third
+        # runs after emptying it, so first vs third isolates what a fresh process pays.
+        if name == "third":
+            engine.block_manager.reset_prefix_cache()
         phase[0] = name
+        hits0 = engine.block_manager.num_prefix_hits
         dt, produced = run_ours(llm, prompts, out_lens)
         row[f"{name}_s"], row[f"{name}_tok_s"] = dt, produced / dt
+        row[f"{name}_prefix_hit_tokens"] = engine.block_manager.num_prefix_hits - hits0
     phase[0] = "after"
     bw, tf = copy_bandwidth_gbs(), matmul_tflops()
     floor = workload_floor_s(args.shape, [len(p) for p in prompts], out_lens, tf * 1e12, bw * 1e9)
     row["floor_s"] = floor["floor_s"]
     row["first_of_floor"] = floor["floor_s"] / row["first_s"]
     row["second_of_floor"] = floor["floor_s"] / row["second_s"]
+    row["third_of_floor"] = floor["floor_s"] / row["third_s"]
     row["first_over_second"] = row["first_tok_s"] / row["second_tok_s"]
+    row["first_over_third"] = row["first_tok_s"] / row["third_tok_s"]
     row["compiles"] = [c for c in compiles if c["phase"] != "after"]
-    for ph in ("constructor", "first", "second"):
+    for ph in ("constructor", "first", "second", "third"):
         row[f"compiles_{ph}"] = sum(c["phase"] == ph for c in compiles)
     return row
 
@@ -114,12 +124,14 @@ def main() -> None:
         for c in row["compiles"]:
             if c["phase"] != "constructor":
                 print(f"   {c['phase']:6s} {c['kernel']}: {c['constants']} {c['key'][:200]}", flush=True)
-    print("\nshape | cache | start-up s | compiles ctor/first/second | first tok/s | second tok/s | first/second | "
-          "second of floor")
+    print("\nshape | Triton cache | start-up s | compiles ctor/1st/2nd/3rd | 1st tok/s | 2nd (prefix hits) | "
+          "3rd, cache reset | 1st/2nd | 1st/3rd | of floor 1st/2nd/3rd")
     for r in rows:
         print(f"{r['shape']} | {r['cache']} | {r['startup_s']:.1f} | {r['compiles_constructor']}/{r['compiles_first']}/"
-              f"{r['compiles_second']} | {r['first_tok_s']:,.0f} | {r['second_tok_s']:,.0f} | "
-              f"{r['first_over_second']:.2f} | {r['second_of_floor']:.1%}")
+              f"{r['compiles_second']}/{r['compiles_third']} | {r['first_tok_s']:,.0f} | {r['second_tok_s']:,.0f} "
+              f"({r['second_prefix_hit_tokens']:,}) | {r['third_tok_s']:,.0f} | {r['first_over_second']:.2f} | "
+              f"{r['first_over_third']:.2f} | {r['first_of_floor']:.1%}/{r['second_of_floor']:.1%}/"
+              f"{r['third_of_floor']:.1%}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
