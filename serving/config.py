@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 from serving.config_keys import IGNORED_KEYS, KEYS, ROLLING_BATCH_MEANING, TGI_ALIASES, ConfigError, Key
 from serving.engine_config import EngineConfig
+from serving.quantization import startup_summary
 
 logger = logging.getLogger("serving.config")
 
@@ -432,6 +433,7 @@ def log_config(config: ServingConfig, log: logging.Logger = logger) -> None:
         log.info("option.enable_streaming=%s has no effect: requests stream with \"stream\": true, or "
                  "for every request with option.output_formatter=jsonlines", config.enable_streaming)
     _log_lora(config, log)
+    log.info("weights: %s", startup_summary(config.engine.model, config.engine.quantization))
     if config.output_formatter == "json":
         log.info("option.output_formatter=json: per-request \"stream\": true is ignored (LMI behaviour)")
 

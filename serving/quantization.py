@@ -242,3 +242,22 @@ def _parse_compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
         raise QuantizationError(f"{source}: compressed-tensors targets={targets} are not supported (supported: Linear)")
     return QuantConfig("fp8", bits=8, group_size=None, sym=True, skip_modules=tuple(qc.get("ignore") or ()),
                        source=source)
+
+
+def startup_summary(model_id: str | None, option: str | None) -> str:
+    """What the start-up log says about the weights' format, before the engine loads them.
+
+    Known now for a local model dir (its config.json); a hub or s3:// model is checked when fetched.
+    """
+    if model_id is None:  # the embedded default model: fp32 weights
+        if option in (None, "none", "fp8"):
+            return "unquantized (the embedded default model)" if option != "fp8" else "fp8 e4m3, quantized at load"
+        return f"option.quantize={option}, but the embedded default model is not quantized: the start will fail"
+    path = Path(model_id)
+    if not (path / "config.json").is_file():
+        return f"option.quantize={option or 'unset'}; the checkpoint's quantization_config is checked when it is fetched"
+    try:
+        quant = resolve_quantization(path, json.loads((path / "config.json").read_text()), option)
+    except (QuantizationError, ValueError) as exc:
+        return f"the model will not load: {exc}"
+    return "unquantized" if quant is None else f"{quant.describe()} (from {quant.source})"

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from hf_oracle import hf_greedy
 from model_fixtures import build_tiny_model
 from quant_fixtures import AWQ_ORDER, Format, awq_tensors, gptq_tensors, pack_cols, quantize_rtn, write_quantized
-from tp_driver import greedy_logits, tp_worker
+from tp_driver import greedy_logits, tp_worker_many
 
 from serving.executor.models import build_model
 from serving.executor.models.layers import OutputPart, PackedColumnParallelLinear, RowParallelLinear
@@ -102,6 +102,17 @@ def test_quantize_option_in_the_container_config():
         load_config({"OPTION_QUANTIZE": "int3"}, [])
     with pytest.raises(ConfigError, match=r"'squeezellm' is invalid.*SqueezeLLM checkpoints are not supported"):
         load_config({"OPTION_QUANTIZE": "squeezellm"}, [])
+
+
+def test_startup_summary_names_the_format(tmp_path):
+    from serving.quantization import startup_summary
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}))
+    assert startup_summary(str(tmp_path), None) == "awq int4, group 128, asym (from config.json quantization_config)"
+    assert startup_summary(str(tmp_path), "gptq").startswith("the model will not load: option.quantize=gptq does not")
+    assert startup_summary(None, None) == "unquantized (the embedded default model)"
+    assert "checked when it is fetched" in startup_summary("org/model", "awq")
 
 
 def test_fp8_at_load_needs_a_hopper_class_gpu(tmp_path):
@@ -319,14 +330,17 @@ def test_missing_scales_names_the_tensor(quant_models, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gptq4_g32_desc_act_asym_v1", "awq_g64"])
-def test_tp2_logits_equal_tp1(name, quant_models, tmp_path):
-    path = quant_models(name)
+def test_tp2_logits_equal_tp1(quant_models, tmp_path):
+    """GPTQ with desc_act (row-parallel ranks keep every group, their rows' g_idx) and AWQ (packed N / 8
+    columns split before the repack), both ranks against the single-process logits and tokens."""
+    names = ["gptq4_g32_desc_act_asym_v1", "awq_g64"]
+    paths = [str(quant_models(n)) for n in names]
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
-    want_logits, want_tokens = greedy_logits(path, prompts, decode_steps=3)
-    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), str(path), prompts, 3, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert got["tokens"] == want_tokens
-        for g, w in zip(got["logits"], want_logits):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-5)
+    mp.spawn(tp_worker_many, args=(2, str(tmp_path / "init"), paths, prompts, 3, str(tmp_path)), nprocs=2, join=True)
+    for i, path in enumerate(paths):
+        want_logits, want_tokens = greedy_logits(path, prompts, decode_steps=3)
+        for rank in range(2):
+            got = torch.load(tmp_path / f"rank{rank}_{i}.pt")
+            assert got["tokens"] == want_tokens, names[i]
+            for g, w in zip(got["logits"], want_logits):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-5)

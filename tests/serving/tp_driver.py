@@ -107,3 +107,16 @@ def tp_worker(rank: int, world_size: int, init_file: str, model_dir: str, prompt
         torch.save({"logits": logits, "tokens": tokens}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         parallel.destroy_tensor_parallel()
+
+
+def tp_worker_many(rank: int, world_size: int, init_file: str, model_dirs: list[str], prompts: list[list[int]],
+                   decode_steps: int, out_dir: str) -> None:
+    """`tp_worker` over several checkpoints in one process group: saves `rank{r}_{i}.pt` per model i."""
+    torch.set_num_threads(1)
+    parallel.init_tensor_parallel(rank, world_size, f"file://{init_file}", "gloo")
+    try:
+        for i, model_dir in enumerate(model_dirs):
+            logits, tokens = greedy_logits(model_dir, prompts, decode_steps)
+            torch.save({"logits": logits, "tokens": tokens}, Path(out_dir) / f"rank{rank}_{i}.pt")
+    finally:
+        parallel.destroy_tensor_parallel()
