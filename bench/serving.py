@@ -48,6 +48,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    sent: float = 0.0  # seconds after the run's start
 
 
 def make_requests(dataset: str, num_prompts: int, seed: int, output_len: int) -> list[Request]:
@@ -142,7 +143,9 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(max(0.0, next_t - time.perf_counter()))
 
         def work(i: int = i, req: Request = req) -> None:
+            sent = time.perf_counter() - start
             results[i] = send(args, req)
+            results[i].sent = sent
 
         t = threading.Thread(target=work, daemon=True)
         t.start()
@@ -163,6 +166,11 @@ def run(args: argparse.Namespace) -> dict:
     for name, xs in (("ttft_ms", [r.ttft for r in ok]), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", [r.e2e for r in ok])):
         mean, p50, p99 = _stats(xs)
         summary[name] = {"mean": mean * 1e3, "p50": p50 * 1e3, "p99": p99 * 1e3}
+    # Per request, to see which ones make the tails: (sent s, prompt words, TTFT ms, max ITL ms).
+    summary["requests"] = [
+        [round(r.sent, 3), len(q.prompt.split()), round(r.ttft * 1e3, 1), round(max(r.itl, default=0.0) * 1e3, 1)]
+        for r, q in zip(results, reqs) if r.ok
+    ]
     return summary
 
 
@@ -175,6 +183,9 @@ def print_table(s: dict) -> None:
         print(f"{name:8} {m['mean']:>9.1f} {m['p50']:>9.1f} {m['p99']:>9.1f}")
     if s["errors"]:
         print("errors:", s["errors"])
+    worst = sorted(s.get("requests", []), key=lambda r: -r[2])[:5]
+    if worst:
+        print("slowest TTFT [sent s, prompt words, TTFT ms, max ITL ms]:", worst)
 
 
 def main() -> None:

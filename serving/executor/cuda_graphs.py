@@ -99,6 +99,8 @@ class DecodeGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = out
+        for graph in self.graphs.values():
+            graph.replay()  # the first launch uploads the graph: before ready, not in a user's step
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.batch_sizes)
 

@@ -106,6 +106,11 @@ class PiecewiseGraphRunner:
                         self.pool = graph.pool()
                     graphs.append(graph)
             self.graphs[t] = graphs
+        # A graph's first launch also uploads it (ms for a big one): do that now, not in a user's
+        # first step of each size. Harmless: slot -1 writes no KV, the buffers hold no one's data.
+        for graphs in self.graphs.values():
+            for graph in graphs:
+                graph.replay()
         torch.cuda.synchronize()
         logger.info("captured %d piecewise CUDA graphs (%d pieces x token buckets %s) in %.1f s",
                     sum(len(g) for g in self.graphs.values()), self.body.num_pieces, self.buckets,
@@ -141,3 +146,5 @@ class PiecewiseGraphRunner:
         self.body = None  # type: ignore[assignment]
         self.attention = []
         self.buckets = [0]  # `can_run` is False from now on
+        self.input_ids = self.positions = self.slot_mapping = torch.empty(0)
+        self.q = self.attn = self.residual = self.hidden = torch.empty(0)
