@@ -123,10 +123,12 @@ def lora_shrink(
     sorted_rows: torch.Tensor,  # [>= T] int32 (lora_segments)
     seg_starts: torch.Tensor,  # [num_slots] int32
     seg_counts: torch.Tensor,  # [num_slots] int32
+    block_slot: torch.Tensor,  # [NB] int32: the row blocks to run (lora_segments)
+    block_m0: torch.Tensor,  # [NB] int32
 ) -> torch.Tensor:
     """Per row of slot s: x[t] · a_stacked[s]ᵀ -> float32 partial sums [P, T, R] (sum over dim 0)."""
     impl = _mod("lora").lora_shrink if use_triton(x) else reference.lora_shrink
-    return impl(x, a_stacked, sorted_rows, seg_starts, seg_counts)
+    return impl(x, a_stacked, sorted_rows, seg_starts, seg_counts, block_slot, block_m0)
 
 
 def lora_expand(
@@ -137,10 +139,12 @@ def lora_expand(
     sorted_rows: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_counts: torch.Tensor,
+    block_slot: torch.Tensor,
+    block_m0: torch.Tensor,
 ) -> None:
     """Per row of slot s and slice p: y[t, cols(p)] += (Σ partials)[t, p-th r columns] · B[s, cols(p)]ᵀ."""
     impl = _mod("lora").lora_expand if use_triton(y) else reference.lora_expand
-    impl(y, partials, b_stacked, slice_sizes, sorted_rows, seg_starts, seg_counts)
+    impl(y, partials, b_stacked, slice_sizes, sorted_rows, seg_starts, seg_counts, block_slot, block_m0)
 
 
 def gumbel_sample(

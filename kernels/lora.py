@@ -3,10 +3,11 @@
 Every token row carries an adapter slot (-1: the base model, untouched). `lora_segments`
 (kernels/reference.py, plain torch, no host sync) orders the rows by slot once per step:
 `sorted_rows[seg_starts[s] : seg_starts[s] + seg_counts[s]]` are the rows of slot s. Both
-kernels run one program per (slot, block of BLOCK_M of its rows, ...) and return at once when
-the slot has fewer rows, so each slot's A/B tiles are read once per row block rather than once
-per row (a per-row gather would read a rank-16 8B adapter ~40 MB per token). The grid depends
-only on the shapes, so both launches are CUDA-graph capturable.
+kernels run one program per (block of LORA_BLOCK_M rows of one slot, ...), from the block table
+`lora_segments` also builds (cdiv(T, 16) + slots entries, the unused ones return at once), so
+each slot's A/B tiles are read once per row block rather than once per row (a per-row gather
+would read a rank-16 8B adapter ~40 MB per token). The grid depends only on the shapes, so
+both launches are CUDA-graph capturable.
 
 Shrink splits K over programs (decode has few rows: parallelism comes from K) and writes
 float32 partial sums `[num_splits, T, R]`; expand adds those partials while loading them, so
@@ -20,35 +21,37 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_M = 16  # rows per program (tl.dot needs >= 16)
+from kernels.reference import LORA_BLOCK_M
+
 _SHRINK_BLOCK_K = 64
 _SHRINK_K_PER_SPLIT = 512  # K elements per shrink program
-_EXPAND_BLOCK_N = 64
+_EXPAND_BLOCK_N = 128
 
 
 @triton.jit
-def _slot_rows(rows_ptr, starts_ptr, s, count, m0, BLOCK_M: tl.constexpr):
-    """Rows m0 .. m0 + BLOCK_M of slot s's segment (int64), and which of them exist."""
+def _block_rows(rows_ptr, starts_ptr, counts_ptr, block_slot_ptr, block_m0_ptr, b, BLOCK_M: tl.constexpr):
+    """Block b's slot (-1: none), its rows (int64) and which of them exist."""
+    s = tl.load(block_slot_ptr + b)
+    m0 = tl.load(block_m0_ptr + b)
+    count = tl.where(s >= 0, tl.load(counts_ptr + tl.maximum(s, 0)), 0)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
-    rows = tl.load(rows_ptr + tl.load(starts_ptr + s) + offs_m, mask=m_mask, other=0).to(tl.int64)
-    return rows, m_mask
+    rows = tl.load(rows_ptr + tl.load(starts_ptr + tl.maximum(s, 0)) + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return s, rows, m_mask
 
 
 @triton.jit
 def _lora_shrink_kernel(
-    x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr,
+    x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, block_slot_ptr, block_m0_ptr,
     K, R, k_per_split,
     stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_op, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
-    s = tl.program_id(0)
-    m0 = tl.program_id(1) * BLOCK_M
-    split = tl.program_id(2)
-    count = tl.load(counts_ptr + s)
-    if m0 >= count:
+    s, rows, m_mask = _block_rows(rows_ptr, starts_ptr, counts_ptr, block_slot_ptr, block_m0_ptr,
+                                  tl.program_id(0), BLOCK_M)
+    if s < 0:
         return
-    rows, m_mask = _slot_rows(rows_ptr, starts_ptr, s, count, m0, BLOCK_M)
+    split = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     k_begin = split * k_per_split
@@ -72,22 +75,22 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_kernel(
-    y_ptr, p_ptr, b_ptr, rows_ptr, starts_ptr, counts_ptr,
+    y_ptr, p_ptr, b_ptr, rows_ptr, starts_ptr, counts_ptr, block_slot_ptr, block_m0_ptr,
     n0, n1, n2, R, num_partials, num_n_blocks,
     stride_yt, stride_yn, stride_pp, stride_pt, stride_bs, stride_bn, stride_br,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
-    s = tl.program_id(0)
-    m0 = tl.program_id(1) * BLOCK_M
-    pid = tl.program_id(2)
+    pid = tl.program_id(1)
     part = pid // num_n_blocks
     n_start = (pid % num_n_blocks) * BLOCK_N
     size = n0 * (part == 0) + n1 * (part == 1) + n2 * (part == 2)
-    count = tl.load(counts_ptr + s)
-    if (m0 >= count) | (n_start >= size):
+    if n_start >= size:
+        return
+    s, rows, m_mask = _block_rows(rows_ptr, starts_ptr, counts_ptr, block_slot_ptr, block_m0_ptr,
+                                  tl.program_id(0), BLOCK_M)
+    if s < 0:
         return
     col0 = n0 * (part > 0) + n1 * (part > 1)  # first output column of this slice
-    rows, m_mask = _slot_rows(rows_ptr, starts_ptr, s, count, m0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     mr_mask = m_mask[:, None] & r_mask[None, :]
@@ -119,25 +122,26 @@ def lora_shrink(
     sorted_rows: torch.Tensor,  # [>= T] int32: rows grouped by slot (lora_segments)
     seg_starts: torch.Tensor,  # [num_slots] int32
     seg_counts: torch.Tensor,  # [num_slots] int32
+    block_slot: torch.Tensor,  # [NB] int32: the row blocks to run (lora_segments)
+    block_m0: torch.Tensor,  # [NB] int32
 ) -> torch.Tensor:
     """Per row of slot s: x[t] · a_stacked[s]ᵀ, as float32 partial sums [num_splits, T, R] (sum over
     dim 0); rows of no slot are left unwritten (expand never reads them)."""
     assert x.dim() == 2 and a_stacked.dim() == 3 and a_stacked.shape[2] == x.shape[1], (x.shape, a_stacked.shape)
     assert a_stacked.dtype == x.dtype, (a_stacked.dtype, x.dtype)
-    assert seg_starts.shape == seg_counts.shape == (a_stacked.shape[0],)
+    assert seg_starts.shape == seg_counts.shape == (a_stacked.shape[0],) and block_slot.shape == block_m0.shape
     num_tokens, k = x.shape
-    num_slots, r = a_stacked.shape[:2]
+    r = a_stacked.shape[1]
     num_splits = triton.cdiv(k, _SHRINK_K_PER_SPLIT)
     out = torch.empty((num_splits, num_tokens, r), dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
-    grid = (num_slots, triton.cdiv(num_tokens, _BLOCK_M), num_splits)
-    _lora_shrink_kernel[grid](
-        x, a_stacked, out, sorted_rows, seg_starts, seg_counts,
+    _lora_shrink_kernel[(block_slot.shape[0], num_splits)](
+        x, a_stacked, out, sorted_rows, seg_starts, seg_counts, block_slot, block_m0,
         k, r, _SHRINK_K_PER_SPLIT,
         x.stride(0), x.stride(1), a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2),
         out.stride(0), out.stride(1),
-        BLOCK_M=_BLOCK_M, BLOCK_R=_block(r), BLOCK_K=_SHRINK_BLOCK_K, IEEE=x.dtype == torch.float32,
+        BLOCK_M=LORA_BLOCK_M, BLOCK_R=_block(r), BLOCK_K=_SHRINK_BLOCK_K, IEEE=x.dtype == torch.float32,
     )
     return out
 
@@ -150,22 +154,22 @@ def lora_expand(
     sorted_rows: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_counts: torch.Tensor,
+    block_slot: torch.Tensor,
+    block_m0: torch.Tensor,
 ) -> None:
     """Per row of slot s and slice p: y[t, cols(p)] += (Σ partials)[t, p*r:(p+1)*r] · B[s, cols(p)]ᵀ."""
     assert y.dim() == 2 and y.stride(1) == 1 and b_stacked.dim() == 3, (y.shape, y.stride(), b_stacked.shape)
     assert 1 <= len(slice_sizes) <= 3 and sum(slice_sizes) == y.shape[1] == b_stacked.shape[1]
-    num_slots, _, r = b_stacked.shape
+    r = b_stacked.shape[2]
     assert partials.shape[1:] == (y.shape[0], len(slice_sizes) * r) and partials.stride(2) == 1
-    num_tokens = y.shape[0]
-    if num_tokens == 0:
+    if y.shape[0] == 0:
         return
     sizes = tuple(slice_sizes) + (0,) * (3 - len(slice_sizes))
     num_n_blocks = triton.cdiv(max(slice_sizes), _EXPAND_BLOCK_N)
-    grid = (num_slots, triton.cdiv(num_tokens, _BLOCK_M), len(slice_sizes) * num_n_blocks)
-    _lora_expand_kernel[grid](
-        y, partials, b_stacked, sorted_rows, seg_starts, seg_counts,
+    _lora_expand_kernel[(block_slot.shape[0], len(slice_sizes) * num_n_blocks)](
+        y, partials, b_stacked, sorted_rows, seg_starts, seg_counts, block_slot, block_m0,
         sizes[0], sizes[1], sizes[2], r, partials.shape[0], num_n_blocks,
         y.stride(0), y.stride(1), partials.stride(0), partials.stride(1),
         b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
-        BLOCK_M=_BLOCK_M, BLOCK_N=_EXPAND_BLOCK_N, BLOCK_R=_block(r), IEEE=b_stacked.dtype == torch.float32,
+        BLOCK_M=LORA_BLOCK_M, BLOCK_N=_EXPAND_BLOCK_N, BLOCK_R=_block(r), IEEE=b_stacked.dtype == torch.float32,
     )

@@ -177,15 +177,21 @@ def gumbel_sample(
     return out
 
 
+LORA_BLOCK_M = 16  # rows per block of a slot's segment (the Triton kernels' BLOCK_M)
+
+
 def lora_segments(
     token_slots: torch.Tensor,  # [T] int: each row's adapter slot, -1 = base model
     num_slots: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Group rows by slot, without a host sync (CUDA-graph safe), for lora_shrink / lora_expand.
 
     Returns `sorted_rows` [T + 1] int32 (rows of slot 0, then slot 1, ...; base rows not listed;
-    the last entry is scratch), `seg_starts` [num_slots] and `seg_counts` [num_slots] int32.
-    Plain torch on every device: one compare matrix [num_slots, T], no sort.
+    the last entry is scratch), `seg_starts` [num_slots] and `seg_counts` [num_slots] int32, and
+    the row blocks the kernels run: block b covers rows `block_m0[b] ..+ LORA_BLOCK_M` of slot
+    `block_slot[b]` (-1: no block), [cdiv(T, LORA_BLOCK_M) + num_slots] int32 each (every slot's
+    segment rounds up to whole blocks, so that many always suffice). Plain torch on every
+    device: one compare matrix [num_slots, T], no sort.
     """
     num_tokens = token_slots.shape[0]
     slots = token_slots.long()
@@ -200,7 +206,14 @@ def lora_segments(
     dest = torch.where(valid, dest, num_tokens)  # base rows all land in the scratch entry
     rows = torch.zeros(num_tokens + 1, dtype=torch.int32, device=slots.device)
     rows.scatter_(0, dest, torch.arange(num_tokens, dtype=torch.int32, device=slots.device))
-    return rows, starts.to(torch.int32), counts.to(torch.int32)
+    blocks = (counts + LORA_BLOCK_M - 1) // LORA_BLOCK_M  # [S]
+    block_end = blocks.cumsum(0)
+    b = torch.arange(-(-num_tokens // LORA_BLOCK_M) + num_slots, device=slots.device)
+    block_slot = torch.searchsorted(block_end, b, right=True)  # [NB] in 0..S (S: past the last block)
+    owner = block_slot.clamp(max=num_slots - 1)
+    block_m0 = (b - (block_end[owner] - blocks[owner])) * LORA_BLOCK_M
+    block_slot = torch.where(block_slot < num_slots, block_slot, -1)
+    return rows, starts.to(torch.int32), counts.to(torch.int32), block_slot.to(torch.int32), block_m0.to(torch.int32)
 
 
 def lora_shrink(
@@ -209,6 +222,8 @@ def lora_shrink(
     sorted_rows: torch.Tensor,  # [>= T] int32: rows grouped by slot (lora_segments)
     seg_starts: torch.Tensor,  # [num_slots] int32
     seg_counts: torch.Tensor,  # [num_slots] int32
+    block_slot: torch.Tensor,  # [NB] int32 (lora_segments; the kernels' grid, unused here)
+    block_m0: torch.Tensor,  # [NB] int32
 ) -> torch.Tensor:
     """Per row of slot s: x[t] · a_stacked[s]ᵀ, as float32 partial sums [num_splits, T, R] (sum over
     dim 0); rows of no slot are left unwritten (expand never reads them)."""
@@ -228,6 +243,8 @@ def lora_expand(
     sorted_rows: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_counts: torch.Tensor,
+    block_slot: torch.Tensor,
+    block_m0: torch.Tensor,
 ) -> None:
     """Per row of slot s and slice p: y[t, cols(p)] += (Σ partials)[t, p*r:(p+1)*r] · B[s, cols(p)]ᵀ."""
     r = b_stacked.shape[2]

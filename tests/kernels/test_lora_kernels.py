@@ -41,15 +41,20 @@ def _case(num_tokens, num_slots, k, r, slice_sizes, dtype, device, seed=0):
 
 def test_segments_group_rows_by_slot():
     slots = torch.tensor([2, -1, 0, 2, 1, -1, 0, 2])
-    rows, starts, counts = reference.lora_segments(slots, 4)
+    rows, starts, counts, block_slot, block_m0 = reference.lora_segments(slots, 4)
     assert counts.tolist() == [2, 1, 3, 0]
     assert starts.tolist() == [0, 2, 3, 6]
     assert rows[:6].tolist() == [2, 6, 4, 0, 3, 7]
+    assert block_slot.tolist() == [0, 1, 2, -1, -1]  # one block each, slot 3 none
+    assert block_m0.tolist()[:3] == [0, 0, 0]
+    slots = torch.tensor([1] * 40 + [0] * 3)  # slot 1 spans three blocks of 16
+    _, _, _, block_slot, block_m0 = reference.lora_segments(slots, 2)
+    assert block_slot.tolist()[:4] == [0, 1, 1, 1] and block_m0.tolist()[:4] == [0, 0, 16, 32]
 
 
 @pytest.mark.parametrize("num_tokens, slice_sizes, k, r", [
     (5, (48,), 96, 8),  # decode-like, one slice (o_proj / down_proj)
-    (37, (64, 32, 32), 80, 16),  # packed q|k|v, rows over several blocks per slot
+    (70, (64, 32, 32), 80, 16),  # packed q|k|v, rows over several blocks per slot
     (20, (40, 40), 520, 16),  # gate|up, K over two shrink splits
 ])
 def test_shrink_expand_match_reference_and_dense(device, num_tokens, slice_sizes, k, r):

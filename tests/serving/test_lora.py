@@ -146,3 +146,15 @@ def test_lora_off_refuses(lora_adapters):
                          use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks_matches_peft(lora_adapters):
+    # Column-parallel qkv / gate_up hold this rank's rows of B; row-parallel o / down this
+    # rank's columns of A, their shrink outputs summed over the ranks (gloo, 2 CPU processes).
+    base, adapters = lora_adapters("llama")
+    llm = LLM(str(base), enable_lora=True, max_loras=2, tensor_parallel_size=2, **OPTIONS)
+    try:
+        _check_peft(llm, base, adapters, PROMPTS, ["r8", "r16", "r16_attn", None], 12)
+    finally:
+        llm.llm_engine.shutdown()
