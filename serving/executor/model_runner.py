@@ -16,6 +16,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
@@ -69,7 +70,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
         self.num_kv_heads = parallel.kv_heads_per_rank(args, world_size, rank)
-        self.batch = BatchState()
+        self.batch = BatchState(config.max_num_seqs, min(1024, -(-self.max_model_len // self.block_size)), self.device)
         self._prev: StepOutput | None = None
         self._deferred: tuple | None = None  # a launched step waiting for its guided masks
         self.quant = resolve_quantization(self.model_dir, raw, config.quantization)
@@ -234,46 +235,52 @@ class ModelRunner:
         if self.lora is not None:  # fill the slots this step needs, then each row's slot
             self.lora.apply_loads(plan.lora_loads)
             self.lora.stage(plan.lora_slots, plan.num_tokens)
-        inputs = prepare_inputs(plan, seqs, self.block_size, self.device, prev)
+        inputs = prepare_inputs(plan, self.batch, self.block_size, self.device, prev)
         hidden, all_logits = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprob_chunks:
             self._collect_prompt_logprobs(seqs, inputs, hidden)
-        sampled_seqs = [seq for flag, seq in zip(plan.sample, seqs) if flag]
-        if not sampled_seqs:
+        sampled_chunks = np.flatnonzero(np.array(plan.sample, dtype=bool))
+        num_sampled = sampled_chunks.shape[0]
+        if not num_sampled:
             return StepOutput([])
+        rows = inputs.batch_rows[sampled_chunks]  # the input-batch row of each sampled entry
         if all_logits is None:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sampled, vocab] float32
-        elif len(sampled_seqs) == all_logits.shape[0]:
+        elif num_sampled == all_logits.shape[0]:
             logits = all_logits  # every row samples (the usual decode step): no gather
         else:
             logits = all_logits[inputs.sample_rows]
-        row_of = {seq.seq_id: i for i, seq in enumerate(sampled_seqs)}
         if self.rank != 0:
             # Rank 0 samples; the others take its ids (inputs of their next step's placeholders).
-            token_ids = torch.empty(len(sampled_seqs), dtype=torch.long, device=self.device)
+            token_ids = torch.empty(num_sampled, dtype=torch.long, device=self.device)
             parallel.broadcast_from_driver(token_ids)
-            self._prev = StepOutput([], token_ids=token_ids, row_of=row_of)
+            self._prev = StepOutput([], token_ids=token_ids, rows=rows)
             return self._prev
-        prompt_logprobs = {s.seq_id: self._prompt_logprobs.pop(s.seq_id)
-                           for s in sampled_seqs if s.seq_id in self._prompt_logprobs}
+        sampled_ids = [plan.seq_ids[i] for i in sampled_chunks.tolist()] if self._prompt_logprobs else []
+        prompt_logprobs = {i: self._prompt_logprobs.pop(i) for i in sampled_ids if i in self._prompt_logprobs}
+        batch = self.batch.input_batch
 
         def sample(masks: tuple[list[int], object] | None) -> StepOutput:
             try:
-                samples = self.sampler.sample(logits, sampled_seqs, [self._generator(s) for s in sampled_seqs],
-                                              masks=masks)
+                if batch.plain[rows].all():  # the common batch: from the rows' columns
+                    samples = self.sampler.sample_plain(logits, batch.inv_temperature[rows], masks=masks)
+                else:
+                    sampled_seqs = [seqs[i] for i in sampled_chunks.tolist()]
+                    samples = self.sampler.sample(logits, sampled_seqs, [self._generator(s) for s in sampled_seqs],
+                                                  masks=masks)
             finally:
                 if self.world_size > 1:  # the other ranks wait in the broadcast even if sampling failed
                     ids = samples.token_ids if "samples" in locals() else torch.zeros(
-                        len(sampled_seqs), dtype=torch.long, device=self.device)
+                        num_sampled, dtype=torch.long, device=self.device)
                     parallel.broadcast_from_driver(ids)
 
             def resolve() -> list[SampledToken]:
                 out = samples.tokens()
-                for i, seq in enumerate(sampled_seqs) if prompt_logprobs else ():
-                    out[i].prompt_logprobs = prompt_logprobs.get(seq.seq_id)
+                for i, seq_id in enumerate(sampled_ids) if prompt_logprobs else ():
+                    out[i].prompt_logprobs = prompt_logprobs.get(seq_id)
                 return out
 
-            self._prev = StepOutput(resolve=resolve, token_ids=samples.token_ids, row_of=row_of)
+            self._prev = StepOutput(resolve=resolve, token_ids=samples.token_ids, rows=rows)
             return self._prev
 
         masks = _mask_rows(plan)
@@ -282,7 +289,7 @@ class ModelRunner:
             # and hands them to `sample_deferred` before the next step (one rank only).
             assert self.world_size == 1, "deferred guided-decoding masks need a single rank"
             held: list[StepOutput] = []
-            out = StepOutput(resolve=lambda: held[0].sampled, row_of=row_of)
+            out = StepOutput(resolve=lambda: held[0].sampled, rows=rows)
             self._deferred = (sample, masks[0], held, out)
             return out
         return sample(masks)
@@ -332,8 +339,8 @@ class ModelRunner:
         self._prompt_logprobs.clear()
 
     def free_sequence(self, seq_id: int) -> None:
-        """Forget a finished sequence: its mirror, seeded generator and partial prompt logprobs."""
-        self.batch.seqs.pop(seq_id, None)
+        """Forget a finished sequence: its mirror and row, seeded generator and partial prompt logprobs."""
+        self.batch.forget(seq_id)
         self._generators.pop(seq_id, None)
         self._prompt_logprobs.pop(seq_id, None)
 

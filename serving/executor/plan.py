@@ -105,11 +105,11 @@ class StepOutput:
 
     It exists so the engine can launch step N+1 before step N's tokens reach the host: a GPU
     worker returns it with `resolve` (waits for the device->host copy on first access of
-    `sampled`) and keeps `token_ids` (the ids still on the device, row i for `row_of[seq_id]`)
-    to fill the next step's placeholders.
+    `sampled`) and keeps `token_ids` (the ids still on the device; element i was sampled for
+    the sequence in the worker's input-batch row `rows[i]`) to fill the next step's placeholders.
     """
 
-    __slots__ = ("_sampled", "_resolve", "token_ids", "row_of")
+    __slots__ = ("_sampled", "_resolve", "token_ids", "rows")
 
     def __init__(
         self,
@@ -117,13 +117,13 @@ class StepOutput:
         *,
         resolve: Callable[[], list[SampledToken]] | None = None,
         token_ids: Any = None,
-        row_of: dict[int, int] | None = None,
+        rows: Any = None,
     ) -> None:
         assert (sampled is None) != (resolve is None), "give the tokens, or a way to resolve them"
         self._sampled = sampled
         self._resolve = resolve
         self.token_ids = token_ids
-        self.row_of = row_of or {}
+        self.rows = rows  # numpy int64 [num_sampled], or None
 
     @property
     def sampled(self) -> list[SampledToken]:

@@ -25,6 +25,7 @@ import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -83,7 +84,7 @@ class DeviceSamples:
         if self._ready is not None:
             self._ready.synchronize()
         ids_t, chosen_t, vals_t, top_t = self._host  # type: ignore[misc]
-        out = [SampledToken(token_id=t) for t in ids_t.tolist()]
+        out = list(map(SampledToken, ids_t.tolist()))
         if not self.logprob_rows:
             return out
         chosen = chosen_t.tolist()
@@ -166,6 +167,31 @@ class Sampler:
                 sub = _truncate(scaled[idx], [params[i] for i in sample_rows])
                 token_ids[idx] = self._exponential_race(sub, [generators[i] for i in sample_rows])
         return self._outputs(token_ids, params, logprobs).start_copy()
+
+    def sample_plain(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        inv_temperature: np.ndarray,  # [N] float32; 0 = greedy row
+        masks: tuple[list[int], object] | None = None,
+    ) -> DeviceSamples:
+        """`sample` for a batch whose rows all sample on the plain path (temperature or greedy,
+        unseeded, no penalties, bias, truncation or logprobs: `input_batch.plain_sampling`).
+
+        The same draws as `sample` on such rows, from per-row columns instead of per-row Python.
+        """
+        if masks is not None and masks[0]:
+            logits = apply_token_masks(logits, *masks)
+        if not inv_temperature.any():
+            token_ids = logits.argmax(dim=-1)
+        else:
+            dev = logits.device
+            inv_t = torch.from_numpy(inv_temperature)
+            if dev.type != "cpu":
+                inv_t = inv_t.pin_memory().to(dev, non_blocking=True)
+            # Unseeded rows' keys: one draw of the engine's host RNG, plus the row (`_row_seeds`).
+            seeds = torch.arange(logits.shape[0], dtype=torch.long, device=dev) + self._host_rng.getrandbits(62)
+            token_ids = kernels.gumbel_sample(logits, inv_t, seeds)
+        return DeviceSamples(token_ids, [], []).start_copy()
 
     # --- steps -------------------------------------------------------------------------
 

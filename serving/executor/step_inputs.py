@@ -1,9 +1,11 @@
 """Flatten one `StepPlan` (with the worker's sequences) into the model's inputs: `StepInputs`.
 
-Token rows are laid out sequence after sequence (decodes first, as scheduled). All integer
-inputs are packed into one int64 host array and moved with a single host->device copy, then
-sliced into views (`input_ids`, `positions`, `slot_mapping`, `query_start_loc`, `seq_lens`,
-`block_tables`, `sample_rows`). A decode row whose token is still a `PLACEHOLDER` (sampled by
+Token rows are laid out sequence after sequence (decodes first, as scheduled). Decode rows
+are read from the persistent `InputBatch` columns by numpy ops (no per-sequence Python). All
+integer inputs are packed into one int64 host array and moved with a single host->device
+copy, then sliced into views (`input_ids`, `positions`, `slot_mapping`, `query_start_loc`,
+`seq_lens`, `sample_rows`); block tables are gathered on the device from the batch's mirror,
+after the entries written since the last step (in the same copy) are applied to it. A decode row whose token is still a `PLACEHOLDER` (sampled by
 the previous step, not yet on the host) takes its id from that step's device tensor, on the
 device. `sample_rows` are the rows whose logits are sampled: the last row of each sampled entry.
 """
@@ -11,13 +13,12 @@ device. `sample_rows` are the rows whose logits are sampled: the last row of eac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 
 from serving.executor.attention_metadata import AttentionMetadata
-from serving.executor.batch_state import WorkerSeq
+from serving.executor.batch_state import BatchState
 from serving.executor.plan import PLACEHOLDER, StepOutput, StepPlan
 
 
@@ -31,6 +32,7 @@ class StepInputs:
     sample_rows: torch.Tensor  # [num_sampled] int64: row of each sampled entry, in schedule order
     # (entry index, first row, number of rows, first position) of chunks needing prompt logprobs
     prompt_logprob_chunks: list[tuple[int, int, int, int]]
+    batch_rows: np.ndarray  # [num_seqs] int64: the InputBatch row of each chunk
 
 
 _pinned: torch.Tensor | None = None  # reused page-locked staging buffer for the one H2D copy
@@ -57,71 +59,62 @@ def _to_device(packed: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def prepare_inputs(
-    plan: StepPlan, all_seqs: list[WorkerSeq], block_size: int, device: torch.device, prev: StepOutput | None = None
+    plan: StepPlan, batch: BatchState, block_size: int, device: torch.device, prev: StepOutput | None = None
 ) -> StepInputs:
-    """Build `StepInputs` for `plan` (host work in Python lists, one H2D copy).
+    """Build `StepInputs` for `plan`, already applied to `batch` (one H2D copy).
 
-    `all_seqs[i]` is the worker's sequence of chunk i of the plan. `prev` is the previous step's
-    output, needed when this step's decode rows carry placeholders for the tokens it sampled.
+    Decode rows come from the batch's row columns by numpy ops; prefill chunks (few, long)
+    slice their sequence's ids. `prev` is the previous step's output, needed when this step's
+    decode rows carry placeholders for the tokens it sampled.
     """
-    num_decodes = plan.num_decodes
-    starts, sample = plan.starts, plan.sample
-    # Decodes (one token each) are the hot path of every step: built by comprehensions, not a loop.
-    seqs = all_seqs[:num_decodes]
-    positions = starts[:num_decodes]
-    tables = [seq.block_table for seq in seqs]
-    input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions)]
-    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
-    seq_lens = [p + 1 for p in positions]
-    qsl = list(range(num_decodes + 1))
-    # (a 1-token chunk in the middle of a prompt is a "decode" row that samples nothing)
-    sample_rows = [row for row in range(num_decodes) if sample[row]]
-    fix_rows: list[int] = []  # rows whose id is a placeholder ...
-    fix_src: list[int] = []  # ... and the row of `prev.token_ids` holding it
-    if PLACEHOLDER in input_ids:
-        fix_rows = [row for row, token in enumerate(input_ids) if token == PLACEHOLDER]
-        assert prev is not None, "placeholders in a step's inputs without the previous step's output"
-        missing = [seqs[r].seq_id for r in fix_rows if seqs[r].seq_id not in prev.row_of]
-        assert not missing, f"seqs {missing}: placeholder without its step"
-        fix_src = [prev.row_of[seqs[r].seq_id] for r in fix_rows]
-    plp = [(row, row, 1, pos) for row, (seq, pos) in enumerate(zip(seqs, positions))
-           if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0]
-    max_query_len = 1 if num_decodes else 0
-    for e in range(num_decodes, len(all_seqs)):
-        seq, n, start = all_seqs[e], plan.num_tokens[e], starts[e]
+    ib = batch.input_batch
+    nd = plan.num_decodes
+    rows = ib.rows(plan.seq_ids)  # [S] the batch row of each chunk
+    num_seqs = rows.shape[0]
+    starts = np.array(plan.starts, dtype=np.int64)
+    lens = np.array(plan.num_tokens, dtype=np.int64)
+    d_rows, pos = rows[:nd], starts[:nd]
+    # A decode computes the last known id (maybe a placeholder) ...
+    ids = ib.last_token[d_rows]
+    for r in np.flatnonzero(pos != ib.num_tokens[d_rows] - 1).tolist():
+        ids[r] = batch.seqs[plan.seq_ids[r]].token_ids[pos[r]]  # ... unless a one-token chunk of a prompt
+    table = ib.block_table
+    ids_parts, pos_parts = [ids], [pos]
+    slot_parts = [table[d_rows, pos // block_size].astype(np.int64) * block_size + pos % block_size]
+    fix_rows = np.flatnonzero(ids == PLACEHOLDER)  # rows whose id is a placeholder ...
+    fix_src = fix_rows  # ... and the row of `prev.token_ids` holding it
+    if fix_rows.shape[0]:
+        assert prev is not None and prev.rows is not None, "placeholders in a step's inputs without the previous step's output"
+        where = np.full(table.shape[0], -1, dtype=np.int64)
+        where[prev.rows] = np.arange(prev.rows.shape[0])
+        fix_src = where[d_rows[fix_rows]]
+        assert (fix_src >= 0).all(), f"seqs {[plan.seq_ids[r] for r in fix_rows[fix_src < 0]]}: placeholder without its step"
+    plp = [(int(r), int(r), 1, int(pos[r])) for r in np.flatnonzero(
+        ib.prompt_logprobs[d_rows] & (ib.num_tokens[d_rows] == ib.num_prompt_tokens[d_rows]))]
+    row0 = nd
+    for e in range(nd, num_seqs):
+        seq, n, start = batch.seqs[plan.seq_ids[e]], plan.num_tokens[e], plan.starts[e]
         end = start + n
-        table = seq.block_table
-        assert len(table) * block_size >= end, f"seq {seq.seq_id}: {len(table)} blocks for {end} tokens"
-        row0 = len(input_ids)
+        assert ib.num_blocks[rows[e]] * block_size >= end, f"seq {seq.seq_id}: {ib.num_blocks[rows[e]]} blocks for {end} tokens"
         chunk = seq.token_ids[start:end]
         assert PLACEHOLDER not in chunk, f"seq {seq.seq_id}: placeholder inside a prefill chunk"
-        input_ids.extend(chunk)
-        pos = range(start, end)
-        positions.extend(pos)
-        slots.extend([table[p // block_size] * block_size + p % block_size for p in pos])
-        qsl.append(row0 + n)
-        seq_lens.append(end)
-        tables.append(table)
-        max_query_len = max(max_query_len, n)
-        if sample[e]:
-            sample_rows.append(row0 + n - 1)
+        p = np.arange(start, end, dtype=np.int64)
+        ids_parts.append(np.array(chunk, dtype=np.int64))
+        pos_parts.append(p)
+        slot_parts.append(table[rows[e], p // block_size].astype(np.int64) * block_size + p % block_size)
         if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
             plp.append((e, row0, n, start))
-    num_tokens = len(input_ids)
-    num_seqs = len(seq_lens)
-    # Whole block tables (a running sequence holds exactly the blocks its tokens need).
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
-    width = int(lens.max()) if num_seqs else 1
-    head = input_ids + positions + slots + qsl + seq_lens + sample_rows + fix_rows + fix_src
-    packed = np.zeros(len(head) + num_seqs * width, dtype=np.int64)
-    packed[: len(head)] = head
-    if num_seqs:
-        # Block tables are the bulk (num_seqs x width ids): one flat fill, no per-row Python.
-        flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
-        row_starts = np.cumsum(lens) - lens
-        cols = np.arange(flat.shape[0]) - np.repeat(row_starts, lens)
-        packed[len(head) + np.repeat(np.arange(num_seqs) * width, lens) + cols] = flat
+        row0 += n
+    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    seq_lens = starts + lens
+    sample_rows = (qsl[1:] - 1)[np.array(plan.sample, dtype=bool)]
+    width = max(int(ib.num_blocks[rows].max()) if num_seqs else 1, 1)
+    dirty = ib.take_dirty()  # [3, D] block-table entries the device has not seen
+    parts = (*ids_parts, *pos_parts, *slot_parts, qsl, seq_lens, sample_rows, fix_rows, fix_src, rows, dirty.ravel())
+    packed = np.concatenate(parts) if len(parts) else np.zeros(0, dtype=np.int64)
     dev = _to_device(packed, device) if device.type != "cpu" else torch.from_numpy(packed)
+    num_tokens = int(qsl[-1])
     o = 0
 
     def take(k: int) -> torch.Tensor:
@@ -133,20 +126,20 @@ def prepare_inputs(
     ids_t, pos_t, slot_t = take(num_tokens), take(num_tokens), take(num_tokens)
     qsl_t = take(num_seqs + 1).to(torch.int32)
     lens_t = take(num_seqs).to(torch.int32)
-    rows_t = take(len(sample_rows))
-    if fix_rows:
-        fix_rows_t, fix_src_t = take(len(fix_rows)), take(len(fix_src))
+    rows_t = take(sample_rows.shape[0])
+    fix_rows_t, fix_src_t = take(fix_rows.shape[0]), take(fix_src.shape[0])
+    if fix_rows.shape[0]:
         ids_t.index_copy_(0, fix_rows_t, prev.token_ids.index_select(0, fix_src_t))  # type: ignore[union-attr]
-    o = len(head)
-    tables_t = take(num_seqs * width).to(torch.int32).view(num_seqs, width)
+    batch_rows_t = take(num_seqs)
+    ib.apply_dirty(take(dirty.size).view(3, -1))
     meta = AttentionMetadata(
         slot_mapping=slot_t,
         query_start_loc=qsl_t,
         seq_lens=lens_t,
-        block_tables=tables_t,
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        max_query_len=max_query_len,
-        max_seq_len=max(seq_lens, default=0),
+        block_tables=ib.tables(batch_rows_t, width),
+        num_decodes=nd,
+        num_decode_tokens=nd,
+        max_query_len=int(lens.max()) if num_seqs else 0,
+        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
     )
-    return StepInputs(ids_t, pos_t, meta, rows_t, plp)
+    return StepInputs(ids_t, pos_t, meta, rows_t, plp, rows)

@@ -71,7 +71,8 @@ class PagedDriver:
         """Forward one step and return {seq_id: logits [num_tokens, vocab]} without sampling."""
         out = self._schedule(work)
         plan = build_plan(0, out)
-        inputs = prepare_inputs(plan, self.runner.batch.apply(plan), self.block_size, self.runner.device)
+        self.runner.batch.apply(plan)
+        inputs = prepare_inputs(plan, self.runner.batch, self.block_size, self.runner.device)
         hidden = self.runner._forward(inputs.input_ids, inputs.positions, inputs.meta)
         logits = self.runner.model.compute_logits(hidden).cpu()
         result, row = {}, 0
