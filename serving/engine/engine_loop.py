@@ -172,11 +172,16 @@ class EngineLoop:
         return self.state is EngineState.READY
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Abort every request (final 'abort' deltas), stop the thread."""
+        """Abort every request (final 'abort' deltas), stop the thread; on its way out the thread
+        shuts the engine down (worker processes, GPU memory). A model still loading is shut
+        down as soon as it is built, even when that is after `timeout`."""
         self.closing = True
         self._submit.put(_STOP)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %s s (%s): it shuts the engine down when it "
+                               "does", timeout, self.state.value)
         with self._lock:
             if self.state is not EngineState.DEAD:
                 self.state = EngineState.DEAD

@@ -11,6 +11,7 @@ allocates it once: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -32,6 +33,7 @@ from serving.executor.sampler import Sampler, generator_seed, to_device
 from serving.executor.batch_state import BatchState, WorkerSeq
 from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPlan
 from serving.executor.step_inputs import StepInputs, prepare_inputs
+from serving.executor.teardown import release_module, release_tensor
 from serving.executor.weights import init_dummy_weights, load_weights
 from serving.executor.quant import check_device
 from serving.quantization import resolve_quantization
@@ -351,12 +353,11 @@ class ModelRunner:
         Also breaks the one reference cycle of a runner: its graphs call back into its forward.
         Safe on a runner whose constructor failed half-way.
         """
-        from serving.executor.teardown import release_module, release_tensor
-
         state = vars(self)
         device = state.get("device")
         if device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)  # nothing in flight reads what is freed below
+            with contextlib.suppress(RuntimeError):  # a failed device: free what can be freed anyway
+                torch.cuda.synchronize(device)  # nothing in flight reads what is freed below
         if state.get("graph_runner") is not None:
             self.graph_runner.close()
         if state.get("piecewise") is not None:

@@ -128,5 +128,6 @@ def test_sigterm_leaves_no_rank_process_and_no_shared_memory(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)]
+    assert "executor: 2 worker processes stopped" in srv.log()  # the engine shut down, not killed with its parent
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not (shm_after - shm_before), shm_after - shm_before
