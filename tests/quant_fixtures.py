@@ -22,6 +22,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -76,30 +77,25 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group: int | None, sym: bool, 
     return IntQuant(q, zeros, scales, g_idx)
 
 
-def _word(values: list[int], bits: int) -> int:
-    """Values [v0, v1, ...] -> the int32 whose bits [bits*j, bits*j + bits) hold v_j."""
-    word = 0
-    for j, v in enumerate(values):
-        word |= (int(v) & ((1 << bits) - 1)) << (bits * j)
-    return word - (1 << 32) if word >= 1 << 31 else word
+def _words(values: np.ndarray, bits: int) -> np.ndarray:
+    """[..., pf] unsigned values -> [...] int32 words whose bits [bits*j, bits*j + bits) hold value j."""
+    shifts = (bits * np.arange(values.shape[-1])).astype(np.uint64)
+    words = ((values.astype(np.uint64) & np.uint64((1 << bits) - 1)) << shifts).sum(-1)
+    return words.astype(np.uint32).view(np.int32)
 
 
 def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     """[K, N] -> int32 [K / pf, N]: word (i, n) holds rows pf*i .. pf*i + pf - 1 of column n."""
     pf = 32 // bits
-    cols = q.t().tolist()  # per column n, its K values
-    out = [[_word(col[i * pf:(i + 1) * pf], bits) for col in cols] for i in range(q.shape[0] // pf)]
-    return torch.tensor(out, dtype=torch.int32)
+    v = q.numpy().reshape(q.shape[0] // pf, pf, q.shape[1]).transpose(0, 2, 1)  # [K / pf, N, pf]
+    return torch.from_numpy(_words(v, bits).copy())
 
 
 def pack_cols(q: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """[R, N] -> int32 [R, N / pf]: word (r, c) holds columns pf*c + order[j] at slot j."""
+    """[R, N] -> int32 [R, N / pf]: word (r, c) holds column pf*c + order[j] at slot j."""
     pf = 32 // bits
-    order = order or tuple(range(pf))
-    out = []
-    for row in q.tolist():
-        out.append([_word([row[c * pf + order[j]] for j in range(pf)], bits) for c in range(len(row) // pf)])
-    return torch.tensor(out, dtype=torch.int32)
+    v = q.numpy().reshape(q.shape[0], q.shape[1] // pf, pf)[:, :, list(order or range(pf))]
+    return torch.from_numpy(_words(v, bits).copy())
 
 
 def gptq_tensors(iq: IntQuant, bits: int, v1: bool = True) -> dict[str, torch.Tensor]:
