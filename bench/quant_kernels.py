@@ -81,11 +81,11 @@ def time_int4(x, ws, group_size: int, config: MatmulConfig | None) -> float:
 def candidates(m: int) -> list[MatmulConfig]:
     """Tilings to time per M (split_k 0: filled in by with_splits)."""
     if m == 1:
-        gemv = [MatmulConfig(1, bn, bk, 0, w, 1) for bn, w in ((128, 1), (256, 2), (512, 4), (256, 4))
-                for bk in (128, 64)]
+        gemv = [MatmulConfig(1, bn, bk, 0, w, 1, fma_tile=fma) for bn, w in ((128, 1), (256, 2), (512, 4))
+                for bk in (128, 64) for fma in (False, True)]
         return gemv + [MatmulConfig(16, 64, 128, 0, 4, 3, True)]
     if m <= 4:
-        return [MatmulConfig(4, 256, 128, 0, 2, 1), MatmulConfig(4, 512, 128, 0, 4, 1),
+        return [MatmulConfig(2, 512, 64, 0, 4, 1, fma_tile=True), MatmulConfig(4, 512, 64, 0, 4, 1, fma_tile=True),
                 MatmulConfig(16, 64, 128, 0, 4, 3, True)]
     if m <= 16:
         return [MatmulConfig(16, 64, 128, 0, 4, 3, True), MatmulConfig(16, 128, 128, 0, 4, 3, True),
@@ -116,7 +116,7 @@ def sweep(num_sms: int, report: dict) -> dict:
     best = {}
     for k, n in SHAPES:
         ws = int4_weights(k, n, 128, _copies(k * n // 2))
-        for m in (1, 4, 16, 64, 256, 2048):
+        for m in (1, 2, 4, 16, 64, 256, 2048):
             x = torch.randn(m, k, device="cuda", dtype=BF16)
             results = []
             for base in candidates(m):

@@ -13,6 +13,16 @@ import triton.language as tl
 from kernels.int4_common import finish_tile, unit_float
 
 
+@triton.jit
+def _fma_row(f, x, d, FMA_TILE: tl.constexpr):
+    # One packed slot's contribution of one row of x ([BLOCK_K // PACK], fp32): d += f * x over k.
+    if FMA_TILE:
+        d += f * x[:, None]  # plain FMAs; the k sum waits for the end of the tile
+    else:
+        d += tl.sum(f * x[:, None], axis=0)
+    return d
+
+
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
 def int_gemv_kernel(
     x_ptr,  # [M, K], M <= ROWS
@@ -30,6 +40,7 @@ def int_gemv_kernel(
     USE_SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides group_size: one group per tile
+    FMA_TILE: tl.constexpr,  # accumulate FMAs in a 2-D tile, reduce over k once per tile
 ):
     # Decode (M <= 4): CUDA-core FMAs, no tensor cores. A [BLOCK_K / PACK, BLOCK_N] tile of words
     # keeps its rows inside each thread (num_warps = BLOCK_N / 128), so the sums over k are
@@ -64,10 +75,18 @@ def int_gemv_kernel(
         w_mask = (nxt < rows_end)[:, None] & mask_n[None, :]
         words_next = tl.load(qw_ptr + nxt[:, None] * stride_qk + offs_n[None, :], mask=w_mask, other=0,
                              eviction_policy="evict_first")
-        d0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        d1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        d2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        d3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # d*: this tile's sum_k x f per row ([BLOCK_N]; with FMA_TILE the un-reduced
+        # [BLOCK_K // PACK, BLOCK_N] FMA tile, summed over k once per tile); xs*: sum_k x.
+        if FMA_TILE:
+            d0 = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
+            d1 = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
+            d2 = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
+            d3 = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
+        else:
+            d0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            d1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            d2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            d3 = tl.zeros([BLOCK_N], dtype=tl.float32)
         xs0 = 0.0
         xs1 = 0.0
         xs2 = 0.0
@@ -76,19 +95,26 @@ def int_gemv_kernel(
             f = unit_float(words, j, BITS)  # [BLOCK_K // PACK, BLOCK_N]
             cols = rows_i * PACK + j
             x0 = tl.load(x_ptr + cols, mask=mask_i, other=0.0).to(tl.float32)
-            d0 += tl.sum(f * x0[:, None], axis=0)
+            d0 = _fma_row(f, x0, d0, FMA_TILE)
             xs0 += tl.sum(x0, axis=0)
             if ROWS > 1:
                 x1 = tl.load(x_ptr + tl.minimum(M - 1, 1) * stride_xm + cols, mask=mask_i, other=0.0).to(tl.float32)
-                d1 += tl.sum(f * x1[:, None], axis=0)
+                d1 = _fma_row(f, x1, d1, FMA_TILE)
                 xs1 += tl.sum(x1, axis=0)
             if ROWS > 2:
                 x2 = tl.load(x_ptr + tl.minimum(M - 1, 2) * stride_xm + cols, mask=mask_i, other=0.0).to(tl.float32)
-                d2 += tl.sum(f * x2[:, None], axis=0)
+                d2 = _fma_row(f, x2, d2, FMA_TILE)
                 xs2 += tl.sum(x2, axis=0)
                 x3 = tl.load(x_ptr + tl.minimum(M - 1, 3) * stride_xm + cols, mask=mask_i, other=0.0).to(tl.float32)
-                d3 += tl.sum(f * x3[:, None], axis=0)
+                d3 = _fma_row(f, x3, d3, FMA_TILE)
                 xs3 += tl.sum(x3, axis=0)
+        if FMA_TILE:
+            d0 = tl.sum(d0, axis=0)
+            if ROWS > 1:
+                d1 = tl.sum(d1, axis=0)
+            if ROWS > 2:
+                d2 = tl.sum(d2, axis=0)
+                d3 = tl.sum(d3, axis=0)
         g_row = (t * BLOCK_K // group_size) * stride_sg
         s = tl.load(scales_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         zu = tl.load(zeros_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32) + UNIT

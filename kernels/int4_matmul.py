@@ -36,6 +36,7 @@ class MatmulConfig(NamedTuple):
     num_warps: int
     num_stages: int
     split_unpack: bool = False  # tile kernel: one sub-dot per packed slot (no redundant loads)
+    fma_tile: bool = False  # GEMV: 2-D FMA accumulator, one k reduction per tile (not yet timed)
 
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
@@ -214,18 +215,20 @@ def _split_for(tiles: int, num_k_tiles: int, target_programs: int) -> int:
 def pick_config(M: int, N: int, K: int, group_size: int, bits: int, has_g_idx: bool, num_sms: int) -> MatmulConfig:
     """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
 
-    M <= 4: GEMV on CUDA cores (bandwidth-bound); M <= 64: 16/64-row tensor-core tiles with split-K;
-    larger M: 128-row tiles, split-K only while the grid is under two waves.
+    Chosen by `bench/quant_kernels.py --sweep` on an H200 at the Llama-3-8B shapes (group 128; see
+    bench/RESULTS.md): M == 1 runs the GEMV; 2..64 the tensor-core tile kernel with split-K; above
+    64 the weight is dequantised once and cuBLAS multiplies (2-4x faster there than our tiles).
     """
-    if M <= 4 and not has_g_idx:
-        rows = 1 if M == 1 else (2 if M == 2 else 4)
-        bm, bn, bk, warps, stages, unpack, target = rows, 256, 128, 2, 1, False, 4 * num_sms
-    elif M <= 16:
+    if M > 64:
+        return MatmulConfig(0, 0, 0, 1, 0, 0)
+    if M == 1 and not has_g_idx:
+        bm, bn, bk, warps, stages, unpack, target = 1, 512, 64, 4, 1, False, 8 * num_sms
+    elif M <= 4:
         bm, bn, bk, warps, stages, unpack, target = 16, 64, 128, 4, 3, True, 4 * num_sms
-    elif M <= 64:
-        bm, bn, bk, warps, stages, unpack, target = 64, 64, 128, 4, 3, False, 2 * num_sms
+    elif M <= 16:
+        bm, bn, bk, warps, stages, unpack, target = 16, 128, 128, 4, 3, True, 4 * num_sms
     else:
-        bm, bn, bk, warps, stages, unpack, target = 128, 64, 64, 4, 4, False, 2 * num_sms
+        bm, bn, bk, warps, stages, unpack, target = 64, 64, 128, 4, 3, False, 4 * num_sms
     if not has_g_idx:
         bk = _largest_dividing_block(bk, group_size)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
@@ -283,7 +286,7 @@ def quant_linear_impl(
         int_gemv_kernel[(grid_tiles, split)](
             x, qweight, scales, zeros, bias_arg, out, partial, counters, *common,
             BITS=bits, ROWS=config.block_m, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, FMA_TILE=config.fma_tile,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out

@@ -81,6 +81,7 @@ PATHS = [
     # 0: dequantise + cuBLAS; split_unpack: one sub-dot per packed slot)
     MatmulConfig(1, 256, 128, 8, 2, 1), MatmulConfig(1, 512, 64, 4, 4, 1), MatmulConfig(1, 128, 128, 1, 1, 1),
     MatmulConfig(2, 256, 128, 4, 2, 1), MatmulConfig(4, 512, 128, 2, 4, 1),
+    MatmulConfig(1, 512, 64, 16, 4, 1, fma_tile=True), MatmulConfig(2, 256, 64, 8, 2, 1, fma_tile=True),
     MatmulConfig(16, 64, 128, 4, 4, 3, True), MatmulConfig(16, 128, 64, 2, 4, 3),
     MatmulConfig(64, 64, 128, 2, 4, 3), MatmulConfig(128, 64, 64, 1, 4, 4), MatmulConfig(128, 128, 128, 2, 8, 3, True),
     MatmulConfig(0, 0, 0, 1, 0, 0),

@@ -20,6 +20,8 @@ CASES = [
     (4, torch.float16, 64, False, 2, MatmulConfig(2, 32, 64, 1, 1, 1)),
     (4, torch.float16, 32, False, 3, MatmulConfig(4, 64, 32, 3, 1, 1)),
     (8, torch.float16, 128, False, 4, MatmulConfig(4, 32, 64, 2, 1, 1)),
+    (4, torch.float16, 64, False, 1, MatmulConfig(1, 32, 64, 2, 1, 1, fma_tile=True)),
+    (4, torch.float32, 32, False, 3, MatmulConfig(4, 32, 32, 1, 1, 1, fma_tile=True)),
     (4, torch.float16, 32, False, 3, MatmulConfig(16, 32, 32, 1, 4, 1)),
     (4, torch.float16, 64, False, 5, MatmulConfig(16, 32, 64, 2, 4, 1)),
     (4, torch.float16, 128, False, 5, MatmulConfig(16, 32, 128, 2, 4, 1, True)),
@@ -63,10 +65,24 @@ def test_public_launcher_k_tail_and_strided_x(device):
 def test_pick_config_buckets():
     gemv = pick_config(1, 4096, 4096, 128, 4, False, 132)
     assert gemv.block_m == 1 and gemv.split_k > 1 and 128 % gemv.block_k == 0
-    assert pick_config(3, 4096, 4096, 128, 4, False, 132).block_m == 4
-    assert pick_config(3, 4096, 4096, 128, 4, True, 132).block_m == 16  # act-order: tensor-core path
-    small = pick_config(16, 4096, 4096, 128, 4, False, 132)
-    assert small == pick_config(5, 4096, 4096, 128, 4, False, 132)  # one tiling per bucket
-    assert pick_config(1, 4096, 4096, 32, 4, False, 132).block_k == 32
-    big = pick_config(2048, 4096, 4096, 128, 4, False, 132)
-    assert big.block_m >= 64 and big.split_k == 1
+    assert pick_config(1, 4096, 4096, 128, 4, True, 132).block_m == 16  # act-order: the tile kernel
+    small = pick_config(3, 4096, 4096, 128, 4, False, 132)
+    assert small == pick_config(2, 4096, 4096, 128, 4, False, 132)  # one tiling per bucket
+    assert small.block_m == 16 and small.split_k > 1
+    assert pick_config(16, 4096, 4096, 32, 4, False, 132).block_k == 32
+    assert pick_config(64, 4096, 28672, 128, 4, False, 132).block_m == 64
+    assert pick_config(65, 4096, 4096, 128, 4, False, 132).block_m == 0  # dequantise + cuBLAS
+    # The splits the H200 sweep found best at the 8B shapes (132 SMs).
+    assert pick_config(1, 6144, 4096, 128, 4, False, 132).split_k == 32
+    assert pick_config(1, 28672, 4096, 128, 4, False, 132).split_k == 16
+    assert pick_config(16, 6144, 4096, 128, 4, False, 132).split_k == 11
+    assert pick_config(16, 28672, 4096, 128, 4, False, 132).split_k == 3
+
+
+def test_dense_path_matches_reference(device):
+    w = make_int_weight(256, 96, 4, 64, True, torch.float16, seed=3, device=device)
+    x = torch.randn(70, 256).to(torch.float16).to(device)
+    bias = torch.randn(96).to(torch.float16).to(device)
+    out = quant_linear(x, w.qweight, w.scales, w.zeros, w.g_idx, 4, 64, bias)  # M > 64: dense path
+    ref = quant_reference.quant_linear(x, w.qweight, w.scales, w.zeros, w.g_idx, 4, 64, bias)
+    assert _rel_err(out, ref) < 2e-3
