@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-QuantMethod = Literal["gptq", "awq", "fp8"]
+QuantMethod = Literal["gptq", "awq", "fp8", "compressed-tensors"]  # the last: pack-quantized int weights
 
 # option.quantize spellings -> our method (None = unquantized). vLLM's kernel-specific names
 # choose a kernel there; here they name the checkpoint format, the kernel is ours either way.
@@ -24,6 +24,7 @@ QUANTIZE_OPTIONS: dict[str, QuantMethod | None] = {
     "gptq": "gptq", "gptq_marlin": "gptq", "marlin": "gptq",
     "awq": "awq", "awq_marlin": "awq",
     "fp8": "fp8",
+    "compressed-tensors": "compressed-tensors",  # llm-compressor checkpoints, int (pack-quantized) or fp8
 }
 # LMI options other backends accept that this engine cannot run: refused with this reason.
 _UNSUPPORTED_OPTIONS = {
@@ -35,7 +36,7 @@ _UNSUPPORTED_OPTIONS = {
     "smoothquant": "SmoothQuant is not supported",
     "llmint8": "LLM.int8 is not supported",
 }
-QUANTIZE_ACCEPTS = "none|gptq|awq|fp8 (or gptq_marlin|marlin|awq_marlin)"
+QUANTIZE_ACCEPTS = "none|gptq|awq|fp8|compressed-tensors (or gptq_marlin|marlin|awq_marlin)"
 
 
 class QuantizationError(ValueError):
@@ -140,7 +141,8 @@ def resolve_quantization(
             f"option.quantize={option} but the checkpoint in {model_dir} is not quantized (config.json has no "
             f"quantization_config): give a {wanted.upper()} checkpoint, or unset option.quantize")
     quant = _parse(qc, source)
-    if wanted is not None and wanted != quant.method:
+    same_family = wanted == "compressed-tensors" and str(qc.get("quant_method")).lower() == "compressed-tensors"
+    if wanted is not None and wanted != quant.method and not same_family:
         raise QuantizationError(
             f"option.quantize={option} does not match the checkpoint: its {source} says quant_method="
             f"{qc.get('quant_method')!r} ({quant.method}); unset option.quantize or set it to {quant.method}")
@@ -159,7 +161,7 @@ def _parse(qc: dict[str, Any], source: str) -> QuantConfig:
         return _parse_compressed_tensors(qc, source)
     raise QuantizationError(
         f"{source}: quant_method={qc.get('quant_method')!r} is not supported (supported: gptq, awq, fp8, "
-        "compressed-tensors fp8)")
+        "compressed-tensors)")
 
 
 def _field(qc: dict[str, Any], source: str, name: str, default: object, kinds: tuple[type, ...]) -> Any:
@@ -225,23 +227,46 @@ def _parse_fp8(qc: dict[str, Any], source: str) -> QuantConfig:
 
 
 def _parse_compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
-    """compressed-tensors (llm-compressor) checkpoints: the FP8 `float-quantized` format only."""
+    """compressed-tensors (llm-compressor) checkpoints: one config group of FP8 `float-quantized`
+    weights, or of 4/8-bit `pack-quantized` integer weights (W4A16 / W8A16, groups or channels)."""
     fmt = str(qc.get("format", ""))
     groups = qc.get("config_groups") or {}
-    if fmt not in ("float-quantized", "naive-quantized") or len(groups) != 1:
-        raise QuantizationError(f"{source}: compressed-tensors format={fmt!r} with {len(groups)} config group(s) is "
-                                "not supported (supported: one float-quantized FP8 group)")
+    if len(groups) != 1:
+        raise QuantizationError(f"{source}: compressed-tensors with {len(groups)} config groups is not supported "
+                                "(supported: one group)")
     group = next(iter(groups.values()))
+    fmt = str(group.get("format") or fmt)
     w = group.get("weights") or {}
-    if w.get("num_bits") != 8 or w.get("type") != "float" or w.get("strategy") not in ("tensor", "channel"):
-        raise QuantizationError(
-            f"{source}: compressed-tensors weights {{num_bits: {w.get('num_bits')}, type: {w.get('type')!r}, "
-            f"strategy: {w.get('strategy')!r}}} are not supported (supported: 8-bit float, tensor or channel)")
     targets = group.get("targets") or []
     if targets and targets != ["Linear"]:
         raise QuantizationError(f"{source}: compressed-tensors targets={targets} are not supported (supported: Linear)")
-    return QuantConfig("fp8", bits=8, group_size=None, sym=True, skip_modules=tuple(qc.get("ignore") or ()),
-                       source=source)
+    if group.get("input_activations") and fmt == "pack-quantized":
+        raise QuantizationError(f"{source}: compressed-tensors quantized input activations with integer weights "
+                                "are not supported (supported: weight-only W4A16 / W8A16)")
+    ignore = tuple(qc.get("ignore") or ())
+    if fmt in ("float-quantized", "naive-quantized") and w.get("type") == "float":
+        if w.get("num_bits") != 8 or w.get("strategy") not in ("tensor", "channel"):
+            raise QuantizationError(f"{source}: compressed-tensors float weights {{num_bits: {w.get('num_bits')}, "
+                                    f"strategy: {w.get('strategy')!r}}} are not supported (supported: 8 bits, "
+                                    "tensor or channel)")
+        return QuantConfig("fp8", bits=8, group_size=None, sym=True, skip_modules=ignore, source=source)
+    if fmt != "pack-quantized" or w.get("type") != "int":
+        raise QuantizationError(f"{source}: compressed-tensors format={fmt!r} with {w.get('type')!r} weights is not "
+                                "supported (supported: float-quantized FP8, pack-quantized int)")
+    bits = w.get("num_bits")
+    if bits not in (4, 8):
+        raise QuantizationError(f"{source}: compressed-tensors weights num_bits={bits!r} is not supported "
+                                "(supported: 4, 8)")
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise QuantizationError(f"{source}: compressed-tensors weights strategy={strategy!r} is not supported "
+                                "(supported: group, channel)")
+    group_size = _group_size({"group_size": w.get("group_size")}, source) if strategy == "group" else None
+    actorder = w.get("actorder")
+    if actorder not in (None, "group", "weight", False):
+        raise QuantizationError(f"{source}: compressed-tensors weights actorder={actorder!r} is not supported")
+    return QuantConfig("compressed-tensors", bits=bits, group_size=group_size, desc_act=actorder == "group",
+                       sym=bool(w.get("symmetric", True)), skip_modules=ignore, source=source)
 
 
 def startup_summary(model_id: str | None, option: str | None) -> str:

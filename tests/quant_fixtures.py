@@ -109,6 +109,22 @@ def awq_tensors(iq: IntQuant) -> dict[str, torch.Tensor]:
             "scales": iq.scales}
 
 
+def compressed_tensors_from_awq(iq: IntQuant, group: int) -> dict[str, torch.Tensor]:
+    """The pack-quantized tensors compressed-tensors' own AutoAWQ converter makes of our AWQ tensors."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    converter = AutoAWQConverter(bits=4, group_size=group, zero_point=True)
+    out = converter.process({f"m.{k}": v for k, v in awq_tensors(iq).items()})
+    return {k.removeprefix("m."): v for k, v in out.items()}
+
+
+def compressed_tensors_config(group: int) -> dict[str, object]:
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    config = AutoAWQConverter(bits=4, group_size=group, zero_point=True)._build_quant_config()
+    return json.loads(json.dumps(config.model_dump(exclude_none=True), default=str))
+
+
 def fp8_tensors(weight: torch.Tensor, per_channel: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(checkpoint tensors, dequantised fp32 [N, K]) of an HF weight [N, K]."""
     amax = weight.abs().amax(1, keepdim=True) if per_channel else weight.abs().amax()
@@ -122,7 +138,7 @@ def fp8_tensors(weight: torch.Tensor, per_channel: bool) -> tuple[dict[str, torc
 class Format:
     """How to quantize a test checkpoint."""
 
-    method: str  # gptq | awq | fp8
+    method: str  # gptq | awq | fp8 | compressed-tensors (pack-quantized, made from AWQ by compressed-tensors)
     bits: int = 4
     group: int | None = 32
     sym: bool = False
@@ -138,6 +154,8 @@ class Format:
         if self.method == "awq":
             return {"quant_method": "awq", "bits": 4, "group_size": self.group or -1, "zero_point": True,
                     "version": "gemm", "modules_to_not_convert": None}
+        if self.method == "compressed-tensors":
+            return compressed_tensors_config(self.group)
         return {"quant_method": "fp8", "activation_scheme": "static"}
 
 
@@ -162,7 +180,10 @@ def write_quantized(src: Path, dst: Path, fmt: Format, seed: int = 0) -> Path:
             proj = module.rpartition(".")[2]
             same_input = module.rpartition(".")[0] + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(proj, proj)
             iq = quantize_rtn(t.float(), fmt.bits, fmt.group, fmt.sym, fmt.desc_act, seed + zlib.crc32(same_input.encode()))
-            parts = gptq_tensors(iq, fmt.bits, fmt.v1) if fmt.method == "gptq" else awq_tensors(iq)
+            if fmt.method == "compressed-tensors":
+                parts = compressed_tensors_from_awq(iq, fmt.group)
+            else:
+                parts = gptq_tensors(iq, fmt.bits, fmt.v1) if fmt.method == "gptq" else awq_tensors(iq)
             w = iq.dequantize().t()
         quantized.update({f"{module}.{k}": v.contiguous() for k, v in parts.items()})
         dense[name] = w.contiguous()

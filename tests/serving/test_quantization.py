@@ -17,7 +17,16 @@ import torch
 import torch.multiprocessing as mp
 from hf_oracle import hf_greedy
 from model_fixtures import build_tiny_model
-from quant_fixtures import AWQ_ORDER, Format, awq_tensors, gptq_tensors, pack_cols, quantize_rtn, write_quantized
+from quant_fixtures import (
+    AWQ_ORDER,
+    Format,
+    awq_tensors,
+    compressed_tensors_from_awq,
+    gptq_tensors,
+    pack_cols,
+    quantize_rtn,
+    write_quantized,
+)
 from tp_driver import greedy_logits, tp_worker_many
 
 from serving.executor.models import build_model
@@ -63,6 +72,12 @@ def test_config_parses_each_format():
                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                        "num_bits": 8, "type": "float", "strategy": "channel"}}}})
     assert ct.method == "fp8" and ct.skip_modules == ("lm_head",)
+    w4 = _resolve({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": 128, "actorder": "group"}}}}, "compressed-tensors")
+    assert (w4.method, w4.bits, w4.group_size, w4.sym, w4.desc_act) == ("compressed-tensors", 4, 128, True, True)
+    assert _resolve({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}, "compressed-tensors").method == "fp8"
     assert _resolve(None) is None and _resolve(None, "none") is None
     on_load = _resolve(None, "fp8")
     assert on_load.method == "fp8" and not on_load.from_checkpoint
@@ -171,6 +186,7 @@ LAYER_FORMATS = {
     "awq_per_channel": Format("awq", 4, None),
     "fp8_per_tensor": Format("fp8"),
     "fp8_per_channel": Format("fp8", per_channel=True),
+    "compressed_tensors_w4a16_g32": Format("compressed-tensors", 4, 32),
 }
 
 
@@ -185,6 +201,8 @@ def _format_tensors(fmt: Format, w: torch.Tensor, seed: int) -> tuple[dict[str, 
     if fmt.method == "fp8":
         return fp8_tensors(w, fmt.per_channel)
     iq = quantize_rtn(w, fmt.bits, fmt.group, fmt.sym, fmt.desc_act, seed)
+    if fmt.method == "compressed-tensors":
+        return compressed_tensors_from_awq(iq, fmt.group), iq.dequantize().t()
     tensors = gptq_tensors(iq, fmt.bits, fmt.v1) if fmt.method == "gptq" else awq_tensors(iq)
     return tensors, iq.dequantize().t()
 
@@ -251,7 +269,7 @@ def test_dummy_quantized_weights_run_and_are_deterministic():
     args = ModelArgs.from_dict(dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256,
                                     hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=1))
-    for fmt in (Format("gptq", 4, 128), Format("awq", 4, 64), Format("fp8")):
+    for fmt in (Format("gptq", 4, 128), Format("awq", 4, 64), Format("fp8"), Format("compressed-tensors", 4, 64)):
         quant = _quant_config(fmt)
         models = []
         for _ in range(2):
@@ -274,6 +292,7 @@ MODEL_FORMATS = {
     "gptq8_per_channel_sym_v2": Format("gptq", 8, None, sym=True, v1=False),
     "awq_g64": Format("awq", 4, 64),
     "fp8_per_tensor": Format("fp8"),
+    "compressed_tensors_w4a16_g64": Format("compressed-tensors", 4, 64),
 }
 
 
@@ -331,9 +350,10 @@ def test_missing_scales_names_the_tensor(quant_models, tmp_path):
 
 @pytest.mark.slow
 def test_tp2_logits_equal_tp1(quant_models, tmp_path):
-    """GPTQ with desc_act (row-parallel ranks keep every group, their rows' g_idx) and AWQ (packed N / 8
-    columns split before the repack), both ranks against the single-process logits and tokens."""
-    names = ["gptq4_g32_desc_act_asym_v1", "awq_g64"]
+    """GPTQ with desc_act (row-parallel ranks keep every group, their rows' g_idx), AWQ (packed N / 8
+    columns split before the repack) and compressed-tensors W4A16 (HF orientation: packed K / 8 columns
+    split by row-parallel layers), both ranks against the single-process logits and tokens."""
+    names = ["gptq4_g32_desc_act_asym_v1", "awq_g64", "compressed_tensors_w4a16_g64"]
     paths = [str(quant_models(n)) for n in names]
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     mp.spawn(tp_worker_many, args=(2, str(tmp_path / "init"), paths, prompts, 3, str(tmp_path)), nprocs=2, join=True)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from serving.executor.quant.awq import AWQLinearMethod
+from serving.executor.quant.compressed import CompressedIntLinearMethod
 from serving.executor.quant.fp8 import FP8LinearMethod, check_fp8_device
 from serving.executor.quant.gptq import GPTQLinearMethod
 from serving.executor.quant.loading import LinearSpec
@@ -33,7 +34,8 @@ class LinearMethod(Protocol):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
-_METHODS = {"gptq": GPTQLinearMethod, "awq": AWQLinearMethod, "fp8": FP8LinearMethod}
+_METHODS = {"gptq": GPTQLinearMethod, "awq": AWQLinearMethod, "fp8": FP8LinearMethod,
+            "compressed-tensors": CompressedIntLinearMethod}
 
 
 def linear_method(quant: QuantConfig | None, *modules: str) -> LinearMethod | None:
