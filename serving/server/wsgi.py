@@ -78,8 +78,6 @@ class ServedEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     lora_name: str | None = None) -> RequestStream:
-        if lora_name is None:
-            return self.loop.add_request(request_id, prompt, params)
         return self.loop.add_request(request_id, prompt, params, lora_name=lora_name)
 
     def add_lora(self, request: LoRARequest) -> None:
