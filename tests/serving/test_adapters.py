@@ -233,6 +233,10 @@ def test_adapters_from_s3(s3_endpoint, tmp_path):
     assert (path / "adapter_model.safetensors").read_bytes() == b"w2"
     with pytest.raises(AdapterSourceError, match="adapter 'x': no objects under s3://lora-test/none"):
         fetch_adapter("x", "s3://lora-test/none/", tmp_path, endpoint_url=s3_endpoint)
+    loop, client = make(tmp_path / "http", adapters=(), AWS_ENDPOINT_URL_S3=s3_endpoint)  # through the API
+    r = client.post("/models/base/adapters?name=chat&src=s3://lora-test/loras/chat")
+    assert r.status_code == 200 and loop.loras["chat"].lora_path == str(tmp_path / "http/dl/s3/lora-test/loras/chat")
+    assert client.get("/adapters/chat").json == {"name": "chat", "src": "s3://lora-test/loras/chat"}
 
 
 def test_ping_is_200_only_once_start_up_adapters_are_registered():
