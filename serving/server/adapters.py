@@ -166,8 +166,8 @@ def header_adapter(header: str | None) -> str | None:
         if value:
             found.add(value)
     if len(found) > 1:
-        raise ValueError(f"X-Amzn-SageMaker-Custom-Attributes names more than one adapter ({', '.join(sorted(found))}): "
-                         "send one")
+        names = ", ".join(sorted(found))
+        raise ValueError(f"X-Amzn-SageMaker-Custom-Attributes names more than one adapter ({names}): send one")
     return found.pop() if found else None
 
 

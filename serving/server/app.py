@@ -4,9 +4,9 @@ Routes: `GET /ping`, `POST /invocations` (LMI, TGI-compat and chat bodies), `GET
 `POST /v1/completions`, `POST /v1/chat/completions`, `POST /generate` (vLLM's legacy api_server),
 `GET /metrics`, and DJL's management API for LoRA adapters (`GET /models`, `GET|POST
 /models/{model}/adapters`, `GET|DELETE /models/{model}/adapters/{name}`; `/adapters[/{name}]` for
-the one model). Parsing is in
-`serving/server/protocol.py`, output bytes in `serving/server/formatters.py`, engine interaction in
-`serving/server/request_runner.py`, adapters in `serving/server/adapters.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status (LMI's) on
+the one model). Parsing is in `serving/server/protocol.py`, output bytes in
+`serving/server/formatters.py`, engine interaction in `serving/server/request_runner.py`, adapters
+in `serving/server/adapters.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status (LMI's) on
 `/invocations`, OpenAI's `{"error": {"message", "type", "param", "code"}}` on `/v1/*` and `/generate`.
 """
 
