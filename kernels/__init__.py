@@ -213,6 +213,9 @@ sys.modules[__name__].__class__ = _KernelsPackage
 __all__ = [
     "fp8_linear",
     "gumbel_sample",
+    "lora_expand",
+    "lora_segments",
+    "lora_shrink",
     "paged_decode_attention",
     "prefill_attention",
     "quant_linear",

@@ -38,6 +38,7 @@ class LoRARegistry:
         self._slots: list[tuple[str, int, str] | None] = [None] * max_loras
         self._last_used = [0] * max_loras
         self._clock = 0
+        self._removed = False  # an adapter was removed: free its slot once no step needs it
         self.num_loads = 0
 
     # ---- the registry (any thread) ------------------------------------------------------
@@ -58,7 +59,9 @@ class LoRARegistry:
     def remove(self, name: str) -> bool:
         """Unregister `name` (new requests on it are refused); False when it was not registered."""
         with self._lock:
-            return self._adapters.pop(name, None) is not None
+            removed = self._adapters.pop(name, None) is not None
+            self._removed = self._removed or removed
+            return removed
 
     def names(self) -> list[str]:
         with self._lock:
@@ -83,12 +86,12 @@ class LoRARegistry:
         loads the workers do before the step."""
         reqs = [item.seq.lora_request for item in sched_out.scheduled]
         active = {_key(r) for r in reqs if r is not None}
+        loads: dict[int, SlotLoad] = self._free_removed(active) if self._removed else {}
         if not active:
-            return None, {}
+            return None, loads
         assert len(active) <= self.max_loras, f"{len(active)} adapters scheduled for {self.max_loras} slots"
         self._clock += 1
         slot_of = {key: s for s, key in enumerate(self._slots) if key is not None}
-        loads: dict[int, SlotLoad] = {}
         for key in active:
             slot = slot_of.get(key)
             if slot is None:
@@ -101,3 +104,19 @@ class LoRARegistry:
                 self.num_loads += 1
             self._last_used[slot] = self._clock
         return [slot_of[_key(r)] if r is not None else -1 for r in reqs], loads
+
+    def _free_removed(self, active: set[tuple[str, int, str]]) -> dict[int, SlotLoad]:
+        """Free the slots of removed adapters this step does not use (a sequence still running on
+        one reloads it when it is scheduled again: it keeps its `LoRARequest`)."""
+        with self._lock:
+            registered = {_key(r) for r in self._adapters.values()}
+            self._removed = False
+        loads: dict[int, SlotLoad] = {}
+        for slot, key in enumerate(self._slots):
+            if key is not None and key not in registered:
+                if key in active:
+                    self._removed = True  # still in use: look again next step
+                    continue
+                self._slots[slot] = None
+                loads[slot] = None
+        return loads

@@ -154,6 +154,8 @@ class LoRAManager:
         for slot, key in loads.items():
             if self.slot_keys[slot] == key:
                 continue
+            if key is None:  # freed (its adapter was removed): nor keep it in host memory
+                self.host.pop(self.slot_keys[slot], None)  # type: ignore[arg-type]
             weights = self._host_weights(key) if key is not None else None
             for i, layer in enumerate(self.layers):
                 for module in layer:

@@ -103,3 +103,39 @@ def test_bf16_8b_shapes_and_cuda_graph(num_tokens):
     y_ref = y0.clone()
     reference.lora_expand(y_ref, reference.lora_shrink(x, a, *seg), b, sizes, *seg)
     torch.testing.assert_close(y, y_ref, **tol(dtype))
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_with_graphs_matches_the_cpu_reference_path(tmp_path, devices=("cpu", "cuda")):
+    # The whole path on the GPU (Triton kernels, slots loaded between steps, decode CUDA graphs,
+    # async scheduling) against the same engine on the CPU (torch reference), fp32, greedy; three
+    # adapters on two slots and base rows in one batch.
+    import json
+    from pathlib import Path
+
+    from bench.lora import write_random_adapter
+    from model_fixtures import build_tiny_model
+    from serving.llm import LLM
+    from serving.lora_request import LoRARequest
+    from serving.sampling_params import SamplingParams
+
+    tok = Path(__file__).resolve().parents[2] / ".bench_models" / "tokenizer"  # (carried to the GPU machine)
+    base = build_tiny_model("llama", tmp_path / "llama", tokenizer_dir=tok if tok.is_dir() else None)
+    cfg = json.loads((base / "config.json").read_text())
+    adapters = [LoRARequest(f"a{k}", k + 1, str(write_random_adapter(cfg, tmp_path / f"a{k}", rank, k, 0.05,
+                                                                       torch.float32)))
+                for k, rank in enumerate((8, 16, 16))]
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 130 + 11 * i))} for i in range(8)]
+    loras = [adapters[0], adapters[1], adapters[2], None] * 2
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    opts = dict(dtype="float32", enable_lora=True, max_loras=2, max_model_len=512, block_size=16)
+    tokens = {}
+    for device in devices:
+        extra = dict(kv_cache_memory_gb=0.1) if device == "cpu" else dict(gpu_memory_utilization=0.3)
+        llm = LLM(str(base), device=device, **opts, **extra)
+        tokens[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, lora_request=loras,
+                                                                        use_tqdm=False)]
+        if device == "cuda":
+            assert llm.llm_engine.executor.runner.graph_runner is not None
+        llm.llm_engine.shutdown()
+    assert tokens[devices[1]] == tokens[devices[0]]

@@ -135,6 +135,9 @@ def test_registration_errors_unknown_adapter_and_remove_while_running(llama, tmp
     while engine.has_unfinished_requests():
         tokens += [t for d in engine.step() for t in d.token_ids]
     assert tuple(tokens) == peft_greedy(str(base), str(adapters["r16"]), tuple(prompt_ids), 6)
+    llm.generate(PROMPTS[:1], _greedy(1), use_tqdm=False)  # the next step frees its slot, here and in the worker
+    assert not [k for k in engine.lora._slots if k is not None and k[0] == "tmp"]  # noqa: SLF001
+    assert not [k for k in engine.executor.runner.lora.slot_keys if k is not None and k[0] == "tmp"]
 
 
 def test_lora_off_refuses(lora_adapters):

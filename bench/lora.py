@@ -1,0 +1,152 @@
+"""Multi-LoRA cost on a real shape (random bf16 weights): adapters vs the base model, one call.
+
+Builds the shape with `load_format="dummy"`, writes `--num-adapters` random PEFT adapters of rank
+`--rank` on all seven projections (q/k/v/o/gate/up/down), then measures, each engine started once:
+- the base model (`enable_lora=False`): the reference workload's tokens/s, and batch-1 decode
+  ms/token ((t(1+N tokens) - t(1 token)) / N, 128-token prompt, as bench/latency.py);
+- LoRA on (`max_loras` = all adapters resident): the same workload with every request on a
+  random adapter, and batch-1 decode on one adapter.
+Bars (issue 14): workload >= 0.75x the base tokens/s; batch-1 <= 1.15x the base ms/token.
+
+  python bench/lora.py --shape llama-3-8b --num-adapters 16 --rank 16 --out /tmp/lora.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.dummy_model import dummy_dir, make_dummy_model_dir, shape_info  # noqa: E402
+from bench.workload import reference_workload  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_adapter(c: dict, out_dir: Path, rank: int, seed: int, b_std: float = 0.01,
+                         dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A random PEFT-layout adapter (adapter_config.json + adapter_model.safetensors) on all seven
+    projections of the model whose config.json is `c` (no PEFT needed: the GPU machine has none)."""
+    from safetensors.torch import save_file
+
+    h, i = c["hidden_size"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c["num_hidden_layers"]):
+        for name, (d_in, d_out) in dims.items():
+            block = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, d_in, generator=g) / d_in**0.5).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (b_std * torch.randn(d_out, rank, generator=g)).to(dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}))
+    return out_dir
+
+
+def timed_generate(llm, prompts: list[list[int]], params, loras=None) -> tuple[float, int]:
+    """-> (seconds, output tokens) of one generate call."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def batch1_ms(llm, new_tokens: int, lora=None) -> float:
+    """Steady batch-1 decode ms/token: (t(1 + N tokens) - t(1 token)) / N, median of 3 each."""
+    from serving import SamplingParams
+
+    prompt = [list(range(1000, 1128))]
+
+    def t(n: int) -> float:
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n, detokenize=False)
+        return sorted(timed_generate(llm, prompt, sp, lora)[0] for _ in range(3))[1]
+
+    t(8)  # warm-up
+    return (t(1 + new_tokens) - t(1)) / new_tokens * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
+    ap.add_argument("--adapter-root", default="/tmp/open-lmi-bench-adapters")
+    ap.add_argument("--tokenizer-dir", default=str(ROOT / ".bench_models" / "tokenizer"))
+    ap.add_argument("--num-adapters", type=int, default=16)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    from serving import LLM, SamplingParams
+    from serving.lora_request import LoRARequest
+
+    tok_dir = args.tokenizer_dir if Path(args.tokenizer_dir).is_dir() else None
+    model_dir = make_dummy_model_dir(args.shape, dummy_dir(args.model_root, args.shape, "bf16"), tok_dir)
+    t0 = time.perf_counter()
+    adapters = [LoRARequest(f"a{k}", k + 1, str(write_random_adapter(
+        shape_info(args.shape), Path(args.adapter_root) / f"a{k}", args.rank, k))) for k in range(args.num_adapters)]
+    print(f"{len(adapters)} adapters of rank {args.rank} written in {time.perf_counter() - t0:.1f} s", flush=True)
+    prompts, out_lens = reference_workload(args.num_seqs)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, detokenize=False) for n in out_lens]
+    rng = random.Random(1)
+    per_request = [rng.choice(adapters) for _ in prompts]
+    options = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=256, max_model_len=args.max_model_len,
+                   max_num_batched_tokens=16384, gpu_memory_utilization=0.9)
+    rows: dict[str, dict] = {}
+    for case in ("base", "lora"):
+        t0 = time.perf_counter()
+        lora_opts = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=args.rank,
+                         max_cpu_loras=len(adapters)) if case == "lora" else {}
+        llm = LLM(str(model_dir), **options, **lora_opts)
+        row: dict = {"startup_s": time.perf_counter() - t0}
+        if case == "lora":
+            t0 = time.perf_counter()  # register and load every adapter into its slot (one request each)
+            timed_generate(llm, [[1, 2, 3, 4, 5]] * len(adapters), SamplingParams(max_tokens=2), adapters)
+            row["adapters_load_s"] = time.perf_counter() - t0
+        else:
+            timed_generate(llm, [[1, 2, 3, 4, 5]], SamplingParams(max_tokens=8))  # warm-up
+        dt, produced = timed_generate(llm, prompts, params, per_request if case == "lora" else None)
+        row.update(workload_s=dt, tokens=produced, tok_s=produced / dt)
+        row["batch1_ms"] = batch1_ms(llm, args.new_tokens, adapters[0] if case == "lora" else None)
+        rows[case] = row
+        print(f"[{case}] {produced} tokens in {dt:.2f} s = {produced / dt:,.0f} tok/s; batch-1 "
+              f"{row['batch1_ms']:.2f} ms/token; start {row['startup_s']:.1f} s", flush=True)
+        llm.shutdown() if hasattr(llm, "shutdown") else None
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    base, lora = rows["base"], rows["lora"]
+    ratio_tok, ratio_ms = lora["tok_s"] / base["tok_s"], lora["batch1_ms"] / base["batch1_ms"]
+    print(f"\n{'case':8} {'tok/s':>9} {'batch-1 ms/token':>17}")
+    for case, r in rows.items():
+        print(f"{case:8} {r['tok_s']:>9,.0f} {r['batch1_ms']:>17.2f}")
+    print(f"lora / base: workload {ratio_tok:.3f}x tokens/s (bar >= 0.75), batch-1 {ratio_ms:.3f}x ms/token "
+          f"(bar <= 1.15)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape,
+                                              "num_adapters": len(adapters), "rank": args.rank, "rows": rows,
+                                              "tok_s_ratio": ratio_tok, "batch1_ratio": ratio_ms}, indent=2))
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    main()
