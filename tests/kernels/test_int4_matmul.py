@@ -18,10 +18,10 @@ CASES = [
     # (bits, dtype, group_size, act_order, M, config); block_m < 16 is the GEMV kernel
     (4, torch.float32, 128, False, 1, MatmulConfig(1, 32, 128, 2, 1, 1)),
     (4, torch.float16, 64, False, 2, MatmulConfig(2, 32, 64, 1, 1, 1)),
-    (4, torch.float16, 32, False, 3, MatmulConfig(4, 64, 32, 3, 1, 1)),
+    (4, torch.float16, 64, False, 3, MatmulConfig(4, 32, 64, 2, 1, 1)),
     (8, torch.float16, 128, False, 4, MatmulConfig(4, 32, 64, 2, 1, 1)),
     (4, torch.float16, 64, False, 1, MatmulConfig(1, 32, 64, 2, 1, 1, fma_tile=True)),
-    (4, torch.float32, 32, False, 3, MatmulConfig(4, 32, 32, 1, 1, 1, fma_tile=True)),
+    (4, torch.float32, 32, False, 2, MatmulConfig(2, 32, 32, 2, 1, 1, fma_tile=True)),
     (4, torch.float16, 32, False, 3, MatmulConfig(16, 32, 32, 1, 4, 1)),
     (4, torch.float16, 64, False, 5, MatmulConfig(16, 32, 64, 2, 4, 1)),
     (4, torch.float16, 128, False, 5, MatmulConfig(16, 32, 128, 2, 4, 1, True)),
@@ -40,7 +40,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("bits, dtype, group_size, act_order, M, config", CASES)
 def test_quant_linear_matches_reference(device, bits, dtype, group_size, act_order, M, config):
-    K, N = 256, 96
+    K, N = max(128, group_size), 96  # tiny: the CPU interpreter runs these
     w = make_int_weight(K, N, bits, group_size, act_order, dtype, seed=M, device=device)
     x = torch.randn(M, K).to(dtype).to(device)
     bias = torch.randn(N).to(dtype).to(device)
