@@ -3,16 +3,17 @@
 Each checkpoint is a tiny random Llama quantized in `tests/quant_fixtures.py`; greedy tokens from
 /invocations must be transformers' greedy tokens on the same model with the dequantised weights
 in fp32, and the start-up log names the format. A malformed `quantization_config` stops the
-start: /ping answers 500 with the message naming the field.
+start: /ping answers 500 with the message naming the field. The four servers start together.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import requests
-from lmi_server import LMIServer, running_server
+from lmi_server import LMIServer
 from model_fixtures import build_tiny_model
 from quant_fixtures import Format, write_quantized
 
@@ -31,7 +32,37 @@ FORMATS = {
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant_ckpt")
     base = build_tiny_model("llama", root / "base")
-    return {name: write_quantized(base, root / name, fmt) for name, (fmt, _) in FORMATS.items()}
+    out = {name: write_quantized(base, root / name, fmt) for name, (fmt, _) in FORMATS.items()}
+    bad = root / "bad"  # the GPTQ checkpoint with bits=3
+    bad.mkdir()
+    for f in out["gptq"].iterdir():
+        if f.is_file() and f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    config = json.loads((out["gptq"] / "config.json").read_text())
+    config["quantization_config"]["bits"] = 3
+    (bad / "config.json").write_text(json.dumps(config))
+    out["bad"] = bad
+    return out
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoints, tmp_path_factory):
+    """One server per checkpoint, started at once (each waits mostly on its own start-up)."""
+    started: dict[str, LMIServer] = {}
+    try:
+        for name, path in checkpoints.items():
+            env = {"HF_MODEL_ID": str(path), "OPTION_MAX_MODEL_LEN": "256"}
+            if name != "bad":
+                env["OPTION_QUANTIZE"] = name
+            cwd = tmp_path_factory.mktemp(f"serve_{name}")
+            started[name] = LMIServer(env, cwd, cwd / "serve.log")
+        yield started
+    finally:
+        for srv in started.values():  # all drain at once, then each is waited for
+            if srv.proc.poll() is None:
+                srv.proc.send_signal(signal.SIGTERM)
+        for srv in started.values():
+            srv.stop()
 
 
 def _oracle_greedy(model_dir, ids: tuple[int, ...]) -> list[int]:
@@ -48,39 +79,27 @@ def _oracle_greedy(model_dir, ids: tuple[int, ...]) -> list[int]:
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_served_greedy_tokens_equal_the_dequantised_oracle(name, checkpoints, tmp_path_factory):
+def test_served_greedy_tokens_equal_the_dequantised_oracle(name, checkpoints, servers):
     from transformers import AutoTokenizer
 
     path = checkpoints[name]
     ids = tuple(AutoTokenizer.from_pretrained(str(path)).encode(PROMPT))
     expected = _oracle_greedy(path / "oracle", ids)
-    env = {"HF_MODEL_ID": str(path), "OPTION_QUANTIZE": name, "OPTION_MAX_MODEL_LEN": "256"}
-    with running_server(tmp_path_factory, env, f"serve_{name}") as srv:
-        r = requests.post(srv.url + "/invocations", timeout=60, json={
-            "inputs": PROMPT, "parameters": {"max_new_tokens": MAX_NEW, "do_sample": False, "details": True}})
-        assert r.status_code == 200, r.text
-        details = r.json()["details"]
-        got = [t["id"] for t in details["tokens"]]
-        if details["finish_reason"] == "eos_token":  # the oracle ignores EOS: compare up to it
-            expected = expected[: len(got)]
-        assert got == expected
-        assert FORMATS[name][1] in srv.log()
+    srv = servers[name]
+    srv.wait(200)
+    r = requests.post(srv.url + "/invocations", timeout=60, json={
+        "inputs": PROMPT, "parameters": {"max_new_tokens": MAX_NEW, "do_sample": False, "details": True}})
+    assert r.status_code == 200, r.text
+    details = r.json()["details"]
+    got = [t["id"] for t in details["tokens"]]
+    if details["finish_reason"] == "eos_token":  # the oracle ignores EOS: compare up to it
+        expected = expected[: len(got)]
+    assert got == expected
+    assert FORMATS[name][1] in srv.log()
 
 
-def test_malformed_quantization_config_stops_the_start(checkpoints, tmp_path):
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in checkpoints["gptq"].iterdir():
-        if f.is_file():
-            (bad / f.name).symlink_to(f)
-    config = json.loads((checkpoints["gptq"] / "config.json").read_text())
-    config["quantization_config"]["bits"] = 3
-    (bad / "config.json").unlink()
-    (bad / "config.json").write_text(json.dumps(config))
-    srv = LMIServer({"HF_MODEL_ID": str(bad)}, tmp_path, tmp_path / "serve.log")
-    try:
-        body = srv.wait(500, timeout=120)
-        assert 200 not in srv.ping_history
-        assert "bits=3 is not supported for GPTQ (supported: 4, 8)" in body["error"], body
-    finally:
-        srv.stop()
+def test_malformed_quantization_config_stops_the_start(servers):
+    srv = servers["bad"]
+    body = srv.wait(500, timeout=120)
+    assert 200 not in srv.ping_history
+    assert "bits=3 is not supported for GPTQ (supported: 4, 8)" in body["error"], body
