@@ -227,6 +227,8 @@ def test_packed_and_row_layers_equal_the_dequantised_weights(name):
         getattr(row, leaf).weight_loader(getattr(row, leaf), t)
     process_weights_after_loading(qkv)
     process_weights_after_loading(row)
+    if fmt.desc_act:  # whole groups: rows sorted by group at load, the input gathered to match
+        assert qkv.g_idx is None and qkv.act_perm is not None and row.act_perm is not None
     x = torch.randn(5, k_in)
     torch.testing.assert_close(qkv(x), x @ torch.cat(dense).t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(row(x), x @ w_row.t() + row.bias, rtol=1e-5, atol=1e-5)

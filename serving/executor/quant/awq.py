@@ -31,7 +31,7 @@ class AWQLinearMethod(GroupQuantLinearMethod):
                QuantAxes(in_dim=0, in_unit=g, in_whole=whole, out_dim=1, out_unit=self.pf))
         _param(layer, "scales", (groups, n), torch.get_default_dtype(), spec,
                QuantAxes(in_dim=0, in_unit=g, in_whole=whole, out_dim=1))
-        layer.quant_group_size = g if groups > 1 or not whole else spec.in_size
+        self.set_layout(layer, spec, g, groups, whole)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = awq_to_natural_columns(unpack_int32(layer.qweight.data, self.bits, dim=1))  # [K, N]

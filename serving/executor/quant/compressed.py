@@ -41,7 +41,7 @@ class CompressedIntLinearMethod(GroupQuantLinearMethod):
         shape = _param(layer, "weight_shape", (2,), torch.int64, spec, QuantAxes(), optional=True)
         shape.weight_loader = _shape_checker(spec)
         shape.fill_dummy = lambda param, gen, std: None
-        layer.quant_group_size = g if not whole or groups > 1 else spec.in_size
+        self.set_layout(layer, spec, g, groups, whole)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_int32(layer.weight_packed.data, self.bits, dim=1)  # [N, K]
@@ -58,6 +58,8 @@ class CompressedIntLinearMethod(GroupQuantLinearMethod):
         layer.scales = nn.Parameter(scales, requires_grad=False)
         layer.zeros = nn.Parameter(zeros.contiguous(), requires_grad=False)
         layer.g_idx = None if g_idx is None else nn.Parameter(g_idx, requires_grad=False)
+        if g_idx is not None:
+            self.sort_act_order(layer)
 
 
 def _shape_checker(spec: LinearSpec):

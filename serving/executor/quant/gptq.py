@@ -7,6 +7,9 @@ Checkpoint (AutoGPTQ / GPTQModel, K = input rows, N = output columns, G = group_
   g_idx   int32 [K]           group of each input row (act-order / desc_act permutes it)
 After loading, zeros are unpacked to float [groups, N] (+1 for v1) and scales cast to the
 activation dtype: w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n], g = g_idx[k] or k // G.
+Act-order (desc_act) layers whose groups are whole (G rows each) get their rows sorted by group at
+load, so the kernel reads contiguous groups without g_idx (its fast paths) and the layer gathers
+its input columns in that order (`act_perm`, one index_select per layer).
 Tensor parallel: column-parallel layers split N (whole words of qzeros: 8 columns for int4);
 row-parallel layers split K on group boundaries, or, with desc_act, keep every group's scales and
 zeros and their rows' g_idx (a rank's rows may reference any group).
@@ -19,7 +22,7 @@ from torch import nn
 
 import kernels
 from serving.executor.quant.loading import LinearSpec, QuantAxes, make_loader
-from serving.executor.quant.packing import unpack_int32
+from serving.executor.quant.packing import pack_int32, unpack_int32
 from serving.quantization import QuantConfig
 
 
@@ -84,7 +87,12 @@ class GroupQuantLinearMethod:
                        optional=not self.quant.desc_act)
         g_idx.weight_loader = _same_g_idx_loader(g_idx.weight_loader, spec)
         g_idx.fill_dummy = _fill_g_idx(spec.in_start, g)
+        self.set_layout(layer, spec, g, groups, whole)
+
+    def set_layout(self, layer: nn.Module, spec: LinearSpec, g: int, groups: int, whole: bool) -> None:
+        """The kernel's group size (this rank's K for one per-channel group) and no input permutation yet."""
         layer.quant_group_size = g if not whole or groups > 1 else spec.in_size
+        layer.register_buffer("act_perm", None, persistent=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         zeros = unpack_int32(layer.qzeros.data, self.bits, dim=1)[:, : layer.scales.shape[1]] + self.quant.zero_offset
@@ -93,8 +101,28 @@ class GroupQuantLinearMethod:
         if not self.quant.desc_act:  # rows in natural order: the kernel derives k // G itself
             del layer.g_idx
             layer.g_idx = None
+        else:
+            self.sort_act_order(layer)
+
+    def sort_act_order(self, layer: nn.Module) -> None:
+        """Rows sorted by group when every group is whole here (not on a row-parallel rank that holds
+        rows of groups it shares): g_idx is dropped and `act_perm` gathers the input to match."""
+        g_idx = layer.g_idx.data.long()
+        k, g = g_idx.shape[0], layer.quant_group_size
+        perm = torch.argsort(g_idx, stable=True)
+        natural = torch.arange(k, device=g_idx.device)
+        if layer.scales.shape[0] * g != k or not torch.equal(g_idx[perm], natural // g):
+            return  # groups split over ranks (or uneven): the kernel reads g_idx
+        if not torch.equal(perm, natural):
+            q = unpack_int32(layer.qweight.data, self.bits, dim=0)[perm]  # [K, N], rows in group order
+            layer.qweight = nn.Parameter(pack_int32(q, self.bits, dim=0), requires_grad=False)
+            layer.act_perm = perm
+        del layer.g_idx
+        layer.g_idx = None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.act_perm is not None:
+            x = x.index_select(-1, layer.act_perm)  # [M, K] in the rows' sorted order
         return kernels.quant_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.bits,
                                     layer.quant_group_size, bias)
 
