@@ -10,7 +10,8 @@ generated ids past it detokenize to nothing. Run as a script to build both shape
 Quantized variants (`QUANT_VARIANTS`, the benches' `--quantize`): `gptq` / `awq` write a
 `quantization_config` (int4, group 128) into the config, so the dummy load draws packed int4
 weights of the real shapes; `fp8` keeps the bf16 config and sets `quantization="fp8"` (weights
-converted at load). `bf16` is the unquantized baseline.
+converted at load). `gptq-desc-act` draws a random act order (g_idx), which the load sorts away:
+it measures the input gather act-order layers add. `bf16` is the unquantized baseline.
 """
 
 from __future__ import annotations

@@ -271,7 +271,8 @@ def test_dummy_quantized_weights_run_and_are_deterministic():
     args = ModelArgs.from_dict(dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256,
                                     hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=1))
-    for fmt in (Format("gptq", 4, 128), Format("awq", 4, 64), Format("fp8"), Format("compressed-tensors", 4, 64)):
+    for fmt in (Format("gptq", 4, 128), Format("gptq", 4, 64, desc_act=True), Format("awq", 4, 64), Format("fp8"),
+                Format("compressed-tensors", 4, 64)):
         quant = _quant_config(fmt)
         models = []
         for _ in range(2):
@@ -282,6 +283,8 @@ def test_dummy_quantized_weights_run_and_are_deterministic():
         for name, p in models[0].items():
             assert torch.equal(p.float(), models[1][name].float()), name
         layer = m.model.layers[0].mlp.down_proj
+        if fmt.desc_act:  # random act order, sorted at load
+            assert layer.g_idx is None and layer.act_perm is not None
         x = torch.randn(3, 256)
         y = layer(x)
         assert torch.isfinite(y).all() and y.abs().max() > 0

@@ -37,7 +37,7 @@ class CompressedIntLinearMethod(GroupQuantLinearMethod):
         g_idx = _param(layer, "weight_g_idx", (spec.in_size,), torch.int32, spec, QuantAxes(in_dim=0),
                        optional=not self.quant.desc_act)
         g_idx.weight_loader = _same_g_idx_loader(g_idx.weight_loader, spec)
-        g_idx.fill_dummy = _fill_g_idx(spec.in_start, g)
+        g_idx.fill_dummy = _fill_g_idx(spec.in_start, g, self.quant.desc_act)
         shape = _param(layer, "weight_shape", (2,), torch.int64, spec, QuantAxes(), optional=True)
         shape.weight_loader = _shape_checker(spec)
         shape.fill_dummy = lambda param, gen, std: None

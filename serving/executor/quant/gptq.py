@@ -86,7 +86,7 @@ class GroupQuantLinearMethod:
         g_idx = _param(layer, "g_idx", (spec.in_size,), torch.int32, spec, QuantAxes(in_dim=0),
                        optional=not self.quant.desc_act)
         g_idx.weight_loader = _same_g_idx_loader(g_idx.weight_loader, spec)
-        g_idx.fill_dummy = _fill_g_idx(spec.in_start, g)
+        g_idx.fill_dummy = _fill_g_idx(spec.in_start, g, self.quant.desc_act)
         self.set_layout(layer, spec, g, groups, whole)
 
     def set_layout(self, layer: nn.Module, spec: LinearSpec, g: int, groups: int, whole: bool) -> None:
@@ -142,9 +142,13 @@ def _same_g_idx_loader(load, spec: LinearSpec):
     return loader
 
 
-def _fill_g_idx(in_start: int, group: int):
+def _fill_g_idx(in_start: int, group: int, act_order: bool):
+    """Dummy g_idx: natural groups, or with act-order a random order of this rank's rows (as GPTQ's
+    desc_act permutes them), so benchmarks run the act-order path."""
     def fill(param: torch.Tensor, gen: torch.Generator, std: float) -> None:
         rows = torch.arange(in_start, in_start + param.shape[0], device=param.device)
+        if act_order:
+            rows = in_start + torch.randperm(param.shape[0], generator=gen, device=param.device)
         param.copy_((rows // group).to(torch.int32))
     return fill
 
