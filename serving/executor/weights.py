@@ -37,8 +37,10 @@ from serving.executor.quant import process_weights_after_loading
 
 logger = logging.getLogger(__name__)
 
-# Checkpoint tensors we never need (buffers some exporters save).
-_SKIP_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Checkpoint tensors we never need (buffers some exporters save; FP8 checkpoints' KV-cache scales:
+# the KV cache stays in the model dtype here).
+_SKIP_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                  ".kv_scale", ".k_scale", ".v_scale")
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
