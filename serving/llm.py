@@ -16,6 +16,7 @@ import gc
 import itertools
 import sys
 import time
+import traceback
 import weakref
 from collections.abc import Sequence as Seq
 
@@ -43,7 +44,15 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **options: object) -> None:
-        self._attach(LLMEngine(EngineConfig.from_options(model, **options)))
+        try:
+            engine = LLMEngine(EngineConfig.from_options(model, **options))
+        except BaseException as exc:
+            # The traceback's frames hold a half-built engine (the model on the GPU, the worker
+            # processes) for as long as the exception is kept, and a notebook keeps the last one:
+            # their locals go now, so that a retry with other options finds the memory free.
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        self._attach(engine)
         _collect_cycles_holding_this_call()
 
     @classmethod

@@ -10,6 +10,7 @@ is off in these tests, so anything only a `gc.collect()` would free shows up as 
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -194,3 +195,12 @@ def test_the_first_llm_of_a_process_is_freed_by_del_despite_first_use_imports(mo
     p = subprocess.run([sys.executable, "-c", code, model_dir], env=env, cwd=root, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0 and "freed" in p.stdout, p.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_failed_start_stops_what_it_started_while_its_error_is_still_held(model_dir, tmp_path):
+    # The tokenizer loads after the two rank processes have started and loaded the model.
+    with pytest.raises(Exception) as failed:
+        LLM(model_dir, tensor_parallel_size=2, tokenizer=str(tmp_path / "no-tokenizer"), **OPTIONS)
+    assert failed.value.__traceback__ is not None
+    assert not multiprocessing.active_children()
