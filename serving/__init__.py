@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from serving.engine.llm_engine import LLMEngine
     from serving.engine_config import EngineConfig
     from serving.llm import LLM
+    from serving.lora_request import LoRARequest
     from serving.outputs import CompletionOutput, RequestOutput
     from serving.sampling_params import SamplingParams
 
@@ -20,6 +21,7 @@ _EXPORTS = {
     "LLMEngine": "serving.engine.llm_engine",
     "EngineConfig": "serving.engine_config",
     "SamplingParams": "serving.sampling_params",
+    "LoRARequest": "serving.lora_request",
     "RequestOutput": "serving.outputs",
     "CompletionOutput": "serving.outputs",
 }

@@ -53,8 +53,8 @@ class LoRARequest:
 class UnknownAdapterError(ValueError):
     """A request named an adapter that is not registered; the message lists the known ones."""
 
-    def __init__(self, name: str, known: Iterable[str]) -> None:
+    def __init__(self, name: str, known: Iterable[str], hint: str = "") -> None:
         self.name = name
         self.known = sorted(known)
         listed = ", ".join(repr(k) for k in self.known) if self.known else "none"
-        super().__init__(f"unknown adapter {name!r}; known adapters: {listed}")
+        super().__init__(f"unknown adapter {name!r}; known adapters: {listed}" + (f" ({hint})" if hint else ""))

@@ -38,7 +38,7 @@ from serving.engine_config import EngineConfig
 from serving.executor.executor import Executor, WorkerFailedError
 from serving.executor.factory import make_executor
 from serving.executor.plan import StepOutput, StepPlan
-from serving.lora_request import LoRARequest
+from serving.lora_request import LoRARequest, UnknownAdapterError
 from serving.model_files import resolve_model_dir
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
@@ -190,8 +190,7 @@ class LLMEngine:
         if lora_name is None:
             return None
         if self.lora is None:
-            raise ValueError(f"adapter {lora_name!r} asked for, but LoRA adapters are not enabled "
-                             "(enable_lora=True / option.enable_lora=true)")
+            raise UnknownAdapterError(lora_name, (), "LoRA adapters are not enabled: option.enable_lora=true")
         return self.lora.resolve(lora_name)
 
     def add_request(
