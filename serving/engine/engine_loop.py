@@ -13,6 +13,7 @@ import enum
 import logging
 import queue
 import threading
+import traceback
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -299,6 +300,9 @@ class EngineLoop:
             engine = self._factory(self.config) if self._factory else self._default_engine()
         except BaseException as exc:  # noqa: BLE001 - any load failure is the health state
             logger.exception("engine failed to load")
+            # The error is kept (it is the health state) but not the half-built engine its
+            # traceback's frames hold: the worker processes and the GPU memory go now.
+            traceback.clear_frames(exc.__traceback__)
             self._die(exc)
             return
         with self._lock:  # (add_lora reads `engine` under the lock: none is left pending)

@@ -204,3 +204,15 @@ def test_a_failed_start_stops_what_it_started_while_its_error_is_still_held(mode
         LLM(model_dir, tensor_parallel_size=2, tokenizer=str(tmp_path / "no-tokenizer"), **OPTIONS)
     assert failed.value.__traceback__ is not None
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+def test_an_engine_loop_that_fails_to_load_keeps_its_error_but_not_the_engine(model_dir, tmp_path):
+    config = EngineConfig.from_options(model_dir, tensor_parallel_size=2, tokenizer=str(tmp_path / "no-tokenizer"),
+                                       **OPTIONS)
+    loop = EngineLoop(config).start()
+    with pytest.raises(EngineDeadError):
+        loop.wait_ready(120)
+    assert loop.error is not None and loop.error.__traceback__ is not None  # /ping reports it
+    assert not multiprocessing.active_children()
+    loop.close()
