@@ -10,7 +10,8 @@ copies them into their slot (stream-ordered: a step still running on the old con
 disturbed). Per step the runner stages each token row's slot (-1: base) in a persistent device
 buffer; the forward groups rows by slot once (`kernels.lora_segments`) and every wrapped
 projection adds its rows' x·Aᵀ·Bᵀ (`kernels.lora_shrink` / `lora_expand`). The buffer is
-persistent, so decode CUDA graphs capture all of it.
+persistent, so CUDA graphs capture all of it: decode graphs, and each piece of the piecewise
+graphs for steps with prompt tokens (`rows` wraps every piece).
 
 Tensor parallel: column-parallel projections (qkv, gate_up) keep A whole and this rank's rows
 of B (its part of each packed slice); row-parallel ones (o, down) keep this rank's columns of
@@ -19,8 +20,10 @@ A and all of B, and all-reduce the small shrink output before expanding.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -187,8 +190,17 @@ class LoRAManager:
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's forward with this step's rows grouped by slot (capturable in a CUDA graph)."""
-        self.batch.segments = kernels.lora_segments(self.token_slots[: input_ids.shape[0]], self.num_slots)
-        try:
+        with self.rows(input_ids.shape[0]):
             return model(input_ids, positions)
+
+    @contextlib.contextmanager
+    def rows(self, num_tokens: int) -> Iterator[None]:
+        """Within: the wrapped projections see the first `num_tokens` staged rows grouped by slot.
+
+        Computed on the device from `token_slots`, so a CUDA graph (a whole decode step, or one
+        piece of a step with prompt tokens) captures the grouping too and replays it each step."""
+        self.batch.segments = kernels.lora_segments(self.token_slots[:num_tokens], self.num_slots)
+        try:
+            yield
         finally:
             self.batch.segments = None

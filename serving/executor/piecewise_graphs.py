@@ -18,14 +18,19 @@ is small beside the compute) stay eager.
 Buffers every graph reads or writes (one set, sliced per bucket): the step's ids, positions
 and slot mapping; `q` (each piece's attention input) and `attn` (each attention's output);
 `residual` and `hidden` (the last piece's output). Graphs share one memory pool: their
-temporaries are freed at the end of each capture and never outlive a replay.
+temporaries are freed at the end of each capture and never outlive a replay. Per-forward state
+that layers read (the LoRA manager's rows grouped by adapter slot) comes from a `scope` wrapped
+around every piece, so each piece's graph recomputes it on the device from the staged slots.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
+from collections.abc import Callable
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -47,7 +52,10 @@ def piecewise_buckets(max_tokens: int) -> list[int]:
 class PiecewiseGraphRunner:
     """One captured graph per (token bucket, piece); `run` interleaves them with eager attention."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, device: torch.device, pool: object = None) -> None:
+    def __init__(self, model: nn.Module, max_tokens: int, device: torch.device, pool: object = None,
+                 scope: Callable[[int], ContextManager[None]] | None = None) -> None:
+        """`scope(num_tokens)`, when given, wraps every piece (captured with it): per-forward state
+        the layers read, such as the LoRA manager's grouping of rows by adapter slot."""
         body = model.model  # LlamaModel: `piece`, `num_pieces`, `layers`
         self.body = body
         self.attention = [layer.self_attn for layer in body.layers]
@@ -66,6 +74,7 @@ class PiecewiseGraphRunner:
             self.hidden = torch.zeros(n, hidden_size, dtype=dtype)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.pool = pool
+        self.scope = scope or (lambda _t: contextlib.nullcontext())
 
     def _meta(self, t: int) -> AttentionMetadata:
         """What the captured pieces read from the metadata: the slot mapping (the KV write)."""
@@ -80,10 +89,11 @@ class PiecewiseGraphRunner:
     def _piece(self, i: int, t: int) -> None:
         """Piece i on the first t rows of the buffers, results copied back into them."""
         last = i == self.body.num_pieces - 1
-        out, residual = self.body.piece(
-            i, self.input_ids[:t], self.positions[:t], None if i == 0 else self.attn[:t],
-            None if i == 0 else self.residual[:t],
-        )
+        with self.scope(t):
+            out, residual = self.body.piece(
+                i, self.input_ids[:t], self.positions[:t], None if i == 0 else self.attn[:t],
+                None if i == 0 else self.residual[:t],
+            )
         (self.hidden if last else self.q)[:t].copy_(out)
         self.residual[:t].copy_(residual)
 
