@@ -194,9 +194,10 @@ class MultiprocExecutor(Executor):
     # ---- stop ----------------------------------------------------------------------------
 
     def _terminate(self, grace_s: float = 0.0) -> None:
+        grace_end = time.monotonic() + grace_s  # one grace period for all ranks, not one each
         for proc in self._procs:
             if proc.is_alive() and grace_s:
-                proc.join(grace_s)
+                proc.join(max(0.0, grace_end - time.monotonic()))
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
