@@ -373,6 +373,13 @@ class ModelRunner:
             self.graph_runner.close()
         if state.get("piecewise") is not None:
             self.piecewise.close()
+        if device is not None and device.type == "cuda":
+            # cuBLAS keeps a workspace per stream for the process, and the one first used in a graph
+            # capture was allocated from the graph's pool, which could then never go back (PyTorch's
+            # own CUDA-graph trees clear them too; a private call, hence the guard).
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
         if state.get("model") is not None:
             release_module(self.model)  # weights, and the attention layers' views of the KV cache
         if state.get("kv_cache") is not None:

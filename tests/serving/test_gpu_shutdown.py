@@ -5,7 +5,9 @@ of where it was before it was built, and a second `LLM` with the default `gpu_me
 
 The model is a small random Llama (`load_format="dummy"`, seeded), so only the engine's own
 allocations are measured: weights, the KV cache, both kinds of CUDA graphs and their pools,
-the sampler and the batch state. cuBLAS keeps its workspaces for the process: the slack.
+the sampler and the batch state (and cuBLAS's workspaces, which shutdown clears: the one first
+used inside a graph capture lives in that graph's pool). The slack is for what PyTorch itself
+keeps per process.
 """
 
 from __future__ import annotations
