@@ -4,7 +4,8 @@ It exists so the executor never holds engine objects: each worker (one per rank,
 another process) applies the same plans to its own `BatchState` and so sees the same token
 ids, block tables and sampling parameters as the engine did when it planned the step. Each
 sequence also holds a row of the persistent `InputBatch` (`input_batch`), whose columns the
-hot path of a step reads instead of the per-sequence objects.
+hot path of a step reads instead of the per-sequence objects (its token ids stay here: a
+decode step reads one id per row, by a C-level map over the rows' lists).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class BatchState:
             assert new.seq_id not in seqs, f"seq {new.seq_id}: added twice"
             seq = WorkerSeq(new.seq_id, new.index, new.num_prompt_tokens, list(new.token_ids),
                             new.params, list(new.block_ids))
-            seq.row = batch.add(new.seq_id, new.token_ids, new.num_prompt_tokens, new.params, new.block_ids)
+            seq.row = batch.add(new.seq_id, new.params, new.block_ids)
             seqs[new.seq_id] = seq
         try:
             out = [seqs[seq_id] for seq_id in plan.seq_ids]
@@ -80,14 +81,10 @@ class BatchState:
             seq = out[i]
             seq.block_table.extend(blocks)
             batch.append_blocks(seq.row, blocks)
-        num_tokens, last_token = batch.num_tokens, batch.last_token
         for i, (start, ids) in plan.syncs.items():
             seq = out[i]
-            token_ids = seq.token_ids
-            assert start <= len(token_ids), f"seq {seq.seq_id}: sync past the known ids"
-            token_ids[start:] = ids
-            num_tokens[seq.row] = len(token_ids)
-            last_token[seq.row] = token_ids[-1]
+            assert start <= len(seq.token_ids), f"seq {seq.seq_id}: sync past the known ids"
+            seq.token_ids[start:] = ids
         return out
 
     def forget(self, seq_id: int) -> None:

@@ -4,8 +4,7 @@ It exists so a decode step's inputs come from vectorised numpy/torch ops over ro
 per-sequence Python (vLLM v1's input batch). A row is taken from a free list when a sequence
 joins (`add`) and given back when it finishes or is preempted (`remove`); a step lists its
 sequences' rows in chunk order. Host columns (numpy) hold the block table
-`[rows, max_blocks]` int32, the known token count and last token id, and the sampling
-parameters set once at join; the device holds a mirror of the block table, updated from the
+`[rows, max_blocks]` int32 and the sampling parameters set once at join; the device holds a mirror of the block table, updated from the
 entries written since the last step (`take_dirty`), so steady decoding uploads a few new
 block ids per step instead of whole tables. `extra` holds per-row int columns set at join by
 other features (`add_column`). Rows and columns grow on demand.
@@ -16,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from serving.executor.plan import PLACEHOLDER
 from serving.sampling_params import SamplingParams
 
 
@@ -59,9 +57,6 @@ class InputBatch:
 
         self.block_table = grown("block_table", np.int32, table=True)  # [rows, width]
         self.num_blocks = grown("num_blocks", np.int64)
-        self.num_tokens = grown("num_tokens", np.int64)  # ids known, a trailing placeholder included
-        self.last_token = grown("last_token", np.int64, PLACEHOLDER)
-        self.num_prompt_tokens = grown("num_prompt_tokens", np.int64)
         self.inv_temperature = grown("inv_temperature", np.float32)  # 0: greedy
         self.plain = grown("plain", np.bool_, True)  # samples on the plain path (`plain_sampling`)
         self.prompt_logprobs = grown("prompt_logprobs", np.bool_, False)
@@ -88,8 +83,7 @@ class InputBatch:
 
     # ---- rows ----------------------------------------------------------------------------
 
-    def add(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
-            block_ids: list[int], **extra: int) -> int:
+    def add(self, seq_id: int, params: SamplingParams, block_ids: list[int], **extra: int) -> int:
         """Give a joining sequence a row and set its columns; returns the row."""
         assert seq_id not in self.row_of, f"seq {seq_id} already holds a row"
         if not self._free:
@@ -98,8 +92,6 @@ class InputBatch:
         self.row_of[seq_id] = row
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
-        self.set_tokens(row, len(token_ids), token_ids[-1])
-        self.num_prompt_tokens[row] = num_prompt_tokens
         self.inv_temperature[row] = 0.0 if params.greedy else 1.0 / params.temperature
         self.plain[row] = plain_sampling(params)
         self.prompt_logprobs[row] = params.prompt_logprobs is not None
@@ -135,10 +127,6 @@ class InputBatch:
         self.num_blocks[row] = end
         if self.mirror:
             self._dirty.append((row, start, list(block_ids)))
-
-    def set_tokens(self, row: int, num_tokens: int, last_token: int) -> None:
-        self.num_tokens[row] = num_tokens
-        self.last_token[row] = last_token
 
     def rows(self, seq_ids: list[int]) -> np.ndarray:
         """Rows of `seq_ids`, in order (int64)."""

@@ -13,6 +13,7 @@ device. `sample_rows` are the rows whose logits are sampled: the last row of eac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter, getitem
 
 import numpy as np
 import torch
@@ -35,6 +36,8 @@ class StepInputs:
     batch_rows: np.ndarray  # [num_seqs] int64: the InputBatch row of each chunk
 
 
+_ROW = attrgetter("row")
+_TOKEN_IDS = attrgetter("token_ids")
 _pinned: torch.Tensor | None = None  # reused page-locked staging buffer for the one H2D copy
 _copied: torch.cuda.Event | None = None  # marks the last copy out of it as done
 
@@ -69,15 +72,15 @@ def prepare_inputs(
     """
     ib = batch.input_batch
     nd = plan.num_decodes
-    rows = ib.rows(plan.seq_ids)  # [S] the batch row of each chunk
-    num_seqs = rows.shape[0]
+    seqs = list(map(batch.seqs.__getitem__, plan.seq_ids))  # (C-level loops: map, fromiter)
+    num_seqs = len(seqs)
+    rows = np.fromiter(map(_ROW, seqs), dtype=np.int64, count=num_seqs)  # [S] the batch row of each chunk
     starts = np.array(plan.starts, dtype=np.int64)
     lens = np.array(plan.num_tokens, dtype=np.int64)
     d_rows, pos = rows[:nd], starts[:nd]
-    # A decode computes the last known id (maybe a placeholder) ...
-    ids = ib.last_token[d_rows]
-    for r in np.flatnonzero(pos != ib.num_tokens[d_rows] - 1).tolist():
-        ids[r] = batch.seqs[plan.seq_ids[r]].token_ids[pos[r]]  # ... unless a one-token chunk of a prompt
+    # A decode computes the id at its position: the last known one (maybe a placeholder), or a
+    # one-token chunk of a prompt.
+    ids = np.fromiter(map(getitem, map(_TOKEN_IDS, seqs[:nd]), plan.starts[:nd]), dtype=np.int64, count=nd)
     table = ib.block_table
     ids_parts, pos_parts = [ids], [pos]
     slot_parts = [table[d_rows, pos // block_size].astype(np.int64) * block_size + pos % block_size]
@@ -89,11 +92,11 @@ def prepare_inputs(
         where[prev.rows] = np.arange(prev.rows.shape[0])
         fix_src = where[d_rows[fix_rows]]
         assert (fix_src >= 0).all(), f"seqs {[plan.seq_ids[r] for r in fix_rows[fix_src < 0]]}: placeholder without its step"
-    plp = [(int(r), int(r), 1, int(pos[r])) for r in np.flatnonzero(
-        ib.prompt_logprobs[d_rows] & (ib.num_tokens[d_rows] == ib.num_prompt_tokens[d_rows]))]
+    plp = [(r, r, 1, plan.starts[r]) for r in np.flatnonzero(ib.prompt_logprobs[d_rows]).tolist()
+           if seqs[r].num_output_tokens == 0]
     row0 = nd
     for e in range(nd, num_seqs):
-        seq, n, start = batch.seqs[plan.seq_ids[e]], plan.num_tokens[e], plan.starts[e]
+        seq, n, start = seqs[e], plan.num_tokens[e], plan.starts[e]
         end = start + n
         assert ib.num_blocks[rows[e]] * block_size >= end, f"seq {seq.seq_id}: {ib.num_blocks[rows[e]]} blocks for {end} tokens"
         chunk = seq.token_ids[start:end]
@@ -115,27 +118,17 @@ def prepare_inputs(
     packed = np.concatenate(parts) if len(parts) else np.zeros(0, dtype=np.int64)
     dev = _to_device(packed, device) if device.type != "cpu" else torch.from_numpy(packed)
     num_tokens = int(qsl[-1])
-    o = 0
-
-    def take(k: int) -> torch.Tensor:
-        nonlocal o
-        t = dev[o : o + k]
-        o += k
-        return t
-
-    ids_t, pos_t, slot_t = take(num_tokens), take(num_tokens), take(num_tokens)
-    qsl_t = take(num_seqs + 1).to(torch.int32)
-    lens_t = take(num_seqs).to(torch.int32)
-    rows_t = take(sample_rows.shape[0])
-    fix_rows_t, fix_src_t = take(fix_rows.shape[0]), take(fix_src.shape[0])
+    # Views of the one copy, in packing order (one split, not a slice per part).
+    ids_t, pos_t, slot_t, qsl_t, lens_t, rows_t, fix_rows_t, fix_src_t, batch_rows_t, dirty_t = dev.split(
+        [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, sample_rows.shape[0], fix_rows.shape[0],
+         fix_src.shape[0], num_seqs, dirty.size])
     if fix_rows.shape[0]:
         ids_t.index_copy_(0, fix_rows_t, prev.token_ids.index_select(0, fix_src_t))  # type: ignore[union-attr]
-    batch_rows_t = take(num_seqs)
-    ib.apply_dirty(take(dirty.size).view(3, -1))
+    ib.apply_dirty(dirty_t.view(3, -1))
     meta = AttentionMetadata(
         slot_mapping=slot_t,
-        query_start_loc=qsl_t,
-        seq_lens=lens_t,
+        query_start_loc=qsl_t.to(torch.int32),
+        seq_lens=lens_t.to(torch.int32),
         block_tables=ib.tables(batch_rows_t, width),
         num_decodes=nd,
         num_decode_tokens=nd,

@@ -25,11 +25,11 @@ PLAIN = SamplingParams(temperature=0.5)
 
 def test_rows_are_reused_lowest_first_and_columns_set_at_join():
     ib = InputBatch(max_rows=4, max_blocks=4)
-    assert [ib.add(s, [5, 6, s], 2, PLAIN, [s]) for s in (10, 11, 12)] == [0, 1, 2]
+    assert [ib.add(s, PLAIN, [s]) for s in (10, 11, 12)] == [0, 1, 2]
     ib.remove(11)
-    row = ib.add(13, [7, 8, 9, 40], 3, SamplingParams(temperature=0.0, top_k=5), [3, 4])
+    row = ib.add(13, SamplingParams(temperature=0.0, top_k=5, prompt_logprobs=1), [3, 4])
     assert row == 1 and ib.row_of == {10: 0, 12: 2, 13: 1}
-    assert ib.num_tokens[1] == 4 and ib.last_token[1] == 40 and ib.num_prompt_tokens[1] == 3
+    assert ib.prompt_logprobs.tolist()[:3] == [False, True, False]
     assert ib.inv_temperature[1] == 0.0 and not ib.plain[1]  # greedy, and top_k is not plain
     assert ib.inv_temperature[0] == np.float32(2.0) and ib.plain[0]
     assert ib.block_table[1, :3].tolist() == [3, 4, 0] and ib.num_blocks[1] == 2
@@ -42,30 +42,29 @@ def test_rows_are_reused_lowest_first_and_columns_set_at_join():
 def test_rows_and_width_grow_keeping_contents():
     ib = InputBatch(max_rows=2, max_blocks=2)
     for s in range(5):
-        ib.add(s, [s], 1, PLAIN, [100 + s])
+        ib.add(s, PLAIN, [100 + s])
     ib.append_blocks(ib.row_of[3], [7, 8, 9, 10])
     assert ib.block_table.shape[0] >= 5 and ib.block_table.shape[1] >= 5
     assert ib.block_table[ib.row_of[3], :5].tolist() == [103, 7, 8, 9, 10]
     assert [int(ib.block_table[ib.row_of[s], 0]) for s in range(5)] == [100, 101, 102, 103, 104]
-    assert ib.last_token[ib.row_of[4]] == 4
 
 
 def test_extra_columns_take_their_default_or_the_value_given_at_join():
     ib = InputBatch(max_rows=2)
     slot = ib.add_column("adapter_slot", default=-1)
-    a = ib.add(1, [1], 1, PLAIN, [], adapter_slot=3)
-    b = ib.add(2, [1], 1, PLAIN, [])
-    ib.add(3, [1], 1, PLAIN, [], adapter_slot=5)  # grows: the column grows with the rows
+    a = ib.add(1, PLAIN, [], adapter_slot=3)
+    b = ib.add(2, PLAIN, [])
+    ib.add(3, PLAIN, [], adapter_slot=5)  # grows: the column grows with the rows
     assert ib.extra["adapter_slot"][[a, b, ib.row_of[3]]].tolist() == [3, -1, 5]
     assert slot is not ib.extra["adapter_slot"] or ib.extra["adapter_slot"].shape[0] >= 3
 
 
 def test_the_device_mirror_gets_exactly_the_written_entries_once():
     ib = InputBatch(max_rows=2, max_blocks=2, mirror=True)
-    ib.add(1, [1], 1, PLAIN, [4, 5])
-    ib.add(2, [1], 1, PLAIN, [6])
+    ib.add(1, PLAIN, [4, 5])
+    ib.add(2, PLAIN, [6])
     ib.remove(1)  # its entries never reached the device: dropped, not raced with the next occupant
-    ib.add(3, [1], 1, PLAIN, [9])
+    ib.add(3, PLAIN, [9])
     ib.append_blocks(ib.row_of[2], [7, 8])  # grows the width
     ib.apply_dirty(torch.from_numpy(ib.take_dirty()))
     assert ib.take_dirty().shape == (3, 0)
@@ -202,18 +201,20 @@ def test_steps_with_joins_leaves_preemption_and_placeholders_match_the_reference
     assert sorted(batch.input_batch.row_of) == sorted(s.seq_id for s in eng.seqs if s.in_worker)
 
 
-def test_apply_keeps_the_columns_in_step_with_syncs_and_frees_rows():
+def test_apply_syncs_ids_extends_tables_and_frees_rows():
     eng = Engine(seed=2)
     batch = BatchState()
     a, b = eng.add(5), eng.add(6)
     batch.apply(eng.plan(eng.schedule(chunk=16), 0))
     ib = batch.input_batch
     ra, rb = ib.row_of[a.seq_id], ib.row_of[b.seq_id]
-    assert ib.num_tokens[[ra, rb]].tolist() == [5, 6]
-    a.token_ids += [77, PLACEHOLDER]
+    assert (batch.seqs[a.seq_id].row, batch.seqs[b.seq_id].row) == (ra, rb) and ra != rb
+    a.token_ids += [77, 78, 79, PLACEHOLDER]  # a gains a block: 9 tokens in blocks of 4
     batch.apply(eng.plan(eng.schedule(chunk=16), 1))
-    assert ib.num_tokens[ra] == 7 and ib.last_token[ra] == PLACEHOLDER and batch.seqs[a.seq_id].token_ids[-2:] == [77, PLACEHOLDER]
+    assert batch.seqs[a.seq_id].token_ids == a.token_ids and ib.num_blocks[ra] == len(a.block_table) == 3
+    assert ib.block_table[ra, :3].tolist() == a.block_table
     eng.leave(a)
     b.token_ids.append(88)
     batch.apply(eng.plan(eng.schedule(chunk=16), 2))
-    assert a.seq_id not in ib.row_of and ra in ib._free and ib.last_token[rb] == 88
+    assert a.seq_id not in ib.row_of and a.seq_id not in batch.seqs and ra in ib._free
+    assert batch.seqs[b.seq_id].token_ids[-1] == 88 and ib.row_of[b.seq_id] == rb
