@@ -32,7 +32,7 @@ from serving.engine.request_state import RequestState
 from serving.engine.scheduler import Scheduler
 from serving.engine.plan_builder import build_plan
 from serving.engine.scheduler_output import SchedulerOutput
-from serving.engine.sequence import FinishReason, Sequence
+from serving.engine.sequence import FinishReason, Sequence, SequenceStatus
 from serving.engine.warmup import warm_up
 from serving.engine_config import EngineConfig
 from serving.executor.executor import Executor, WorkerFailedError
@@ -110,6 +110,12 @@ class LLMEngine:
         # the next step must wait for them (its samples need their own history).
         self._inflight: tuple[SchedulerOutput, StepOutput] | None = None
         self._inflight_blocks_next = False
+        # Requests whose samples may make the next step wait (penalties, guided decoding): when
+        # there are none, a step need not look at each scheduled sample to know it.
+        self._history_requests: set[str] = set()
+        # Requests with work on every token in `_process` (deltas per step, detokenizing,
+        # logprobs, grammars); when there are none (offline generate) only samples that end need any.
+        self._per_token_requests: set[str] = set()
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else info.device_type == "cuda"
         )
@@ -118,7 +124,7 @@ class LLMEngine:
         self._preempted_ids: list[int] = []
         self._seq_ids = itertools.count()
         # Requests whose work is in the step being run (for `recover`), and recent failures.
-        self._involved: set[str] = set()
+        self._involved: list[SchedulerOutput] = []
         self._failures: list[float] = []
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
@@ -238,7 +244,12 @@ class LLMEngine:
             for seq in seqs:
                 guided.add(seq.seq_id, params.guided_decoding)
         self.scheduler.add_sequences(seqs)
+        if params.needs_token_history or params.guided_decoding is not None:
+            self._history_requests.add(request_id)
         detok = self.tokenizer is not None and params.detokenize
+        if (not final_only or detok or params.logprobs is not None or params.prompt_logprobs is not None
+                or params.guided_decoding is not None):
+            self._per_token_requests.add(request_id)
         self._requests[request_id] = RequestState(
             request_id, text, prompt_token_ids, params, seqs,
             [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if detok else None for _ in seqs],
@@ -258,7 +269,7 @@ class LLMEngine:
         deltas = [req.delta(seq, None) for seq in ended]
         for seq in ended:
             self._release(seq)
-        self._requests.pop(request_id, None)
+        self._drop(request_id)
         return deltas
 
     def has_unfinished_requests(self) -> bool:
@@ -274,11 +285,12 @@ class LLMEngine:
         """Schedule and launch one step; deltas for samples whose tokens came back."""
         deltas: list[StreamDelta] = []
         had_inflight = self._inflight is not None
-        self._involved = {item.seq.request_id for item in self._inflight[0].scheduled} if had_inflight else set()
+        # The steps whose requests a failure would involve (`recover` reads their request ids).
+        self._involved = [self._inflight[0]] if had_inflight else []
         if had_inflight and self._inflight_blocks_next:
             deltas = self._process(*self._take_inflight())
         sched_out = self.scheduler.schedule()
-        self._involved.update(item.seq.request_id for item in sched_out.scheduled)
+        self._involved.append(sched_out)
         if sched_out.is_empty:
             if self._inflight is not None:
                 return deltas + self._process(*self._take_inflight())
@@ -292,16 +304,13 @@ class LLMEngine:
             return deltas
         runner_out = self.executor.execute(self._plan(sched_out))
         self.num_steps += 1
-        self.num_prompt_tokens_computed += sum(
-            s.num_tokens for s in sched_out.scheduled if s.start < s.seq.num_prompt_tokens
-        )
+        self.num_prompt_tokens_computed += sched_out.num_prompt_tokens
         if not self.async_scheduling:
             return deltas + self._process(sched_out, runner_out)
-        self.scheduler.add_placeholders(sched_out)
         last = self._take_inflight() if self._inflight is not None else None
         self._inflight = (sched_out, runner_out)
         defer = self.executor.supports_deferred_masks
-        self._inflight_blocks_next = any(
+        self._inflight_blocks_next = bool(self._history_requests) and any(
             item.sample and (item.seq.params.needs_token_history
                              or (not defer and item.seq.params.guided_decoding is not None))
             for item in sched_out.scheduled
@@ -329,7 +338,7 @@ class LLMEngine:
         self._failures = [t for t in self._failures if now - t < 60.0] + [now]
         if isinstance(exc, WorkerFailedError) or _device_failed(exc) or len(self._failures) >= 8:
             raise exc
-        involved = self._involved & self._requests.keys()
+        involved = {item.seq.request_id for out in self._involved for item in out.scheduled} & self._requests.keys()
         self._inflight = None
         self._deferred_mask_ids = None
         self.scheduler.requeue_all()
@@ -354,9 +363,10 @@ class LLMEngine:
 
     def fail_request(self, request_id: str, message: str) -> list[StreamDelta]:
         """End a request now with finish_reason 'error' and `message` (frees its KV blocks)."""
-        req = self._requests.pop(request_id, None)
+        req = self._requests.get(request_id)
         if req is None:
             return []
+        self._drop(request_id)
         ended = self.scheduler.abort_request(request_id)
         deltas = []
         for seq in ended:
@@ -378,12 +388,23 @@ class LLMEngine:
         deltas: list[StreamDelta] = []
         done: list[str] = []
         suspects = self.scheduler.suspects
+        requests = self._requests
+        guided = self._guided
+        self.num_generated_tokens += len(results)
+        if not suspects and not self._per_token_requests:
+            finished = SequenceStatus.FINISHED
+            for seq, sampled in results:  # nothing to do per token: only the samples that ended
+                if seq.status is finished:
+                    req = requests[seq.request_id]
+                    deltas.append(req.delta(seq, sampled))
+                    self._release(seq)
+                    if all(s.is_finished for s in req.seqs):
+                        done.append(req.request_id)
+            results = []
         for seq, sampled in results:
-            req = self._requests[seq.request_id]
+            req = requests[seq.request_id]
             if suspects:
                 suspects.discard(seq.request_id)  # it got through a step: cleared
-            self.num_generated_tokens += 1
-            guided = self._guided
             if guided is not None and not seq.is_finished and seq.seq_id in guided:
                 state = guided.accept(seq.seq_id, sampled.token_id)
                 if state is not None:  # the constraint is complete (or, never expected, broken)
@@ -408,8 +429,14 @@ class LLMEngine:
                 if all(s.is_finished for s in req.seqs):
                     done.append(req.request_id)
         for request_id in done:  # after the loop: samples of one request may finish together
-            self._requests.pop(request_id, None)
+            self._drop(request_id)
         return deltas
+
+    def _drop(self, request_id: str) -> None:
+        """The request is over (every sample ended, or aborted/failed): forget it."""
+        self._requests.pop(request_id, None)
+        self._history_requests.discard(request_id)
+        self._per_token_requests.discard(request_id)
 
     def _release(self, seq: Sequence) -> None:
         """The workers drop the sequence's state (mirror, seeded generator) with the next plan."""
@@ -423,7 +450,9 @@ class LLMEngine:
             if seq.in_worker:
                 seq.in_worker = False
                 self._preempted_ids.append(seq.seq_id)
-        plan = build_plan(self.num_steps, sched_out, self._finished_ids, self._preempted_ids)
+        # With async scheduling the placeholders of this step's samples go in as the plan is built.
+        plan = build_plan(self.num_steps, sched_out, self._finished_ids, self._preempted_ids,
+                          placeholders=self.async_scheduling)
         self._finished_ids, self._preempted_ids = [], []
         if self.lora is not None:
             plan.lora_slots, plan.lora_loads = self.lora.assign(sched_out)

@@ -155,6 +155,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
+        num_prompt = 0  # tokens of chunks that start inside the prompt (a statistic)
         loras: set | None = set() if self.max_loras is not None else None  # this step's adapters
 
         # Running sequences in arrival order; victims are taken from the back, so a sequence
@@ -174,9 +175,14 @@ class Scheduler:
             computed = seq.num_computed_tokens
             num_new = min(num_tokens - computed, budget)
             assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
-            if computed + num_new <= len(seq.block_table) * block_size:
+            end = computed + num_new
+            if end <= len(seq.block_table) * block_size:
                 # The common decode: its slots exist already (no new block, nothing to preempt).
-                scheduled.append(self._advance(seq, num_new))
+                # (`_advance`, inlined: this runs for every running sequence every step)
+                seq.num_computed_tokens = end
+                scheduled.append(ScheduledSequence(seq, num_new, end == num_tokens, computed))
+                if computed < len(seq.prompt_token_ids):
+                    num_prompt += num_new
                 budget -= num_new
                 i += 1
                 continue
@@ -189,6 +195,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: it was the last running sequence
             bm.append_slots(seq, num_new)
+            if computed < len(seq.prompt_token_ids):
+                num_prompt += num_new
             scheduled.append(self._advance(seq, num_new))
             budget -= num_new
             i += 1
@@ -218,13 +226,17 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             del self.waiting[j]
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            if num_cached < len(seq.prompt_token_ids):
+                num_prompt += num_new
             scheduled.append(self._advance(seq, num_new))
             budget -= num_new
 
         # Decodes (one query token) first, as AttentionMetadata expects; stable otherwise.
         decodes = [s for s in scheduled if s.num_tokens == 1]
+        if len(decodes) == len(scheduled):  # the steady decode step: nothing to reorder
+            return SchedulerOutput(scheduled, len(scheduled), preempted, num_prompt)
         others = [s for s in scheduled if s.num_tokens != 1]
-        return SchedulerOutput(scheduled=decodes + others, num_decodes=len(decodes), preempted=preempted)
+        return SchedulerOutput(decodes + others, len(decodes), preempted, num_prompt)
 
     def _lora_fits(self, seq: Sequence, loras: set, admit: bool = True) -> bool:
         """Whether `seq`'s adapter (if any) fits this step's slots; with `admit`, count it in."""
@@ -264,10 +276,14 @@ class Scheduler:
 
     def add_placeholders(self, sched_out: SchedulerOutput) -> None:
         """After launching a step: one PLACEHOLDER per sampled entry, so the next step can run it."""
+        finished = SequenceStatus.FINISHED
         for item in sched_out.scheduled:
-            if item.sample and not item.seq.is_finished:  # (aborted since: nothing will be stored)
-                assert item.seq.num_tokens == item.end, f"seq {item.seq.seq_id}: sampled token out of order"
-                item.seq.token_ids.append(PLACEHOLDER)
+            if item.sample:
+                seq = item.seq
+                if seq.status is not finished:  # (aborted since: nothing will be stored)
+                    ids = seq.token_ids
+                    assert len(ids) == item.start + item.num_tokens, f"seq {seq.seq_id}: sampled token out of order"
+                    ids.append(PLACEHOLDER)
 
     def update(self, sched_out: SchedulerOutput, runner_out: StepOutput) -> list[tuple[Sequence, SampledToken]]:
         """Store sampled tokens, register computed blocks, finish sequences that hit EOS / length.
@@ -282,6 +298,7 @@ class Scheduler:
         block_size = bm.block_size
         caching = bm.enable_prefix_caching
         finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
+        eos = self.eos_token_ids
         for item in sched_out.scheduled:
             seq = item.seq
             sampled = next(samples) if item.sample else None
@@ -303,9 +320,11 @@ class Scheduler:
                 assert ids[end] == PLACEHOLDER, f"seq {seq.seq_id}: position {end} already resolved"
                 ids[end] = token_id
             results.append((seq, sampled))
-            reason, stop = self._check_stop(seq, end + 1, token_id)
-            if reason is not None:
-                self.finish(seq, reason, stop)
+            # (only a token that can end it pays for `_check_stop`: most tokens of most steps cannot)
+            if end + 1 >= seq.max_num_tokens or token_id in eos or seq.params.stop_token_ids:
+                reason, stop = self._check_stop(seq, end + 1, token_id)
+                if reason is not None:
+                    self.finish(seq, reason, stop)
         assert next(samples, None) is None, "runner returned more samples than scheduled"
         return results
 

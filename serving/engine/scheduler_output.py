@@ -40,6 +40,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     num_decodes: int
     preempted: list[Sequence] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # of the scheduled tokens, those of chunks that start in the prompt
 
     @property
     def num_batched_tokens(self) -> int:
