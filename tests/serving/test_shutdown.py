@@ -3,7 +3,8 @@ ReplicaSet `close()`, and the worker processes of a 2-rank (gloo) engine.
 
 What is checked: the engine's threads and worker processes are gone, the model's parameters are
 freed (weak references to the module and to a parameter die), use after shutdown raises a clear
-error, and a second engine in the same process generates the same tokens. The cyclic collector
+error, a second engine in the same process generates the same tokens, and a start that fails
+(LLM or EngineLoop) stops what it had started while its error is still held. The cyclic collector
 is off in these tests, so anything only a `gc.collect()` would free shows up as a failure.
 """
 
