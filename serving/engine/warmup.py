@@ -21,17 +21,32 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from serving.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from serving.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "__warmup__"
 _MAX_STEPS = 200  # a bound, not a target: the requests below finish in about a dozen steps
+
+
+class WarmableEngine(Protocol):
+    """What the warm-up uses of an engine (`LLMEngine`, which calls it: no import back)."""
+
+    vocab_size: int
+    max_model_len: int
+    block_manager: Any
+    scheduler: Any
+    num_steps: int
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> object: ...
+
+    def step(self) -> object: ...
+
+    def has_unfinished_requests(self) -> bool: ...
 
 
 def _params(max_tokens: int, **kw: object) -> SamplingParams:
@@ -41,7 +56,7 @@ def _params(max_tokens: int, **kw: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, **kw)
 
 
-def warm_up(engine: LLMEngine) -> float:
+def warm_up(engine: WarmableEngine) -> float:
     """Run the warm-up requests to completion on `engine`; returns the seconds it took."""
     t0 = time.perf_counter()
     rng = random.Random(0)
@@ -81,7 +96,7 @@ def warm_up(engine: LLMEngine) -> float:
     return seconds
 
 
-def _forget(engine: LLMEngine) -> None:
+def _forget(engine: WarmableEngine) -> None:
     """Leave no trace of the warm-up: cached blocks and the counters users read."""
     engine.block_manager.reset_prefix_cache()
     engine.block_manager.num_prefix_queries = 0
