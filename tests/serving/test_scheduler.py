@@ -290,3 +290,23 @@ def test_no_max_tokens_runs_to_the_context_limit_capped_by_the_kv_cache() -> Non
     with pytest.raises(ValueError, match="KV cache"):  # the prompt alone does not fit
         make_scheduler(num_blocks=4, block_size=4, max_model_len=32)[0].add_sequences(
             [make_sequence(2, list(range(20)), max_tokens=None)])
+
+
+def test_prompt_token_count_matches_the_chunks_that_start_in_the_prompt() -> None:
+    # Chunked prefill, prefix-cache hits (a one-token admission), decodes, preemption and its
+    # recompute: every step's count is that of the chunks starting inside their prompt.
+    sched, runner = make_scheduler(num_blocks=9, budget=6, max_num_seqs=4)
+    prompt = list(range(9))
+    for i in range(5):
+        sched.add_sequences([make_sequence(i, prompt if i % 2 else list(range(10 * i, 10 * i + 7)), max_tokens=12)])
+    counts = []
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        expected = sum(s.num_tokens for s in out.scheduled if s.start < s.seq.num_prompt_tokens)
+        assert out.num_prompt_tokens == expected
+        counts.append(expected)
+        sched.update(out, runner.execute(out))
+    assert not sched.has_unfinished() and sched.num_preemptions > 0
+    assert sched.block_manager.num_prefix_hits > 0 and sum(counts) > 5 * 7
