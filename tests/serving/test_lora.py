@@ -44,7 +44,8 @@ def _check_peft(llm: LLM, base, adapters, prompts, names, n, **kw) -> list:
 @pytest.fixture(scope="module")
 def llama(lora_adapters):
     base, adapters = lora_adapters("llama")
-    llm = LLM(str(base), enable_lora=True, max_loras=2, **OPTIONS)
+    # Async scheduling: slots are reloaded for step N+1 while step N is in flight.
+    llm = LLM(str(base), enable_lora=True, max_loras=2, async_scheduling=True, **OPTIONS)
     plans = []
     execute = llm.llm_engine.executor.execute
     llm.llm_engine.executor.execute = lambda plan: (plans.append(plan), execute(plan))[1]
