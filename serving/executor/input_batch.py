@@ -4,10 +4,12 @@ It exists so a decode step's inputs come from vectorised numpy/torch ops over ro
 per-sequence Python (vLLM v1's input batch). A row is taken from a free list when a sequence
 joins (`add`) and given back when it finishes or is preempted (`remove`); a step lists its
 sequences' rows in chunk order. Host columns (numpy) hold the block table
-`[rows, max_blocks]` int32 and the sampling parameters set once at join; the device holds a mirror of the block table, updated from the
-entries written since the last step (`take_dirty`), so steady decoding uploads a few new
-block ids per step instead of whole tables. `extra` holds per-row int columns set at join by
-other features (`add_column`). Rows and columns grow on demand.
+`[rows, max_blocks]` int32 and the sampling parameters set once at join; the device holds a
+mirror of the block table, updated from the entries written since the last step
+(`take_dirty`), so steady decoding uploads a few new block ids per step, not whole tables.
+`extra` holds per-row int columns set at join by other features (`add_column`; e.g. an
+adapter slot, turned into a per-token index by `np.repeat(col[rows], num_tokens)`). Rows and
+columns grow on demand.
 """
 
 from __future__ import annotations

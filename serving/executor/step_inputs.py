@@ -1,13 +1,14 @@
 """Flatten one `StepPlan` (with the worker's sequences) into the model's inputs: `StepInputs`.
 
 Token rows are laid out sequence after sequence (decodes first, as scheduled). Decode rows
-are read from the persistent `InputBatch` columns by numpy ops (no per-sequence Python). All
-integer inputs are packed into one int64 host array and moved with a single host->device
-copy, then sliced into views (`input_ids`, `positions`, `slot_mapping`, `query_start_loc`,
-`seq_lens`, `sample_rows`); block tables are gathered on the device from the batch's mirror,
-after the entries written since the last step (in the same copy) are applied to it. A decode row whose token is still a `PLACEHOLDER` (sampled by
-the previous step, not yet on the host) takes its id from that step's device tensor, on the
-device. `sample_rows` are the rows whose logits are sampled: the last row of each sampled entry.
+come from the persistent `InputBatch` rows by numpy ops and C-level maps (no per-sequence
+Python). All integer inputs are packed into one int64 host array and moved with a single
+host->device copy, then split into views (`input_ids`, `positions`, `slot_mapping`,
+`query_start_loc`, `seq_lens`, `sample_rows`); block tables are gathered on the device from
+the batch's mirror, after the entries written since the last step (in the same copy) are
+applied to it. A decode row whose token is still a `PLACEHOLDER` (sampled by the previous
+step, not yet on the host) takes its id from that step's device tensor, on the device.
+`sample_rows` are the rows whose logits are sampled: the last row of each sampled entry.
 """
 
 from __future__ import annotations
@@ -87,18 +88,20 @@ def prepare_inputs(
     fix_rows = np.flatnonzero(ids == PLACEHOLDER)  # rows whose id is a placeholder ...
     fix_src = fix_rows  # ... and the row of `prev.token_ids` holding it
     if fix_rows.shape[0]:
-        assert prev is not None and prev.rows is not None, "placeholders in a step's inputs without the previous step's output"
+        assert prev is not None and prev.rows is not None, "placeholders without the previous step's output"
         where = np.full(table.shape[0], -1, dtype=np.int64)
         where[prev.rows] = np.arange(prev.rows.shape[0])
         fix_src = where[d_rows[fix_rows]]
-        assert (fix_src >= 0).all(), f"seqs {[plan.seq_ids[r] for r in fix_rows[fix_src < 0]]}: placeholder without its step"
+        missing = [plan.seq_ids[r] for r in fix_rows[fix_src < 0]]
+        assert not missing, f"seqs {missing}: placeholder without its step"
     plp = [(r, r, 1, plan.starts[r]) for r in np.flatnonzero(ib.prompt_logprobs[d_rows]).tolist()
            if seqs[r].num_output_tokens == 0]
     row0 = nd
     for e in range(nd, num_seqs):
         seq, n, start = seqs[e], plan.num_tokens[e], plan.starts[e]
         end = start + n
-        assert ib.num_blocks[rows[e]] * block_size >= end, f"seq {seq.seq_id}: {ib.num_blocks[rows[e]]} blocks for {end} tokens"
+        num_blocks = int(ib.num_blocks[rows[e]])
+        assert num_blocks * block_size >= end, f"seq {seq.seq_id}: {num_blocks} blocks for {end} tokens"
         chunk = seq.token_ids[start:end]
         assert PLACEHOLDER not in chunk, f"seq {seq.seq_id}: placeholder inside a prefill chunk"
         p = np.arange(start, end, dtype=np.int64)
