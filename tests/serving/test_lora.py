@@ -29,10 +29,14 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def _request(adapters: dict, name: str) -> LoRARequest:
+    """The fixture adapter `name` as a LoRARequest (ids fixed per name, so re-registering matches)."""
+    return LoRARequest(name, 1 + sorted(adapters).index(name), str(adapters[name]))
+
+
 def _check_peft(llm: LLM, base, adapters, prompts, names, n, **kw) -> list:
     """Generate `prompts` each on its adapter (`names`, None = base) and compare with PEFT."""
-    reqs = [None if name is None else LoRARequest(name, 1 + sorted(adapters).index(name), str(adapters[name]))
-            for name in names]
+    reqs = [None if name is None else _request(adapters, name) for name in names]
     outs = llm.generate(prompts, _greedy(n), lora_request=reqs, use_tqdm=False, **kw)
     for out, name in zip(outs, names):
         expected = peft_greedy(str(base), None if name is None else str(adapters[name]),
@@ -76,6 +80,14 @@ def test_prefix_cache_is_not_shared_between_adapters(llama):
     assert first.num_cached_tokens == 0
     again = _check_peft(llm, base, adapters, prompt, ["r8"], 4)[0]
     assert again.num_cached_tokens > 0  # its own blocks are cached
+
+
+def test_chat_on_an_adapter_is_generate_on_the_rendered_prompt(llama):
+    llm, base, adapters, _ = llama
+    chat = llm.chat([{"role": "user", "content": "Name a colour."}], _greedy(6), use_tqdm=False,
+                    lora_request=_request(adapters, "r16"))[0]
+    expected = peft_greedy(str(base), str(adapters["r16"]), tuple(chat.prompt_token_ids), 6)
+    assert tuple(chat.outputs[0].token_ids) == expected
 
 
 def test_default_model_matches_peft_alone_and_mixed(lora_adapters):
