@@ -231,7 +231,7 @@ def lora_shrink(
     for s, (start, count) in enumerate(zip(seg_starts.tolist(), seg_counts.tolist())):
         if count:
             rows = sorted_rows[start : start + count].long()
-            out[0, rows] = x[rows].float() @ a_stacked[s].float().T
+            out[0].index_copy_(0, rows, x.index_select(0, rows).float() @ a_stacked[s].float().T)
     return out
 
 
@@ -248,12 +248,13 @@ def lora_expand(
 ) -> None:
     """Per row of slot s and slice p: y[t, cols(p)] += (Σ partials)[t, p*r:(p+1)*r] · B[s, cols(p)]ᵀ."""
     r = b_stacked.shape[2]
-    buf = partials.sum(0)  # [T, slices * r]
+    buf = partials[0] if partials.shape[0] == 1 else partials.sum(0)  # [T, slices * r]
     for s, (start, count) in enumerate(zip(seg_starts.tolist(), seg_counts.tolist())):
         if not count:
             continue
         rows = sorted_rows[start : start + count].long()
-        # The slices side by side: one block-diagonal product [count, slices*r] x [slices*r, N].
-        delta = torch.cat([buf[rows, p * r : (p + 1) * r] @ b.float().T
+        h = buf.index_select(0, rows)  # [count, slices * r]
+        # The slices side by side: [count, N], then one scatter-add into the rows of y.
+        delta = torch.cat([h[:, p * r : (p + 1) * r] @ b.float().T
                            for p, b in enumerate(b_stacked[s].split(list(slice_sizes)))], dim=1)
-        y[rows] += delta.to(y.dtype)
+        y.index_add_(0, rows, delta.to(y.dtype))
