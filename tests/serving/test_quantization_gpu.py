@@ -35,7 +35,10 @@ FORMATS = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant_gpu")
-    base = build_tiny_model("llama", root / "base")
+    # No tokenizer (these tests read logits): the default model, the usual source of tokenizer
+    # files, is not installed on a GPU machine that only has the bench's packages.
+    (root / "no_tokenizer").mkdir()
+    base = build_tiny_model("llama", root / "base", tokenizer_dir=root / "no_tokenizer")
     out = {name: write_quantized(base, root / name, fmt) for name, fmt in FORMATS.items()}
     out["base"] = base
     return out
