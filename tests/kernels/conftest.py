@@ -23,6 +23,7 @@ _TRITON_MODULES = (
     "kernels.rotary",
     "kernels.activation",
     "kernels.sampling",
+    "kernels.lora",
     "kernels.int4_common",
     "kernels.int4_gemv",
     "kernels.int4_matmul",
