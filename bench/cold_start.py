@@ -64,7 +64,7 @@ def _child(args: argparse.Namespace) -> dict:
         # The second run finds the first's prompts in the prefix cache (on by default); the third
         # runs after emptying it, so first vs third isolates what a fresh process pays.
         if name == "third":
-            engine.block_manager.reset_prefix_cache()
+            assert llm.reset_prefix_cache()
         phase[0] = name
         hits0 = engine.block_manager.num_prefix_hits
         dt, produced = run_ours(llm, prompts, out_lens)

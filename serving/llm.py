@@ -92,6 +92,16 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (vLLM's `LLM.reset_prefix_cache`): later prompts are
+        computed again. Blocks still held by running sequences are left alone; False when the
+        engine has requests in flight (nothing is reset then), True otherwise."""
+        engine = self.llm_engine
+        if engine.has_unfinished_requests():
+            return False
+        engine.block_manager.reset_prefix_cache()
+        return True
+
     def get_tokenizer(self):  # noqa: ANN201 - HF tokenizer
         return self.llm_engine.tokenizer
 
