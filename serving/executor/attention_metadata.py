@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ class AttentionMetadata:
     num_decode_tokens: int  # == num_decodes
     max_query_len: int
     max_seq_len: int
+    _prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -34,6 +35,17 @@ class AttentionMetadata:
     @property
     def num_prefills(self) -> int:
         return self.num_seqs - self.num_decodes
+
+    def prefill_part(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block_tables, query_start_loc, seq_lens) of the prefill sequences alone, query rows
+        counted from the first prefill token: what the prefill kernel takes in a step that also
+        decodes. Built once per step, not once per layer, each tensor at an aligned address of its
+        own (a row slice past the decodes is not aligned, which Triton would compile a variant for)."""
+        if self._prefill is None:
+            nd = self.num_decodes
+            self._prefill = (self.block_tables[nd:].clone(), self.query_start_loc[nd:] - self.num_decode_tokens,
+                             self.seq_lens[nd:].clone())
+        return self._prefill
 
 
 _current: AttentionMetadata | None = None

@@ -52,7 +52,7 @@ def piecewise_buckets(max_tokens: int) -> list[int]:
 class PiecewiseGraphRunner:
     """One captured graph per (token bucket, piece); `run` interleaves them with eager attention."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, device: torch.device, pool: object = None,
+    def __init__(self, model: nn.Module, max_tokens: int, device: torch.device,
                  scope: Callable[[int], ContextManager[None]] | None = None) -> None:
         """`scope(num_tokens)`, when given, wraps every piece (captured with it): per-forward state
         the layers read, such as the LoRA manager's grouping of rows by adapter slot."""
@@ -73,7 +73,7 @@ class PiecewiseGraphRunner:
             self.residual = torch.zeros(n, hidden_size, dtype=dtype)
             self.hidden = torch.zeros(n, hidden_size, dtype=dtype)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.pool = pool
+        self.pool = None  # the graphs' shared memory pool, set by the first capture
         self.scope = scope or (lambda _t: contextlib.nullcontext())
 
     def _meta(self, t: int) -> AttentionMetadata:

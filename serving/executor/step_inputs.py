@@ -3,7 +3,7 @@
 Token rows are laid out sequence after sequence (decodes first, as scheduled). Decode rows
 come from the persistent `InputBatch` rows by numpy ops and C-level maps (no per-sequence
 Python). All integer inputs are packed into one int64 host array and moved with a single
-host->device copy, then split into views (`input_ids`, `positions`, `slot_mapping`,
+host->device copy, then split into views (`positions`, `input_ids`, `slot_mapping`,
 `query_start_loc`, `seq_lens`, `sample_rows`); block tables are gathered on the device from
 the batch's mirror, after the entries written since the last step (in the same copy) are
 applied to it. A decode row whose token is still a `PLACEHOLDER` (sampled by the previous
@@ -117,12 +117,14 @@ def prepare_inputs(
     sample_rows = (qsl[1:] - 1)[np.array(plan.sample, dtype=bool)]
     width = max(int(ib.num_blocks[rows].max()) if num_seqs else 1, 1)
     dirty = ib.take_dirty()  # [3, D] block-table entries the device has not seen
-    parts = (*ids_parts, *pos_parts, *slot_parts, qsl, seq_lens, sample_rows, fix_rows, fix_src, rows, dirty.ravel())
+    # positions first: at offset 0 they are 16-byte aligned whatever the token count (the rotary
+    # kernel would otherwise be handed an aligned copy by every layer of an odd-sized step)
+    parts = (*pos_parts, *ids_parts, *slot_parts, qsl, seq_lens, sample_rows, fix_rows, fix_src, rows, dirty.ravel())
     packed = np.concatenate(parts) if len(parts) else np.zeros(0, dtype=np.int64)
     dev = _to_device(packed, device) if device.type != "cpu" else torch.from_numpy(packed)
     num_tokens = int(qsl[-1])
     # Views of the one copy, in packing order (one split, not a slice per part).
-    ids_t, pos_t, slot_t, qsl_t, lens_t, rows_t, fix_rows_t, fix_src_t, batch_rows_t, dirty_t = dev.split(
+    pos_t, ids_t, slot_t, qsl_t, lens_t, rows_t, fix_rows_t, fix_src_t, batch_rows_t, dirty_t = dev.split(
         [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, sample_rows.shape[0], fix_rows.shape[0],
          fix_src.shape[0], num_seqs, dirty.size])
     if fix_rows.shape[0]:

@@ -366,10 +366,10 @@ class PagedAttention(nn.Module):
             out[:nd] = kernels.paged_decode_attention(
                 q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale
             )
+            block_tables, query_start_loc, seq_lens = meta.prefill_part()  # rows right after the decodes
             out[nd:] = kernels.prefill_attention(
-                q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:],
-                meta.query_start_loc[nd:] - nd,  # prefill tokens start right after the decodes
-                meta.seq_lens[nd:], meta.max_query_len, self.scale,
+                q[nd:], self.k_cache, self.v_cache, block_tables, query_start_loc, seq_lens,
+                meta.max_query_len, self.scale,
             )
         return out.view(num_tokens, self.q_size)
 
