@@ -48,6 +48,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # force the KV block count (tests, preemption)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's: a prompt longer than this gets at most this many tokens per step (0: off), so a
+    # long prompt arriving while others decode is spread over several short steps instead of
+    # one long one that stalls every running stream (inter-token latency tail).
+    long_prefill_token_threshold: int = 0
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float = 2.0  # CPU KV budget
     enforce_eager: bool = False
@@ -80,6 +84,11 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.long_prefill_token_threshold
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"long_prefill_token_threshold must be a non-negative integer (0: off), got {v!r}")
+        if v and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs chunked prefill (enable_chunked_prefill=True)")
         if self.max_cpu_loras is not None:
             v = self.max_cpu_loras
             if not isinstance(v, int) or isinstance(v, bool) or v < self.max_loras:

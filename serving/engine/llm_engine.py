@@ -97,6 +97,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_loras=config.max_loras if config.enable_lora else None,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         # LoRA adapters: registered by name (any thread), assigned to device slots per step.
         self.lora = LoRARegistry(info.model_dir, config.max_loras, config.max_lora_rank) if config.enable_lora else None

@@ -34,6 +34,8 @@ class Scheduler:
         max_model_len: most tokens (prompt + output) of one sequence.
         eos_token_ids: ids that end a sample unless `ignore_eos`.
         enable_chunked_prefill: when False a prompt is only admitted whole.
+        long_prefill_token_threshold: most tokens one sequence computes in a step when it has more
+            to compute (vLLM's; 0: only the budget limits it).
         max_loras: most distinct LoRA adapters in one step (the device slots; None: LoRA off).
             A sequence whose adapter would be one too many waits (running ones keep their blocks).
     """
@@ -47,6 +49,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         enable_chunked_prefill: bool = True,
         max_loras: int | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             # Otherwise the decodes at the back of the running list could starve forever.
@@ -59,6 +62,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
+        assert long_prefill_token_threshold >= 0 and (enable_chunked_prefill or not long_prefill_token_threshold)
+        # (as the budget when off: min() below then never binds)
+        self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.max_loras = max_loras
         self.waiting: list[Sequence] = []  # FCFS; preempted sequences go back to the front
         self.running: list[Sequence] = []  # sorted by seq_id (= arrival order)
@@ -173,7 +179,7 @@ class Scheduler:
                 i += 1  # its adapter would need one slot too many: it waits a step
                 continue
             computed = seq.num_computed_tokens
-            num_new = min(num_tokens - computed, budget)
+            num_new = min(num_tokens - computed, budget, self.chunk_cap)
             assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
             end = computed + num_new
             if end <= len(seq.block_table) * block_size:
@@ -213,7 +219,7 @@ class Scheduler:
                 continue
             donor = leader if leader is not None and not leader.is_finished else None
             num_cached = bm.num_cached_tokens(seq, donor)
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, budget, self.chunk_cap)
             if not self.enable_chunked_prefill and num_new < seq.num_tokens - num_cached:
                 break
             if not bm.can_allocate(seq, num_new, donor):

@@ -68,6 +68,19 @@ def test_async_scheduling_is_auto_unless_set():
     assert load_config({"OPTION_ASYNC_SCHEDULING": "auto"}, []).engine.async_scheduling is None
 
 
+def test_long_prefill_token_threshold_server_default_follows_chunked_prefill():
+    from serving.config_keys import LONG_PREFILL_TOKEN_THRESHOLD
+    from serving.engine_config import EngineConfig
+
+    assert EngineConfig().long_prefill_token_threshold == 0  # offline: off, as in vLLM
+    assert load_config({}, []).engine.long_prefill_token_threshold == LONG_PREFILL_TOKEN_THRESHOLD > 0
+    off = load_config({"OPTION_ENABLE_CHUNKED_PREFILL": "false"}, [])
+    assert off.engine.long_prefill_token_threshold == 0 and not off.engine.enable_chunked_prefill
+    assert load_config({"OPTION_LONG_PREFILL_TOKEN_THRESHOLD": "0"}, []).engine.long_prefill_token_threshold == 0
+    with pytest.raises(ConfigError, match="needs chunked prefill"):
+        load_config({"OPTION_LONG_PREFILL_TOKEN_THRESHOLD": "64", "OPTION_ENABLE_CHUNKED_PREFILL": "false"}, [])
+
+
 def test_chat_template_from_file(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")

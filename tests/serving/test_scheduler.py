@@ -212,6 +212,29 @@ def test_prefix_cache_hit_across_requests() -> None:
     assert b.block_table[:2] == [0, 1]
 
 
+def test_long_prefill_token_threshold_spreads_a_long_prompt_over_short_steps() -> None:
+    # vLLM's option: a prompt with more than 4 tokens left gets 4 per step, whether it is newly
+    # admitted or already running; short prompts and decodes are untouched, and the budget
+    # still holds several capped chunks at once.
+    sched, runner = make_scheduler(budget=16, max_num_seqs=4, long_prefill_token_threshold=4)
+    a = make_sequence(0, [1, 2, 3], max_tokens=6)
+    sched.add_sequences([a])
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 3, True)]
+    long_ = make_sequence(1, list(range(10, 21)), max_tokens=2)  # 11 prompt tokens
+    other = make_sequence(2, list(range(30, 36)), max_tokens=2)  # 6
+    sched.add_sequences([long_])
+    sched.add_sequences([other])
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 1, True), (1, 4, False), (2, 4, False)]
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 1, True), (1, 4, False), (2, 2, True)]
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 1, True), (2, 1, True), (1, 3, True)]
+    run_to_end(sched, runner)
+    assert long_.output_token_ids == [1001, 1001] and a.num_output_tokens == 6
+
+
 def test_chunked_prefill_disabled_admits_whole_prompts_only() -> None:
     sched, runner = make_scheduler(budget=8, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="chunked prefill is disabled"):
