@@ -7,6 +7,7 @@ KV cache per layer is `[num_blocks, block_size, num_kv_heads, head_dim]`; a slot
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -180,6 +181,12 @@ def gumbel_sample(
 LORA_BLOCK_M = 16  # rows per block of a slot's segment (the Triton kernels' BLOCK_M)
 
 
+def lora_num_blocks(num_tokens: int, num_slots: int) -> int:
+    """Row blocks that always suffice for T rows over `num_slots` slots: every slot's segment
+    rounds up to whole blocks (cdiv(T, 16) + slots), and each block holds >= 1 row (<= T)."""
+    return min(num_tokens, -(-num_tokens // LORA_BLOCK_M) + num_slots)
+
+
 def lora_segments(
     token_slots: torch.Tensor,  # [T] int: each row's adapter slot, -1 = base model
     num_slots: int,
@@ -189,9 +196,9 @@ def lora_segments(
     Returns `sorted_rows` [T + 1] int32 (rows of slot 0, then slot 1, ...; base rows not listed;
     the last entry is scratch), `seg_starts` [num_slots] and `seg_counts` [num_slots] int32, and
     the row blocks the kernels run: block b covers rows `block_m0[b] ..+ LORA_BLOCK_M` of slot
-    `block_slot[b]` (-1: no block), [cdiv(T, LORA_BLOCK_M) + num_slots] int32 each (every slot's
-    segment rounds up to whole blocks, so that many always suffice). Plain torch on every
-    device: one compare matrix [num_slots, T], no sort.
+    `block_slot[b]` (-1: no block), [lora_num_blocks(T, num_slots)] int32 each. Plain torch on
+    every device: one compare matrix [num_slots, T], no sort. The engine groups on the host
+    instead (`lora_segments_host`, same result); this is its oracle.
     """
     num_tokens = token_slots.shape[0]
     slots = token_slots.long()
@@ -208,12 +215,45 @@ def lora_segments(
     rows.scatter_(0, dest, torch.arange(num_tokens, dtype=torch.int32, device=slots.device))
     blocks = (counts + LORA_BLOCK_M - 1) // LORA_BLOCK_M  # [S]
     block_end = blocks.cumsum(0)
-    b = torch.arange(-(-num_tokens // LORA_BLOCK_M) + num_slots, device=slots.device)
+    b = torch.arange(lora_num_blocks(num_tokens, num_slots), device=slots.device)
     block_slot = torch.searchsorted(block_end, b, right=True)  # [NB] in 0..S (S: past the last block)
     owner = block_slot.clamp(max=num_slots - 1)
     block_m0 = (b - (block_end[owner] - blocks[owner])) * LORA_BLOCK_M
     block_slot = torch.where(block_slot < num_slots, block_slot, -1)
     return rows, starts.to(torch.int32), counts.to(torch.int32), block_slot.to(torch.int32), block_m0.to(torch.int32)
+
+
+def lora_segments_host(
+    token_slots: np.ndarray,  # [T] int: each row's adapter slot, -1 = base model
+    num_slots: int,
+    num_blocks: int | None = None,
+) -> tuple[np.ndarray, ...]:
+    """`lora_segments` in numpy, for the host that stages the slots (no device op per step).
+
+    Same arrays (int32), except that `sorted_rows` is [T] (no scratch entry; entries past the
+    listed rows are 0) and the block arrays are [num_blocks] (default lora_num_blocks(T, S)),
+    padded with slot -1 / m0 0: a larger buffer serves every graph bucket >= T.
+    """
+    num_tokens = token_slots.shape[0]
+    nb = lora_num_blocks(num_tokens, num_slots) if num_blocks is None else num_blocks
+    slots = token_slots.astype(np.int64, copy=False)
+    listed = np.flatnonzero(slots >= 0)
+    order = listed[np.argsort(slots[listed], kind="stable")]  # rows by slot, row order kept
+    counts = np.bincount(slots[listed], minlength=num_slots)
+    starts = np.cumsum(counts) - counts
+    rows = np.zeros(num_tokens, dtype=np.int32)
+    rows[: order.shape[0]] = order
+    blocks = (counts + LORA_BLOCK_M - 1) // LORA_BLOCK_M
+    block_end = np.cumsum(blocks)
+    used = int(block_end[-1]) if num_slots else 0
+    assert used <= nb, (used, nb)
+    block_slot = np.full(nb, -1, dtype=np.int32)
+    block_m0 = np.zeros(nb, dtype=np.int32)
+    b = np.arange(used)
+    owner = np.searchsorted(block_end, b, side="right")
+    block_slot[:used] = owner
+    block_m0[:used] = (b - (block_end[owner] - blocks[owner])) * LORA_BLOCK_M
+    return rows, starts.astype(np.int32), counts.astype(np.int32), block_slot, block_m0
 
 
 def lora_shrink(
@@ -258,3 +298,20 @@ def lora_expand(
         delta = torch.cat([h[:, p * r : (p + 1) * r] @ b.float().T
                            for p, b in enumerate(b_stacked[s].split(list(slice_sizes)))], dim=1)
         y.index_add_(0, rows, delta.to(y.dtype))
+
+
+def lora_shrink_expand(
+    y: torch.Tensor,  # [T, N], updated in place
+    x: torch.Tensor,  # [T, K]
+    a_stacked: torch.Tensor,  # [num_slots, slices * r, K]
+    b_stacked: torch.Tensor,  # [num_slots, N, r]
+    slice_sizes: tuple[int, ...],
+    sorted_rows: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_counts: torch.Tensor,
+    block_slot: torch.Tensor,
+    block_m0: torch.Tensor,
+) -> None:
+    """lora_shrink then lora_expand in one call (the fused kernel's contract): y += x·A[slot]ᵀ·B[slot]ᵀ."""
+    seg = (sorted_rows, seg_starts, seg_counts, block_slot, block_m0)
+    lora_expand(y, lora_shrink(x, a_stacked, *seg), b_stacked, slice_sizes, *seg)

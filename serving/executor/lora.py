@@ -7,11 +7,16 @@ out_local, max_lora_rank]`, zero-padded to the rank, the scaling folded into B. 
 which adapter each slot holds (`StepPlan.lora_loads`: slot -> (name, id, path), or None to
 free it); the manager reads adapters from disk into an LRU host cache of `max_cpu_loras` and
 copies them into their slot (stream-ordered: a step still running on the old contents is not
-disturbed). Per step the runner stages each token row's slot (-1: base) in a persistent device
-buffer; the forward groups rows by slot once (`kernels.lora_segments`) and every wrapped
-projection adds its rows' x·Aᵀ·Bᵀ (`kernels.lora_shrink` / `lora_expand`). The buffer is
-persistent, so CUDA graphs capture all of it: decode graphs, and each piece of the piecewise
-graphs for steps with prompt tokens (`rows` wraps every piece).
+disturbed). Per step the runner stages the rows grouped by slot: the host knows each row's slot,
+so `stage` groups them with numpy (`kernels.lora_segments_host`) and copies the result into one
+persistent device buffer (one pinned, asynchronous copy); every wrapped projection adds its
+rows' x·Aᵀ·Bᵀ (`kernels.lora_shrink` / `lora_expand`, or both in one launch). CUDA graphs (the
+decode graphs, each piece of the piecewise graphs) only read that buffer: no grouping kernels.
+
+`LORA_VARIANT` picks how a projection runs its adapters (read when a forward is traced, so set
+it before the engine captures its graphs): "split" (shrink, then expand, after the base GEMM),
+"fused" (one shrink->expand launch), "stream" (the shrink on a side stream, concurrent with the
+base GEMM; the expand after the join) or "auto" (fused up to `FUSED_MAX_TOKENS` rows, else split).
 
 Tensor parallel: column-parallel projections (qkv, gate_up) keep A whole and this rank's rows
 of B (its part of each packed slice); row-parallel ones (o, down) keep this rank's columns of
@@ -39,14 +44,32 @@ from serving.model_config import ModelArgs
 
 logger = logging.getLogger(__name__)
 
+LORA_VARIANT = "auto"  # "auto" | "split" | "fused" | "stream" (module docstring); bench/lora*.py set it
+FUSED_MAX_TOKENS = 16  # "auto": fused up to this many rows (its shrink is recomputed per column block)
+VARIANTS = ("auto", "split", "fused", "stream")
+
+
+def _variant(num_tokens: int) -> str:
+    if LORA_VARIANT == "auto":
+        return "fused" if num_tokens <= FUSED_MAX_TOKENS else "split"
+    assert LORA_VARIANT in VARIANTS, LORA_VARIANT
+    return LORA_VARIANT
+
 AdapterKey = tuple[str, int, str]  # (lora_name, lora_int_id, lora_path): what a plan loads into a slot
 
 
 class LoRABatch:
-    """This forward's rows grouped by slot (`kernels.lora_segments`), shared by every wrapped projection."""
+    """This forward's rows grouped by slot (views of the staged buffer), shared by every wrapped
+    projection, and the side stream of the "stream" variant."""
 
     def __init__(self) -> None:
-        self.segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.segments: tuple[torch.Tensor, ...] | None = None
+        self.side_stream: torch.cuda.Stream | None = None
+
+    def side(self, device: torch.device) -> torch.cuda.Stream:
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(device=device)
+        return self.side_stream
 
 
 class LoRALinear(nn.Module):
@@ -72,11 +95,27 @@ class LoRALinear(nn.Module):
         self.lora_b = torch.zeros(num_slots, sum(self.slice_sizes), max_rank, dtype=like.dtype, device=like.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         seg = self.batch.segments
         if seg is None:
-            return y
-        partials = kernels.lora_shrink(x, self.lora_a, *seg)  # [P, T, slices * r] float32
+            return self.base(x)
+        variant = _variant(x.shape[0])
+        if variant == "stream" and x.is_cuda:
+            # Fork/join (capturable): the shrink reads only x, so it overlaps the base GEMM.
+            # NOTE: no record_stream needed: every later side-stream op waits on the main stream
+            # first (the next fork), so neither x nor the partials are reused under the shrink.
+            main = torch.cuda.current_stream(x.device)
+            side = self.batch.side(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                partials = kernels.lora_shrink(x, self.lora_a, *seg)  # [P, T, slices * r] float32
+            y = self.base(x)
+            main.wait_stream(side)
+        else:
+            y = self.base(x)
+            if variant == "fused" and not self.reduce_shrink:
+                kernels.lora_shrink_expand(y, x, self.lora_a, self.lora_b, self.slice_sizes, *seg)
+                return y
+            partials = kernels.lora_shrink(x, self.lora_a, *seg)  # [P, T, slices * r] float32
         if self.reduce_shrink:  # this rank saw only its input columns: sum the partial products
             partials = parallel.all_reduce(partials.sum(0, keepdim=True))
         kernels.lora_expand(y, partials, self.lora_b, self.slice_sizes, *seg)
@@ -133,8 +172,18 @@ class LoRAManager:
                 self._wrap(mlp, "gate_up_proj", _column_parts(mlp.gate_up_proj, _GATE_UP), h, like),
                 self._wrap(mlp, "down_proj", [("down_proj", 0, h)], inter_local, like),
             ])
-        # Each token row's slot (-1: base); persistent, so the decode graphs read it on replay.
-        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+        # Rows grouped by slot, one persistent int32 buffer that every graph reads on replay:
+        # [seg_starts S | seg_counts S | block_slot NB | block_m0 NB | sorted_rows max_num_tokens],
+        # NB enough blocks for max_num_tokens rows (a smaller forward reads a prefix of each).
+        s, nb = self.num_slots, kernels.lora_num_blocks(max_num_tokens, self.num_slots)
+        self.max_blocks = nb
+        self._offsets = (0, s, 2 * s, 2 * s + nb, 2 * s + 2 * nb)
+        size = 2 * s + 2 * nb + max_num_tokens
+        self.segment_buf = torch.zeros(size, dtype=torch.int32, device=device)
+        self.segment_buf[2 * s : 2 * s + nb].fill_(-1)  # no blocks until a step is staged
+        self._host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._copied: torch.cuda.Event | None = None  # the last copy out of _host_buf
+        self._staged_base = True  # the buffer holds "every row on the base model"
         self.slot_keys: list[AdapterKey | None] = [None] * self.num_slots
         self.host: OrderedDict[AdapterKey, AdapterWeights] = OrderedDict()
         nbytes = sum(m.lora_a.numel() * m.lora_a.element_size() + m.lora_b.numel() * m.lora_b.element_size()
@@ -179,27 +228,56 @@ class LoRAManager:
     # ---- per step ------------------------------------------------------------------------
 
     def stage(self, chunk_slots: list[int] | None, num_tokens: list[int]) -> None:
-        """Write each token row's slot (chunk i's slot repeated over its rows; None: all base)."""
-        total = sum(num_tokens)
-        if chunk_slots is None:
-            self.token_slots.fill_(-1)
-            return
-        rows = np.repeat(np.asarray(chunk_slots, dtype=np.int64), num_tokens)
-        self.token_slots[:total].copy_(torch.from_numpy(rows), non_blocking=True)
-        self.token_slots[total:].fill_(-1)  # padded graph rows stay on the base model
+        """Group this step's rows by slot on the host (chunk i's slot over its rows; None: all
+        base) and copy the result into the device buffer: one asynchronous copy, no kernels.
+
+        Padded graph rows (past the step's rows) are listed in no segment: the base model."""
+        if chunk_slots is None or all(s < 0 for s in chunk_slots):
+            if self._staged_base:
+                return
+            slots = np.zeros(0, dtype=np.int64)
+        else:
+            slots = np.repeat(np.asarray(chunk_slots, dtype=np.int64), num_tokens)
+        rows, starts, counts, block_slot, block_m0 = kernels.lora_segments_host(slots, self.num_slots,
+                                                                                self.max_blocks)
+        o = self._offsets
+        n = o[4] + rows.shape[0]
+        if self._copied is not None:
+            # NOTE: the previous step's copy may still be queued (no host sync since): wait for
+            # it before overwriting the pinned buffer (as step_inputs does).
+            self._copied.synchronize()
+        host = self._host_buf.numpy()
+        host[o[0] : o[1]] = starts
+        host[o[1] : o[2]] = counts
+        host[o[2] : o[3]] = block_slot
+        host[o[3] : o[4]] = block_m0
+        host[o[4] : n] = rows
+        self.segment_buf[:n].copy_(self._host_buf[:n], non_blocking=True)
+        if self.segment_buf.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._staged_base = slots.shape[0] == 0
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's forward with this step's rows grouped by slot (capturable in a CUDA graph)."""
         with self.rows(input_ids.shape[0]):
             return model(input_ids, positions)
 
+    def segments(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """Views of the staged grouping for a forward of `num_tokens` rows (>= the staged rows):
+        (sorted_rows, seg_starts, seg_counts, block_slot, block_m0), as `kernels.lora_segments`."""
+        o, nb = self._offsets, kernels.lora_num_blocks(num_tokens, self.num_slots)
+        buf = self.segment_buf
+        return (buf[o[4] : o[4] + num_tokens], buf[o[0] : o[1]], buf[o[1] : o[2]],
+                buf[o[2] : o[2] + nb], buf[o[3] : o[3] + nb])
+
     @contextlib.contextmanager
     def rows(self, num_tokens: int) -> Iterator[None]:
         """Within: the wrapped projections see the first `num_tokens` staged rows grouped by slot.
 
-        Computed on the device from `token_slots`, so a CUDA graph (a whole decode step, or one
-        piece of a step with prompt tokens) captures the grouping too and replays it each step."""
-        self.batch.segments = kernels.lora_segments(self.token_slots[:num_tokens], self.num_slots)
+        Views of the persistent buffer `stage` fills, so a CUDA graph (a whole decode step, or
+        one piece of a step with prompt tokens) reads each step's grouping with no op of its own."""
+        self.batch.segments = self.segments(num_tokens)
         try:
             yield
         finally:

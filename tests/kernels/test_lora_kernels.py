@@ -7,12 +7,13 @@ in Triton's interpreter on CPU; the GPU test adds bf16, 8B-like shapes and a CUD
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from kernel_helpers import tol
 
 from kernels import reference
-from kernels.lora import lora_expand, lora_shrink
+from kernels.lora import lora_expand, lora_shrink, lora_shrink_expand
 
 
 def _dense(x, a, b, slots, slice_sizes, r):
@@ -52,10 +53,34 @@ def test_segments_group_rows_by_slot():
     assert block_slot.tolist()[:4] == [0, 1, 1, 1] and block_m0.tolist()[:4] == [0, 0, 16, 32]
 
 
+@pytest.mark.parametrize("num_tokens, num_slots", [(0, 3), (1, 16), (4, 16), (16, 2), (17, 3), (40, 1), (300, 16)])
+def test_host_segments_match_the_torch_oracle(num_tokens, num_slots):
+    # The engine groups rows on the host (numpy, into persistent device buffers); the torch
+    # grouping is the oracle: same rows per slot, same blocks, for random and one-slot patterns.
+    rng = np.random.default_rng(num_tokens * 31 + num_slots)
+    patterns = [rng.integers(-1, num_slots, num_tokens) for _ in range(4)]
+    patterns += [np.full(num_tokens, s) for s in (-1, 0, num_slots - 1)]
+    patterns.append(np.where(np.arange(num_tokens) >= num_tokens // 2, -1, rng.integers(0, num_slots, num_tokens)))
+    for slots in patterns:
+        rows, starts, counts, block_slot, block_m0 = reference.lora_segments(torch.from_numpy(slots), num_slots)
+        h_rows, h_starts, h_counts, h_slot, h_m0 = reference.lora_segments_host(slots, num_slots)
+        listed = int((slots >= 0).sum())
+        assert np.array_equal(h_rows[:listed], rows[:listed].numpy())
+        assert np.array_equal(h_starts, starts.numpy()) and np.array_equal(h_counts, counts.numpy())
+        assert np.array_equal(h_slot, block_slot.numpy())
+        used = h_slot >= 0
+        assert np.array_equal(h_m0[used], block_m0.numpy()[used])
+        # A larger block table (a bigger graph bucket) only adds slot -1 entries.
+        _, _, _, big_slot, big_m0 = reference.lora_segments_host(slots, num_slots, len(h_slot) + 5)
+        assert np.array_equal(big_slot[: len(h_slot)], h_slot) and (big_slot[len(h_slot):] == -1).all()
+        assert np.array_equal(big_m0[: len(h_slot)][used], h_m0[used])
+
+
 @pytest.mark.parametrize("num_tokens, slice_sizes, k, r", [
     (5, (48,), 96, 8),  # decode-like, one slice (o_proj / down_proj)
     (70, (64, 32, 32), 80, 16),  # packed q|k|v, rows over several blocks per slot
     (20, (40, 40), 520, 16),  # gate|up, K over two shrink splits
+    (3, (40,), 1100, 16),  # K over three splits (the expand loads a padded tile of 4 partials)
 ])
 def test_shrink_expand_match_reference_and_dense(device, num_tokens, slice_sizes, k, r):
     dtype = torch.float32
@@ -68,6 +93,27 @@ def test_shrink_expand_match_reference_and_dense(device, num_tokens, slice_sizes
     torch.testing.assert_close(y, y_ref, **tol(dtype))
     dense = _dense(x.cpu(), a.cpu(), b.cpu(), slots.cpu(), slice_sizes, r)
     torch.testing.assert_close(y.cpu().double() - y0.cpu().double(), dense, atol=1e-3, rtol=1e-3)
+    base = slots.cpu() < 0
+    assert torch.equal(y.cpu()[base], y0.cpu()[base])  # base rows untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens, slice_sizes, k, r", [
+    (1, (48,), 96, 8),  # batch-1 decode, one slice
+    (6, (64, 32, 32), 300, 16),  # packed q|k|v, K not a multiple of the fused BLOCK_K
+    (37, (40, 200), 80, 16),  # gate|up, rows over several blocks per slot, N over two blocks
+])
+def test_fused_shrink_expand_matches_reference_and_dense(device, dtype, num_tokens, slice_sizes, k, r):
+    x, a, b, slots, y0 = _case(num_tokens, 3, k, r, slice_sizes, dtype, device, seed=num_tokens)
+    seg = tuple(torch.from_numpy(t).to(device) for t in reference.lora_segments_host(slots.cpu().numpy(), 3))
+    y = y0.clone()
+    lora_shrink_expand(y, x, a, b, slice_sizes, *seg)
+    y_ref = y0.clone()
+    reference.lora_shrink_expand(y_ref, x, a, b, slice_sizes, *seg)
+    torch.testing.assert_close(y, y_ref, **tol(dtype))
+    dense = _dense(x.cpu(), a.cpu(), b.cpu(), slots.cpu(), slice_sizes, r)
+    atol = 1e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.cpu().double() - y0.cpu().double(), dense, atol=atol, rtol=atol)
     base = slots.cpu() < 0
     assert torch.equal(y.cpu()[base], y0.cpu()[base])  # base rows untouched
 
