@@ -7,8 +7,11 @@ Builds the shape with `load_format="dummy"`, writes `--num-adapters` random PEFT
 - LoRA on (`max_loras` = all adapters resident): the same workload with every request on a
   random adapter, and batch-1 decode on one adapter.
 Bars (issue 14): workload >= 0.75x the base tokens/s; batch-1 <= 1.15x the base ms/token.
+`--variant split,fused,stream` runs the LoRA case once per `serving.executor.lora.LORA_VARIANT`
+(one engine each; `--batch1-only` skips the workload) to compare them end to end in one call.
 
   python bench/lora.py --shape llama-3-8b --num-adapters 16 --rank 16 --out /tmp/lora.json
+  python bench/lora.py --variant auto,split,fused,stream --batch1-only
 """
 
 from __future__ import annotations
@@ -92,9 +95,13 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--variant", default="auto",
+                    help="comma-separated LORA_VARIANT values, one LoRA engine each: auto, split, fused, stream")
+    ap.add_argument("--batch1-only", action="store_true", help="skip the reference workload")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from serving import LLM, SamplingParams
+    from serving.executor import lora as lora_exec
     from serving.lora_request import LoRARequest
 
     tok_dir = args.tokenizer_dir if Path(args.tokenizer_dir).is_dir() else None
@@ -110,21 +117,27 @@ def main() -> None:
     options = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=256, max_model_len=args.max_model_len,
                    max_num_batched_tokens=16384, gpu_memory_utilization=0.9)
     rows: dict[str, dict] = {}
-    for case in ("base", "lora"):
+    variants = args.variant.split(",")
+    assert all(v in lora_exec.VARIANTS for v in variants), (variants, lora_exec.VARIANTS)
+    cases = ["base"] + ["lora" if v == "auto" and len(variants) == 1 else f"lora:{v}" for v in variants]
+    for case in cases:
         t0 = time.perf_counter()
+        is_lora = case != "base"
+        lora_exec.LORA_VARIANT = case.partition(":")[2] or "auto"  # read when the graphs are captured
         lora_opts = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=args.rank,
-                         max_cpu_loras=len(adapters)) if case == "lora" else {}
+                         max_cpu_loras=len(adapters)) if is_lora else {}
         llm = LLM(str(model_dir), **options, **lora_opts)
         row: dict = {"startup_s": time.perf_counter() - t0}
-        if case == "lora":
+        if is_lora:
             t0 = time.perf_counter()  # register and load every adapter into its slot (one request each)
             timed_generate(llm, [[1, 2, 3, 4, 5]] * len(adapters), SamplingParams(max_tokens=2), adapters)
             row["adapters_load_s"] = time.perf_counter() - t0
         else:
             timed_generate(llm, [[1, 2, 3, 4, 5]], SamplingParams(max_tokens=8))  # warm-up
-        dt, produced = timed_generate(llm, prompts, params, per_request if case == "lora" else None)
+        dt, produced = (float("nan"), 0) if args.batch1_only else timed_generate(
+            llm, prompts, params, per_request if is_lora else None)
         row.update(workload_s=dt, tokens=produced, tok_s=produced / dt)
-        row["batch1_ms"] = batch1_ms(llm, args.new_tokens, adapters[0] if case == "lora" else None)
+        row["batch1_ms"] = batch1_ms(llm, args.new_tokens, adapters[0] if is_lora else None)
         rows[case] = row
         print(f"[{case}] {produced} tokens in {dt:.2f} s = {produced / dt:,.0f} tok/s; batch-1 "
               f"{row['batch1_ms']:.2f} ms/token; start {row['startup_s']:.1f} s", flush=True)
@@ -132,17 +145,21 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    base, lora = rows["base"], rows["lora"]
-    ratio_tok, ratio_ms = lora["tok_s"] / base["tok_s"], lora["batch1_ms"] / base["batch1_ms"]
-    print(f"\n{'case':8} {'tok/s':>9} {'batch-1 ms/token':>17}")
+    base = rows["base"]
+    print(f"\n{'case':14} {'tok/s':>9} {'batch-1 ms/token':>17}")
     for case, r in rows.items():
-        print(f"{case:8} {r['tok_s']:>9,.0f} {r['batch1_ms']:>17.2f}")
-    print(f"lora / base: workload {ratio_tok:.3f}x tokens/s (bar >= 0.75), batch-1 {ratio_ms:.3f}x ms/token "
-          f"(bar <= 1.15)")
+        print(f"{case:14} {r['tok_s']:>9,.0f} {r['batch1_ms']:>17.2f}")
+    for case in cases[1:]:
+        r = rows[case]
+        print(f"{case} / base: workload {r['tok_s'] / base['tok_s']:.3f}x tokens/s (bar >= 0.75), batch-1 "
+              f"{r['batch1_ms'] / base['batch1_ms']:.3f}x ms/token (bar <= 1.15)")
+    lora = rows[cases[1]]
+    ratio_tok, ratio_ms = lora["tok_s"] / base["tok_s"], lora["batch1_ms"] / base["batch1_ms"]
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape,
                                               "num_adapters": len(adapters), "rank": args.rank, "rows": rows,
-                                              "tok_s_ratio": ratio_tok, "batch1_ratio": ratio_ms}, indent=2))
+                                              "variants": variants, "tok_s_ratio": ratio_tok,
+                                              "batch1_ratio": ratio_ms}, indent=2))
 
 
 if __name__ == "__main__":

@@ -185,3 +185,42 @@ def test_engine_on_cuda_with_graphs_matches_the_cpu_reference_path(tmp_path, dev
             assert llm.llm_engine.executor.runner.graph_runner is not None
         llm.llm_engine.shutdown()
     assert tokens[devices[1]] == tokens[devices[0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["split", "fused", "stream"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_lora_linear_variants_replay_in_a_cuda_graph(monkeypatch, variant, num_tokens):
+    # Each LORA_VARIANT as the engine runs it (LoRALinear reading host-grouped segments from
+    # persistent buffers): captured once, replayed after the buffers get another slot pattern.
+    from serving.executor import lora as lora_exec
+
+    monkeypatch.setattr(lora_exec, "LORA_VARIANT", variant)
+    device, dtype, sizes, k, r, num_slots = "cuda", torch.bfloat16, (512, 128, 128), 1024, 16, 4
+    like = torch.empty(0, dtype=dtype, device=device)
+    batch = lora_exec.LoRABatch()
+    base = torch.nn.Linear(k, sum(sizes), bias=False, device=device, dtype=dtype)
+    m = lora_exec.LoRALinear(base, [(str(i), 0, n) for i, n in enumerate(sizes)], None, k, num_slots, r, batch, like)
+    m.lora_a.normal_(std=k**-0.5)
+    m.lora_b.normal_(std=0.05)
+    x = torch.randn(num_tokens, k, device=device, dtype=dtype)
+
+    def grouped(seed):
+        slots = torch.randint(-1, num_slots, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+        return [torch.from_numpy(a).to(device) for a in reference.lora_segments_host(slots.numpy(), num_slots)]
+
+    def expected(seg):
+        y = base(x)
+        reference.lora_shrink_expand(y, x, m.lora_a, m.lora_b, sizes, *seg)
+        return y
+
+    batch.segments = tuple(grouped(0))
+    torch.testing.assert_close(m(x), expected(batch.segments), **tol(dtype))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = m(x)
+    for dst, src in zip(batch.segments, grouped(1)):
+        dst.copy_(src)
+    graph.replay()
+    torch.testing.assert_close(out, expected(batch.segments), **tol(dtype))
