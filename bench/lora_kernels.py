@@ -33,9 +33,9 @@ from serving.executor import lora as lora_exec  # noqa: E402
 # (name, K, packed output slices): Llama-3-8B, one GPU
 SHAPES = (("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096, (14336, 14336)),
           ("down", 14336, (4096,)))
-# (label, LORA_VARIANT, fused BLOCK_N or None); fused tiles other than the default only for small T
-VARIANTS = (("split", "split", None), ("fused", "fused", 128), ("fused/n64", "fused", 64),
-            ("fused/n256", "fused", 256), ("stream", "stream", None))
+# (label, LORA_VARIANT, fused (BLOCK_N, BLOCK_K) or None); other fused tiles only for small T
+VARIANTS = (("split", "split", None), ("fused", "fused", (128, 256)), ("fused/n64", "fused", (64, 256)),
+            ("fused/n256", "fused", (256, 256)), ("fused/k512", "fused", (128, 512)), ("stream", "stream", None))
 SMALL_T = 16
 
 
@@ -102,8 +102,9 @@ def main() -> None:
     torch.manual_seed(0)
     layer, batch = build_layer(args.num_slots, args.rank, device)
     token_counts = [int(t) for t in args.tokens.split(",")]
-    default_block_n = lora_kernels.FUSED_BLOCK_N
+    default_tiles = (lora_kernels.FUSED_BLOCK_N, lora_kernels.FUSED_BLOCK_K)
     results: dict[int, dict[str, float]] = {}
+    per_projection: dict[str, list[float]] = {}  # T=1: label -> us per projection (base: absolute)
     for t in token_counts:
         xs = [torch.randn(t, k, device=device, dtype=torch.bfloat16) for _, k, _ in SHAPES]
         slots = torch.randint(0, args.num_slots, (t,)).numpy()
@@ -119,18 +120,23 @@ def main() -> None:
         batch.segments = segments
         lora_exec.LORA_VARIANT = "split"
         expected = run_layer()
-        for label, variant, block_n in VARIANTS:
-            if block_n not in (None, default_block_n) and t > SMALL_T:
+        for label, variant, tiles in VARIANTS:
+            if tiles not in (None, default_tiles) and t > SMALL_T:
                 continue
             lora_exec.LORA_VARIANT = variant
-            lora_kernels.FUSED_BLOCK_N = block_n or default_block_n
+            lora_kernels.FUSED_BLOCK_N, lora_kernels.FUSED_BLOCK_K = tiles or default_tiles
             got = run_layer()
             for g, e in zip(got, expected):
                 torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
             row[label] = time_graph(run_layer) - row["base"]
-        lora_kernels.FUSED_BLOCK_N = default_block_n
+            if t == 1:  # where the time goes: each projection alone
+                per_projection[label] = [time_graph(lambda m=m, x=x: m(x)) for m, x in zip(layer, xs)]
+        lora_kernels.FUSED_BLOCK_N, lora_kernels.FUSED_BLOCK_K = default_tiles
         lora_exec.LORA_VARIANT = "auto"
         row["auto"] = time_graph(run_layer) - row["base"]
+        if t == 1:
+            batch.segments = None
+            per_projection["base"] = [time_graph(lambda m=m, x=x: m(x)) for m, x in zip(layer, xs)]
         results[t] = row
         print(f"T={t:4d}: base {row['base']:7.1f} us/layer; added: "
               + ", ".join(f"{k} {v:+.1f}" for k, v in row.items() if k != "base"), flush=True)
@@ -142,6 +148,14 @@ def main() -> None:
     for t, row in results.items():
         print(f"{t:>5} {row['base']:>8.1f} " + " ".join(f"{row[label]:>11.1f}" if label in row else f"{'-':>11}"
                                                         for label in labels))
+    if per_projection:
+        base = per_projection.pop("base")
+        print("\nT=1, each projection alone (base us; added us per variant)")
+        print(f"{'proj':>8} {'base':>8} " + " ".join(f"{'+' + label:>11}" for label in per_projection))
+        for i, (name, _, _) in enumerate(SHAPES):
+            print(f"{name:>8} {base[i]:>8.1f} " + " ".join(f"{v[i] - base[i]:>11.1f}" for v in per_projection.values()))
+        best = [min(per_projection, key=lambda label: per_projection[label][i]) for i in range(len(SHAPES))]
+        print("fastest per projection: " + ", ".join(f"{name} {b}" for (name, _, _), b in zip(SHAPES, best)))
     if 1 in results:
         row = {k: v for k, v in results[1].items() if k not in ("base", "auto")}
         best = min(row, key=row.get)

@@ -16,7 +16,8 @@ decode graphs, each piece of the piecewise graphs) only read that buffer: no gro
 `LORA_VARIANT` picks how a projection runs its adapters (read when a forward is traced, so set
 it before the engine captures its graphs): "split" (shrink, then expand, after the base GEMM),
 "fused" (one shrink->expand launch), "stream" (the shrink on a side stream, concurrent with the
-base GEMM; the expand after the join) or "auto" (fused up to `FUSED_MAX_TOKENS` rows, else split).
+base GEMM; the expand after the join) or "auto" (fused up to `FUSED_MAX_TOKENS` rows and
+`FUSED_MAX_K` input columns, else split: a long K is a long serial loop in each fused program).
 
 Tensor parallel: column-parallel projections (qkv, gate_up) keep A whole and this rank's rows
 of B (its part of each packed slice); row-parallel ones (o, down) keep this rank's columns of
@@ -46,12 +47,13 @@ logger = logging.getLogger(__name__)
 
 LORA_VARIANT = "auto"  # "auto" | "split" | "fused" | "stream" (module docstring); bench/lora*.py set it
 FUSED_MAX_TOKENS = 16  # "auto": fused up to this many rows (its shrink is recomputed per column block)
+FUSED_MAX_K = 4096  # "auto": and up to this many input columns (down_proj's 14336 keeps the split shrink)
 VARIANTS = ("auto", "split", "fused", "stream")
 
 
-def _variant(num_tokens: int) -> str:
+def _variant(num_tokens: int, k: int) -> str:
     if LORA_VARIANT == "auto":
-        return "fused" if num_tokens <= FUSED_MAX_TOKENS else "split"
+        return "fused" if num_tokens <= FUSED_MAX_TOKENS and k <= FUSED_MAX_K else "split"
     assert LORA_VARIANT in VARIANTS, LORA_VARIANT
     return LORA_VARIANT
 
@@ -98,7 +100,7 @@ class LoRALinear(nn.Module):
         seg = self.batch.segments
         if seg is None:
             return self.base(x)
-        variant = _variant(x.shape[0])
+        variant = _variant(x.shape[0], x.shape[1])
         if variant == "stream" and x.is_cuda:
             # Fork/join (capturable): the shrink reads only x, so it overlaps the base GEMM.
             # NOTE: no record_stream needed: every later side-stream op waits on the main stream
