@@ -4,7 +4,8 @@ In: one query token per sequence `[num_seqs, H, D]`, the paged K/V cache of one 
 tables and sequence lengths. Out: `[num_seqs, H, D]`. Stage 1 runs one program per
 (sequence, KV head, split): it serves all `H // KVH` query heads of that KV head with one pass
 over its slice of the context (a `tl.dot` on a head tile padded to 16 rows), writing a partial
-output and its log-sum-exp. Stage 2 merges the splits. Every launch parameter is derived from
+output and its log-sum-exp. Stage 2 merges the splits; with one split (large batches), stage 1
+writes the output itself and stage 2 is not launched. Every launch parameter is derived from
 tensor shapes, never from tensor values, so the op can be captured in a CUDA graph.
 """
 
@@ -41,9 +42,12 @@ def _paged_decode_stage1_kernel(
     seq_lens_ptr,
     mid_o_ptr,  # [S, H, num_splits, HEAD_DIM] fp32
     mid_lse_ptr,  # [S, H, num_splits] fp32 (log2 domain)
+    out_ptr,  # [S, H, HEAD_DIM]: written here directly when num_splits == 1 (no stage 2)
     qk_scale,  # softmax scale * log2(e)
     stride_q_seq,
     stride_q_head,
+    stride_o_seq,
+    stride_o_head,
     stride_c_block,
     stride_c_tok,
     stride_c_head,
@@ -65,14 +69,17 @@ def _paged_decode_stage1_kernel(
     split_len = _split_len(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if start >= end:  # empty split: stage 2 skips it by the same arithmetic
-        return
-
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
+    mask_hd = mask_h[:, None] & mask_d[None, :]
     heads = kv_head * GROUP + offs_h  # [BLOCK_H] query heads served by this KV head
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :]
+    if start >= end:  # empty split: stage 2 skips it by the same arithmetic
+        if num_splits == 1:  # seq_len 0 (graph padding): zeros, as stage 2 would give
+            tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=mask_hd)
+        return
 
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
@@ -100,9 +107,12 @@ def _paged_decode_stage1_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits + split  # [BLOCK_H]
-    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
+    if num_splits == 1:  # the whole context in one program: this is the answer (stage 2 is not launched)
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
+    else:
+        row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits + split  # [BLOCK_H]
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_hd)
+        tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -160,8 +170,11 @@ def paged_decode_attention_impl(
     scale: float,
     block_n: int | None = None,
     num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
-    """`paged_decode_attention` with the tile and split count exposed (tests pin them)."""
+    """`paged_decode_attention` with the tile, split count and launch shape exposed (tests and
+    bench/decode_attention_sweep.py pin them)."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, page_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape
@@ -194,9 +207,12 @@ def paged_decode_attention_impl(
         seq_lens,
         mid_o,
         mid_lse,
+        out,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -209,9 +225,11 @@ def paged_decode_attention_impl(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         DOT_PRECISION=precision,
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if num_splits == 1:
+        return out  # stage 1 wrote it (a graph captured with one split replays the same way)
     _paged_decode_stage2_kernel[(num_seqs, num_heads)](
         mid_o,
         mid_lse,

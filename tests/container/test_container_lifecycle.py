@@ -64,6 +64,15 @@ def test_properties_file_in_working_dir_wins(limited):
     assert "option.predict_timeout" in log and "serving.properties" in log
 
 
+def test_startup_objects_are_frozen_out_of_the_collector_before_ready(limited):
+    # Full collections walking the start-up heap stalled every stream (run 15): the worker
+    # freezes it once the engine is ready and before /ping answers 200.
+    import re
+
+    found = re.search(r"start-up objects frozen out of the garbage collector's walks: (\d+)", limited.log())
+    assert found and int(found.group(1)) > 10_000, limited.log()[-2000:]
+
+
 def test_tgi_compat_plain_and_stream(limited):
     r = requests.post(limited.url + "/invocations", json={"inputs": "Hi", "parameters": {"max_new_tokens": 3}},
                       timeout=60)

@@ -32,13 +32,19 @@ def test_decode_matches_reference(device, group, head_dim, dtype, seq_lens, bloc
     torch.testing.assert_close(out, ref, **tol(dtype))
 
 
-def test_decode_public_launcher_strided_query_and_padding_row(device):
-    # A query viewed out of a fused qkv buffer; a last row with seq_len 0 (graph padding) -> zeros.
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_decode_public_launcher_strided_query_and_padding_row(device, num_splits):
+    # A query viewed out of a fused qkv buffer; a last row with seq_len 0 (graph padding) -> zeros,
+    # also with one split, where stage 1 writes the output and stage 2 does not run.
     num_kv_heads, group, head_dim = 1, 4, 64
     k, v, tables, lens = make_paged_cache([19, 1, 0], num_kv_heads, head_dim, 16, torch.float32, device)
     qkv = torch.randn(3, (group + 2) * num_kv_heads * head_dim, device=device)
     q = qkv[:, : group * head_dim].view(3, group, head_dim)
-    out = paged_decode_attention(q, k, v, tables, lens, 0.125)
+    if num_splits is None:
+        out = paged_decode_attention(q, k, v, tables, lens, 0.125)
+    else:
+        torch.full((3 * group * head_dim,), float("nan"), device=device)  # leave garbage in the allocator
+        out = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, num_splits=num_splits)
     ref = reference.paged_decode_attention(q[:2], k, v, tables[:2], lens[:2], 0.125)
     torch.testing.assert_close(out[:2], ref, **tol(torch.float32))
     assert torch.all(out[2] == 0)
