@@ -86,7 +86,7 @@ def build_engine(args: argparse.Namespace):  # noqa: ANN201
         return hidden[:n], None
 
     runner._run_model = trivial_forward
-    runner.model.compute_logits = lambda h: torch.zeros(h.shape[0], args.vocab)
+    runner.model.compute_logits = lambda h, out=None: torch.zeros(h.shape[0], args.vocab)
     # The fused sampling kernel is one launch on a GPU; its CPU reference loops over rows.
     kernels.gumbel_sample = lambda logits, inv_t, seeds: logits.argmax(dim=-1)
     timers = Timers()

@@ -25,7 +25,7 @@ from serving.executor.attention_metadata import AttentionMetadata, forward_conte
 logger = logging.getLogger(__name__)
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, positions) -> hidden
-LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # hidden [n, H] -> float32 logits [n, vocab]
+LogitsFn = Callable[..., torch.Tensor]  # (hidden [n, H], out=float32 [n, vocab]) -> the logits, in `out`
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -108,7 +108,7 @@ class DecodeGraphRunner:
         """What a graph holds: the forward of `bs` rows (+ their logits into the static buffer)."""
         hidden = self.forward(self.input_ids[:bs], self.positions[:bs])
         if self.logits is not None:
-            self.logits[:bs].copy_(self.compute_logits(hidden))  # type: ignore[misc]
+            self.compute_logits(hidden, out=self.logits[:bs])  # type: ignore[misc]
         return hidden
 
     def can_run(self, num_seqs: int, block_table_width: int) -> bool:

@@ -101,3 +101,20 @@ def test_packed_qkv_from_separate_tensors(tiny_models):  # noqa: F811
         want = torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.{part}"] for p in "qkv"])
         assert torch.equal(getattr(attn.qkv_proj, part), want)
     assert runner.model.lm_head is None  # tied: logits use embed_tokens
+
+
+def test_lm_head_logits_into_a_float32_buffer_equal_the_upcast_copy():
+    # The decode graphs have the LM head write its bf16 matmul straight into their static float32
+    # buffer (one pass); it must hold exactly what the upcast copy held.
+    from serving.executor.models.layers import VocabParallelEmbedding
+
+    head = VocabParallelEmbedding(50, 16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(50, 16))
+    head = head.to(torch.bfloat16)
+    hidden = torch.randn(5, 16, dtype=torch.bfloat16)
+    buf = torch.full((8, 50), float("nan"))
+    got = head.compute_logits(hidden, out=buf[:5])
+    want = head.compute_logits(hidden)
+    assert got.dtype == want.dtype == torch.float32 and got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:5], want) and torch.isnan(buf[5:]).all()

