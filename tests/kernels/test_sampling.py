@@ -66,6 +66,22 @@ def test_vocab_spanning_several_blocks(device):
     assert out.tolist() == [vocab - 3, vocab - 3]
 
 
+def test_split_rows_draw_what_one_walk_draws_and_ties_keep_the_first_column(device):
+    # A row walked by 1, 2 or 3 programs (parts) draws the same token: the noise is keyed by the
+    # column, and the parts' winners merge in column order, so a tie across parts keeps the first.
+    torch.manual_seed(3)
+    vocab = 9000  # 3 chunks of 4096
+    logits = torch.randn(4, vocab) * 3
+    logits[3] = 0.0
+    logits[3, [100, 5000, 8999]] = 7.0  # a greedy three-way tie across all three parts
+    logits = logits.to(device)
+    inv_t = torch.tensor([1.0, 0.5, 2.0, 0.0], device=device)
+    seeds = torch.tensor([1, 2, 3, 4], dtype=torch.int64, device=device)
+    draws = [gumbel_sample(logits, inv_t, seeds, num_parts=p).tolist() for p in (1, 2, 3, 8)]
+    assert all(d == draws[0] for d in draws), draws
+    assert draws[0][3] == 100
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
