@@ -7,11 +7,11 @@ Builds the shape with `load_format="dummy"`, writes `--num-adapters` random PEFT
 - LoRA on (`max_loras` = all adapters resident): the same workload with every request on a
   random adapter, and batch-1 decode on one adapter.
 Bars (issue 14): workload >= 0.75x the base tokens/s; batch-1 <= 1.15x the base ms/token.
-`--variant split,fused,stream` runs the LoRA case once per `serving.executor.lora.LORA_VARIANT`
+`--variant split,stream` runs the LoRA case once per `serving.executor.lora.LORA_VARIANT`
 (one engine each; `--batch1-only` skips the workload) to compare them end to end in one call.
 
   python bench/lora.py --shape llama-3-8b --num-adapters 16 --rank 16 --out /tmp/lora.json
-  python bench/lora.py --variant auto,split,fused,stream --batch1-only
+  python bench/lora.py --variant split,stream --batch1-only
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--variant", default="auto",
-                    help="comma-separated LORA_VARIANT values, one LoRA engine each: auto, split, fused, stream")
+    ap.add_argument("--variant", default="stream",
+                    help="comma-separated LORA_VARIANT values, one LoRA engine each: stream (the default), split")
     ap.add_argument("--batch1-only", action="store_true", help="skip the reference workload")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -119,11 +119,11 @@ def main() -> None:
     rows: dict[str, dict] = {}
     variants = args.variant.split(",")
     assert all(v in lora_exec.VARIANTS for v in variants), (variants, lora_exec.VARIANTS)
-    cases = ["base"] + ["lora" if v == "auto" and len(variants) == 1 else f"lora:{v}" for v in variants]
+    cases = ["base"] + ["lora" if variants == ["stream"] else f"lora:{v}" for v in variants]
     for case in cases:
         t0 = time.perf_counter()
         is_lora = case != "base"
-        lora_exec.LORA_VARIANT = case.partition(":")[2] or "auto"  # read when the graphs are captured
+        lora_exec.LORA_VARIANT = case.partition(":")[2] or variants[0]  # read when the graphs are captured
         lora_opts = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=args.rank,
                          max_cpu_loras=len(adapters)) if is_lora else {}
         llm = LLM(str(model_dir), **options, **lora_opts)

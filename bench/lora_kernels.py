@@ -3,11 +3,11 @@
 One Llama-3-8B layer's four adapted projections (qkv 4096 -> 4096|1024|1024, o 4096 -> 4096,
 gate_up 4096 -> 14336|14336, down 14336 -> 4096; bf16, random weights), 16 slots of rank 16,
 every row on a random slot, run through `serving.executor.lora.LoRALinear` exactly as the
-engine does. Per T and per `LORA_VARIANT` (split / fused / stream, plus fused with other
-column tiles): capture the layer's four projections in one CUDA graph, replay it 200 times
-(20 timed runs of 10), median; the table shows the base GEMMs alone and the microseconds each
-variant adds per layer (the batch-1 budget is ~22 us: 0.70 ms over 32 layers). Each variant's
-output is checked against the split variant's before it is timed.
+engine does. Per T and per `LORA_VARIANT` (split / stream): capture the layer's four
+projections in one CUDA graph, replay it 200 times (20 timed runs of 10), median; the table
+shows the base GEMMs alone and the microseconds each variant adds per layer (the batch-1 budget
+is ~22 us: 0.70 ms over 32 layers). Each variant's output is checked against the split
+variant's before it is timed.
 
   python bench/lora_kernels.py            # ~1 minute on an H200 (mostly Triton compiles)
 """
@@ -27,16 +27,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import lora as lora_kernels  # noqa: E402
 from serving.executor import lora as lora_exec  # noqa: E402
 
 # (name, K, packed output slices): Llama-3-8B, one GPU
 SHAPES = (("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096, (14336, 14336)),
           ("down", 14336, (4096,)))
-# (label, LORA_VARIANT, fused (BLOCK_N, BLOCK_K) or None); other fused tiles only for small T
-VARIANTS = (("split", "split", None), ("fused", "fused", (128, 256)), ("fused/n64", "fused", (64, 256)),
-            ("fused/n256", "fused", (256, 256)), ("fused/k512", "fused", (128, 512)), ("stream", "stream", None))
-SMALL_T = 16
+VARIANTS = ("split", "stream")  # LORA_VARIANT values
 
 
 class _Dense(nn.Module):
@@ -102,7 +98,6 @@ def main() -> None:
     torch.manual_seed(0)
     layer, batch = build_layer(args.num_slots, args.rank, device)
     token_counts = [int(t) for t in args.tokens.split(",")]
-    default_tiles = (lora_kernels.FUSED_BLOCK_N, lora_kernels.FUSED_BLOCK_K)
     results: dict[int, dict[str, float]] = {}
     per_projection: dict[str, list[float]] = {}  # T=1: label -> us per projection (base: absolute)
     for t in token_counts:
@@ -120,20 +115,14 @@ def main() -> None:
         batch.segments = segments
         lora_exec.LORA_VARIANT = "split"
         expected = run_layer()
-        for label, variant, tiles in VARIANTS:
-            if tiles not in (None, default_tiles) and t > SMALL_T:
-                continue
-            lora_exec.LORA_VARIANT = variant
-            lora_kernels.FUSED_BLOCK_N, lora_kernels.FUSED_BLOCK_K = tiles or default_tiles
+        for label in VARIANTS:
+            lora_exec.LORA_VARIANT = label
             got = run_layer()
             for g, e in zip(got, expected):
                 torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
             row[label] = time_graph(run_layer) - row["base"]
             if t == 1:  # where the time goes: each projection alone
                 per_projection[label] = [time_graph(lambda m=m, x=x: m(x)) for m, x in zip(layer, xs)]
-        lora_kernels.FUSED_BLOCK_N, lora_kernels.FUSED_BLOCK_K = default_tiles
-        lora_exec.LORA_VARIANT = "auto"
-        row["auto"] = time_graph(run_layer) - row["base"]
         if t == 1:
             batch.segments = None
             per_projection["base"] = [time_graph(lambda m=m, x=x: m(x)) for m, x in zip(layer, xs)]
@@ -141,7 +130,7 @@ def main() -> None:
         print(f"T={t:4d}: base {row['base']:7.1f} us/layer; added: "
               + ", ".join(f"{k} {v:+.1f}" for k, v in row.items() if k != "base"), flush=True)
 
-    labels = [label for label, _, _ in VARIANTS] + ["auto"]
+    labels = list(VARIANTS)
     print(f"\n{torch.cuda.get_device_name()}: microseconds per Llama-3-8B layer (4 projections), "
           f"{args.num_slots} slots of rank {args.rank}, CUDA graph, median of 200 replays")
     print(f"{'T':>5} {'base':>8} " + " ".join(f"{'+' + label:>11}" for label in labels))
@@ -157,10 +146,10 @@ def main() -> None:
         best = [min(per_projection, key=lambda label: per_projection[label][i]) for i in range(len(SHAPES))]
         print("fastest per projection: " + ", ".join(f"{name} {b}" for (name, _, _), b in zip(SHAPES, best)))
     if 1 in results:
-        row = {k: v for k, v in results[1].items() if k not in ("base", "auto")}
+        row = {k: v for k, v in results[1].items() if k != "base"}
         best = min(row, key=row.get)
         print(f"\nT=1 fastest: {best} (+{row[best]:.1f} us/layer = +{row[best] * 32 / 1e3:.2f} ms/token over 32 "
-              f"layers; budget +22 us/layer = +0.70 ms/token); auto: +{results[1]['auto']:.1f} us/layer")
+              f"layers; budget +22 us/layer = +0.70 ms/token)")
 
 
 if __name__ == "__main__":

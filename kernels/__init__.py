@@ -113,8 +113,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # Multi-LoRA: rows grouped by adapter slot once per step (on the host: `lora_segments_host`, numpy;
-# `lora_segments` is the same in torch), then a shrink and an expand per adapted projection, or
-# both in one launch (kernels/lora.py).
+# `lora_segments` is the same in torch), then a shrink and an expand per adapted projection
+# (kernels/lora.py).
 lora_segments = reference.lora_segments
 lora_segments_host = reference.lora_segments_host
 lora_num_blocks = reference.lora_num_blocks
@@ -148,23 +148,6 @@ def lora_expand(
     """Per row of slot s and slice p: y[t, cols(p)] += (Σ partials)[t, p-th r columns] · B[s, cols(p)]ᵀ."""
     impl = _mod("lora").lora_expand if use_triton(y) else reference.lora_expand
     impl(y, partials, b_stacked, slice_sizes, sorted_rows, seg_starts, seg_counts, block_slot, block_m0)
-
-
-def lora_shrink_expand(
-    y: torch.Tensor,  # [T, N], in place
-    x: torch.Tensor,  # [T, K]
-    a_stacked: torch.Tensor,  # [num_slots, slices * r, K]
-    b_stacked: torch.Tensor,  # [num_slots, N, r]
-    slice_sizes: tuple[int, ...],
-    sorted_rows: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_counts: torch.Tensor,
-    block_slot: torch.Tensor,
-    block_m0: torch.Tensor,
-) -> None:
-    """lora_shrink and lora_expand in one launch (decode-size batches): y += x·A[slot]ᵀ·B[slot]ᵀ."""
-    impl = _mod("lora").lora_shrink_expand if use_triton(y) else reference.lora_shrink_expand
-    impl(y, x, a_stacked, b_stacked, slice_sizes, sorted_rows, seg_starts, seg_counts, block_slot, block_m0)
 
 
 def gumbel_sample(
@@ -238,7 +221,6 @@ __all__ = [
     "lora_segments",
     "lora_segments_host",
     "lora_shrink",
-    "lora_shrink_expand",
     "paged_decode_attention",
     "prefill_attention",
     "quant_linear",

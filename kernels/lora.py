@@ -14,10 +14,12 @@ float32 partial sums `[num_splits, T, R]`; expand adds those partials while load
 no atomics, no zeroing and the result is deterministic. Packed outputs (q|k|v, gate|up) are up
 to three slices: slice p reads partial columns [p*r, (p+1)*r) and writes its own output columns.
 
-`lora_shrink_expand` is both in one launch, for decode-size batches where launch latency, not
-bandwidth, is the cost: each program recomputes its rows' rank-r shrink over all of K (A is
-r x K, small and L2-resident after the first program) and expands it into its BLOCK_N columns.
-The redundant shrink work is ~r / BLOCK_N of the base GEMM's, so large batches keep the pair.
+The engine runs the shrink on a side stream, concurrent with the base GEMM, and the expand
+after the join (`serving.executor.lora`, LORA_VARIANT "stream"). A fused shrink->expand kernel
+(one launch, the rank-r shrink recomputed per output column block) was tried and removed: on an
+H200 it added 70-371 us per Llama-3-8B layer at T=1..256 against stream's 17-83 and split's
+36-87 (bench/RESULTS.md run 15; likely its serial loop over all of K in every program costs
+more than the launch it saves).
 """
 
 from __future__ import annotations
@@ -31,9 +33,6 @@ from kernels.reference import LORA_BLOCK_M
 _SHRINK_BLOCK_K = 128
 _SHRINK_K_PER_SPLIT = 512  # K elements per shrink program (4 iterations of BLOCK_K)
 _EXPAND_BLOCK_N = 128
-# Fused shrink->expand tiles (module-level so bench/lora_kernels.py can sweep them).
-FUSED_BLOCK_N = 128
-FUSED_BLOCK_K = 256
 
 
 @triton.jit
@@ -145,31 +144,6 @@ def _lora_expand_kernel(
                  stride_yt, stride_yn, stride_bs, stride_bn, stride_br, BLOCK_N, IEEE)
 
 
-@triton.jit
-def _lora_fused_kernel(
-    y_ptr, x_ptr, a_ptr, b_ptr, rows_ptr, starts_ptr, counts_ptr, block_slot_ptr, block_m0_ptr,
-    n0, n1, n2, K, R, num_n_blocks,
-    stride_yt, stride_yn, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_bs, stride_bn, stride_br,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    part, n_start, size, col0 = _slice_block(tl.program_id(1), n0, n1, n2, num_n_blocks, BLOCK_N)
-    if n_start >= size:
-        return
-    s, rows, m_mask = _block_rows(rows_ptr, starts_ptr, counts_ptr, block_slot_ptr, block_m0_ptr,
-                                  tl.program_id(0), BLOCK_M)
-    if s < 0:
-        return
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    # Shrink this slice's r rows of A over all of K, then expand into this block's columns.
-    a_rows = a_ptr + s.to(tl.int64) * stride_as + (part * R + offs_r)[:, None] * stride_ar
-    h = _shrink_rows(x_ptr, a_rows, rows, m_mask, r_mask, 0, K, stride_xt, stride_xk, stride_ak,
-                     BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
-    _expand_into(y_ptr, b_ptr, h, s, rows, m_mask, offs_r, r_mask, n_start, size, col0,
-                 stride_yt, stride_yn, stride_bs, stride_bn, stride_br, BLOCK_N, IEEE)
-
-
 def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -233,36 +207,3 @@ def lora_expand(
         BLOCK_P=triton.next_power_of_2(partials.shape[0]), IEEE=b_stacked.dtype == torch.float32,
     )
 
-
-def lora_shrink_expand(
-    y: torch.Tensor,  # [T, N], updated in place
-    x: torch.Tensor,  # [T, K]
-    a_stacked: torch.Tensor,  # [num_slots, slices * r, K]
-    b_stacked: torch.Tensor,  # [num_slots, N, r]
-    slice_sizes: tuple[int, ...],
-    sorted_rows: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_counts: torch.Tensor,
-    block_slot: torch.Tensor,
-    block_m0: torch.Tensor,
-) -> None:
-    """lora_shrink then lora_expand in one launch (no partials buffer): y += x·A[slot]ᵀ·B[slot]ᵀ."""
-    assert x.dim() == 2 and a_stacked.dim() == 3 and a_stacked.shape[2] == x.shape[1], (x.shape, a_stacked.shape)
-    assert a_stacked.dtype == x.dtype == b_stacked.dtype, (a_stacked.dtype, x.dtype, b_stacked.dtype)
-    assert y.dim() == 2 and y.stride(1) == 1 and y.shape[0] == x.shape[0], (y.shape, y.stride(), x.shape)
-    assert 1 <= len(slice_sizes) <= 3 and sum(slice_sizes) == y.shape[1] == b_stacked.shape[1]
-    r = b_stacked.shape[2]
-    assert a_stacked.shape[1] == len(slice_sizes) * r, (a_stacked.shape, r)
-    if y.shape[0] == 0:
-        return
-    sizes = tuple(slice_sizes) + (0,) * (3 - len(slice_sizes))
-    num_n_blocks = triton.cdiv(max(slice_sizes), FUSED_BLOCK_N)
-    _lora_fused_kernel[(block_slot.shape[0], len(slice_sizes) * num_n_blocks)](
-        y, x, a_stacked, b_stacked, sorted_rows, seg_starts, seg_counts, block_slot, block_m0,
-        sizes[0], sizes[1], sizes[2], x.shape[1], r, num_n_blocks,
-        y.stride(0), y.stride(1), x.stride(0), x.stride(1),
-        a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2),
-        b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
-        BLOCK_M=LORA_BLOCK_M, BLOCK_N=FUSED_BLOCK_N, BLOCK_R=_block(r), BLOCK_K=FUSED_BLOCK_K,
-        IEEE=x.dtype == torch.float32,
-    )

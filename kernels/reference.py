@@ -299,19 +299,3 @@ def lora_expand(
                            for p, b in enumerate(b_stacked[s].split(list(slice_sizes)))], dim=1)
         y.index_add_(0, rows, delta.to(y.dtype))
 
-
-def lora_shrink_expand(
-    y: torch.Tensor,  # [T, N], updated in place
-    x: torch.Tensor,  # [T, K]
-    a_stacked: torch.Tensor,  # [num_slots, slices * r, K]
-    b_stacked: torch.Tensor,  # [num_slots, N, r]
-    slice_sizes: tuple[int, ...],
-    sorted_rows: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_counts: torch.Tensor,
-    block_slot: torch.Tensor,
-    block_m0: torch.Tensor,
-) -> None:
-    """lora_shrink then lora_expand in one call (the fused kernel's contract): y += x·A[slot]ᵀ·B[slot]ᵀ."""
-    seg = (sorted_rows, seg_starts, seg_counts, block_slot, block_m0)
-    lora_expand(y, lora_shrink(x, a_stacked, *seg), b_stacked, slice_sizes, *seg)

@@ -10,14 +10,18 @@ copies them into their slot (stream-ordered: a step still running on the old con
 disturbed). Per step the runner stages the rows grouped by slot: the host knows each row's slot,
 so `stage` groups them with numpy (`kernels.lora_segments_host`) and copies the result into one
 persistent device buffer (one pinned, asynchronous copy); every wrapped projection adds its
-rows' x·Aᵀ·Bᵀ (`kernels.lora_shrink` / `lora_expand`, or both in one launch). CUDA graphs (the
-decode graphs, each piece of the piecewise graphs) only read that buffer: no grouping kernels.
+rows' x·Aᵀ·Bᵀ (`kernels.lora_shrink`, then `lora_expand`). CUDA graphs (the decode graphs,
+each piece of the piecewise graphs) only read that buffer: no grouping kernels.
 
 `LORA_VARIANT` picks how a projection runs its adapters (read when a forward is traced, so set
-it before the engine captures its graphs): "split" (shrink, then expand, after the base GEMM),
-"fused" (one shrink->expand launch), "stream" (the shrink on a side stream, concurrent with the
-base GEMM; the expand after the join) or "auto" (fused up to `FUSED_MAX_TOKENS` rows and
-`FUSED_MAX_K` input columns, else split: a long K is a long serial loop in each fused program).
+it before the engine captures its graphs): "stream" (the default: the shrink on a side stream,
+concurrent with the base GEMM, reading only x; the expand after the join) or "split" (shrink,
+then expand, both after the base GEMM; also what "stream" falls back to off CUDA). Stream is the
+fastest at every batch size measured (bench/RESULTS.md run 15, H200, one Llama-3-8B layer, 16
+slots of rank 16, CUDA graph, us added per layer: T=1 +17.2 vs split's +36.4, T=256 +83.1
+vs +87.4; batch-1 8B decode 1.067x the base model's ms/token, bar 1.15). A fused shrink->expand
+kernel and an "auto" choice between it and split were removed: the fused launch was slower
+everywhere (+70 us per layer at T=1, +371 at T=256).
 
 Tensor parallel: column-parallel projections (qkv, gate_up) keep A whole and this rank's rows
 of B (its part of each packed slice); row-parallel ones (o, down) keep this rank's columns of
@@ -45,17 +49,8 @@ from serving.model_config import ModelArgs
 
 logger = logging.getLogger(__name__)
 
-LORA_VARIANT = "auto"  # "auto" | "split" | "fused" | "stream" (module docstring); bench/lora*.py set it
-FUSED_MAX_TOKENS = 16  # "auto": fused up to this many rows (its shrink is recomputed per column block)
-FUSED_MAX_K = 4096  # "auto": and up to this many input columns (down_proj's 14336 keeps the split shrink)
-VARIANTS = ("auto", "split", "fused", "stream")
-
-
-def _variant(num_tokens: int, k: int) -> str:
-    if LORA_VARIANT == "auto":
-        return "fused" if num_tokens <= FUSED_MAX_TOKENS and k <= FUSED_MAX_K else "split"
-    assert LORA_VARIANT in VARIANTS, LORA_VARIANT
-    return LORA_VARIANT
+LORA_VARIANT = "stream"  # "stream" | "split" (module docstring); bench/lora*.py and tests set it
+VARIANTS = ("stream", "split")
 
 AdapterKey = tuple[str, int, str]  # (lora_name, lora_int_id, lora_path): what a plan loads into a slot
 
@@ -100,8 +95,8 @@ class LoRALinear(nn.Module):
         seg = self.batch.segments
         if seg is None:
             return self.base(x)
-        variant = _variant(x.shape[0], x.shape[1])
-        if variant == "stream" and x.is_cuda:
+        assert LORA_VARIANT in VARIANTS, LORA_VARIANT
+        if LORA_VARIANT == "stream" and x.is_cuda:
             # Fork/join (capturable): the shrink reads only x, so it overlaps the base GEMM.
             # NOTE: no record_stream needed: every later side-stream op waits on the main stream
             # first (the next fork), so neither x nor the partials are reused under the shrink.
@@ -114,9 +109,6 @@ class LoRALinear(nn.Module):
             main.wait_stream(side)
         else:
             y = self.base(x)
-            if variant == "fused" and not self.reduce_shrink:
-                kernels.lora_shrink_expand(y, x, self.lora_a, self.lora_b, self.slice_sizes, *seg)
-                return y
             partials = kernels.lora_shrink(x, self.lora_a, *seg)  # [P, T, slices * r] float32
         if self.reduce_shrink:  # this rank saw only its input columns: sum the partial products
             partials = parallel.all_reduce(partials.sum(0, keepdim=True))
