@@ -2,7 +2,8 @@
 
 Greedy text through HTTP, plain and streamed, equals the offline engine's at TP=1. Killing one
 rank's process turns /ping non-200 within 5 s, every rank process of that worker is gone
-(none left orphaned in the process table), and gunicorn's fresh worker serves again.
+(none left orphaned in the process table), and gunicorn's fresh worker serves again. Last, SIGTERM
+stops that same server (one TP start-up for the module): no rank process, no shared memory left.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import pytest
 import requests
-from lmi_server import LMIServer, check_jsonlines, running_server, stream_lines
+from lmi_server import check_jsonlines, running_server, stream_lines
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +57,15 @@ def _rank_processes(worker: int) -> list[int]:
     return [p for p in _children(worker) if "spawn_main" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
 
 
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    shm_before = _shm()  # before the start: a segment the server makes and leaves behind shows up
     with running_server(tmp_path_factory, {"TENSOR_PARALLEL_DEGREE": "2", "OPTION_NOT_A_KEY": "1"}, "serve_tp") as srv:
+        srv.shm_before = shm_before
         yield srv
 
 
@@ -113,21 +120,22 @@ def test_killed_rank_turns_ping_non_200_within_5s_and_leaves_no_orphans(server):
     assert r.status_code == 200
 
 
-def test_sigterm_leaves_no_rank_process_and_no_shared_memory(tmp_path):
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    srv = LMIServer({"TENSOR_PARALLEL_DEGREE": "2"}, tmp_path, tmp_path / "serve.log")
-    try:
-        srv.wait(200)
-        (worker,) = _children(srv.proc.pid)
-        pids = _rank_processes(worker) + [worker]
-        assert len(pids) == 3
-    finally:
-        srv.stop()
+def test_sigterm_leaves_no_rank_process_and_no_shared_memory(server):
+    # Last test of the module: the module's server (its worker restarted by the test above when
+    # run in order, its first one otherwise), ready, is stopped with SIGTERM.
+    srv = server
+    srv.wait(200)
+    (worker,) = _children(srv.proc.pid)
+    pids = _rank_processes(worker) + [worker]
+    assert len(pids) == 3
+    stopped_before = srv.log().count("executor: 2 worker processes stopped")
+    srv.stop()
     assert srv.proc.returncode is not None
     deadline = time.monotonic() + 5.0
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)]
-    assert "executor: 2 worker processes stopped" in srv.log()  # the engine shut down, not killed with its parent
-    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    assert not (shm_after - shm_before), shm_after - shm_before
+    # the engine shut down, not killed with its parent
+    assert srv.log().count("executor: 2 worker processes stopped") == stopped_before + 1
+    shm_after = _shm()
+    assert not (shm_after - srv.shm_before), shm_after - srv.shm_before
