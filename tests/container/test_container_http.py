@@ -18,12 +18,16 @@ import requests
 from lmi_server import LMIServer, check_jsonlines, stream_lines
 
 pytestmark = pytest.mark.slow
+# The module server's context (lmi_server's default is 512): the requests without max_tokens below (the
+# seeds' chat payload, the long story) decode until the context is full, one token per step on one
+# thread, so half the context halves the module's longest tests; every check reads this constant.
+MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("serve")
-    srv = LMIServer({}, cwd, cwd / "serve.log")
+    srv = LMIServer({"OPTION_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}, cwd, cwd / "serve.log")
     try:
         srv.wait(200)
         yield srv
@@ -212,7 +216,7 @@ def test_64_concurrent_streams_complete(server):
 def test_client_disconnect_frees_kv_blocks(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/invocations", body=json.dumps({"inputs": "Write a long essay about the sea.",
-                                                          "stream": True, "parameters": {"max_new_tokens": 400,
+                                                          "stream": True, "parameters": {"max_new_tokens": 200,
                                                                                          "ignore_eos_token": True}}),
                  headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -316,7 +320,7 @@ def test_openai_client_gets_openai_error_objects(server):
     assert str(err.code) == "400" and "temperature must be in [0.0, 2.0], got 5" in str(err)  # the client: a str
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="m", prompt="word " * 600, max_tokens=4)
-    assert exc.value.type == "invalid_request_error" and "exceeds max_model_len=512" in str(exc.value)
+    assert exc.value.type == "invalid_request_error" and f"exceeds max_model_len={MAX_MODEL_LEN}" in str(exc.value)
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("nope")
     assert exc.value.type == "invalid_request_error" and "no route" in str(exc.value)
@@ -332,8 +336,8 @@ def test_openai_client_chat_without_max_tokens_goes_past_30_tokens(server):
                   {"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}])
     usage, choice = out.usage, out.choices[0]
     assert usage.completion_tokens > 30, (usage, choice)
-    # it ends on its own, or at the context limit (max_model_len 512), never at LMI's 30
-    assert choice.finish_reason == "stop" or usage.total_tokens == 512, (usage, choice.finish_reason)
+    # it ends on its own, or at the context limit (max_model_len), never at LMI's 30
+    assert choice.finish_reason == "stop" or usage.total_tokens == MAX_MODEL_LEN, (usage, choice.finish_reason)
     r = post(server, "/invocations", {"messages": [{"role": "user", "content": "Write a long story."}]})
     assert r.json()["usage"]["completion_tokens"] <= 30  # LMI's default on /invocations
 
