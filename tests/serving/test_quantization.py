@@ -369,3 +369,16 @@ def test_tp2_logits_equal_tp1(quant_models, tmp_path):
             assert got["tokens"] == want_tokens, names[i]
             for g, w in zip(got["logits"], want_logits):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_packed_words_are_contiguous_and_round_trip(bits, dim):
+    # Repacking at load (AWQ, GPTQ act-order) must give row-major words: the GPU kernels read
+    # them by row and refuse anything else (found on the H200: a column-major view).
+    from serving.executor.quant.packing import pack_int32, unpack_int32
+
+    values = torch.randint(0, 2**bits, (64, 48), dtype=torch.int32)
+    words = pack_int32(values, bits, dim)
+    assert words.is_contiguous() and words.shape[dim] == values.shape[dim] * bits // 32
+    assert torch.equal(unpack_int32(words, bits, dim), values)

@@ -31,7 +31,8 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, bits, device=values.device, dtype=torch.int64)
     words = (moved << shifts).sum(-1)  # < 2**32
     words = torch.where(words >= 2**31, words - 2**32, words)  # the int32 with those bits
-    return words.to(torch.int32).movedim(-1, dim)
+    # contiguous: the kernels read the words by row (a moved view along dim 0 is column-major)
+    return words.to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def awq_to_natural_columns(values: torch.Tensor) -> torch.Tensor:
