@@ -5,8 +5,10 @@ else in the suite needs it. So when the session is going to run test_image.py (i
 and not deselected), `container/build-ci-image.sh` starts right after collection, at the lowest
 CPU and I/O priority (the tests keep the cores), and test_image.py's items are moved to the end
 of the run; its `image` fixture then only waits for that same build (`image_build` below) and
-checks it exactly as it checked the build it used to start itself. Nothing else changes: same
-script, same image, same checks. The build is stopped if the session ends without using it.
+checks it exactly as it checked the build it used to start itself; the module's working container
+(`buildah from`: a full copy of the image with vfs) is made in the background too, right after the
+build. Nothing else changes: same script, same image, same container, same checks. The build is
+stopped, and an unused container removed, when the session ends.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,28 +30,66 @@ IMAGE_TESTS = Path(__file__).resolve().parent / "test_image.py"
 
 
 class BackgroundBuild:
-    """`container/build-ci-image.sh`, started now (nice 19, idle I/O class), waited for by `result`."""
+    """`container/build-ci-image.sh`, started now (nice 19, idle I/O class), then `buildah from` its
+    image; `result` waits for the build, `take_container` for the container."""
+
+    CONTAINER_PREFIX = "open-lmi-test-"
 
     def __init__(self) -> None:
         self._out = tempfile.TemporaryFile()
         self._err = tempfile.TemporaryFile()
-        prefix = ["nice", "-n", "19"] + (["ionice", "-c", "3"] if shutil.which("ionice") else [])
+        self._low = ["nice", "-n", "19"] + (["ionice", "-c", "3"] if shutil.which("ionice") else [])
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([*prefix, str(BUILD)], stdout=self._out, stderr=self._err,
+        self.proc = subprocess.Popen([*self._low, str(BUILD)], stdout=self._out, stderr=self._err,
                                      start_new_session=True)
+        self.completed: subprocess.CompletedProcess | None = None
+        self._built = threading.Event()
+        self._container: tuple[str, str] | None = None  # (image, container) made and not yet taken
+        self._thread = threading.Thread(target=self._run, name="image-build", daemon=True)
+        self._thread.start()
+
+    def _buildah(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*self._low, "buildah", "--storage-driver", "vfs", *args], capture_output=True,
+                              text=True, timeout=600)
+
+    def _run(self) -> None:
+        try:
+            self.proc.wait()
+            out = []
+            for f in (self._out, self._err):
+                f.seek(0)
+                out.append(f.read().decode(errors="replace"))
+            self.completed = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out[0], out[1])
+        finally:
+            self._built.set()
+        if self.completed.returncode != 0 or not self.completed.stdout.strip():
+            return
+        image = self.completed.stdout.strip().splitlines()[-1]
+        name = f"{self.CONTAINER_PREFIX}{os.getpid()}"
+        try:  # any failure here: the fixture makes the container itself, and says why if it cannot
+            stale = self._buildah("containers", "--noheading", "--format", "{{.ContainerName}}").stdout.split()
+            for old in [c for c in stale if c.startswith(self.CONTAINER_PREFIX)]:  # a killed run's (a full copy each)
+                self._buildah("rm", old)
+            if self._buildah("from", "--pull=never", "--name", name, image).returncode == 0:
+                self._container = (image, name)
+        except (OSError, subprocess.SubprocessError):
+            pass
 
     def result(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait for the build (at most `timeout` s more); the script's exit status and output."""
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        if not self._built.wait(timeout):
             self.stop()
-            raise
-        out = []
-        for f in (self._out, self._err):
-            f.seek(0)
-            out.append(f.read().decode(errors="replace"))
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out[0], out[1])
+            raise subprocess.TimeoutExpired(self.proc.args, timeout)
+        return self.completed
+
+    def take_container(self, image: str) -> str | None:
+        """The working container made from `image` in the background (the caller removes it), else None."""
+        self._thread.join(900)
+        made, self._container = self._container, None
+        if made and made[0] != image:
+            self._buildah("rm", made[1])
+            return None
+        return made[1] if made else None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -58,6 +99,10 @@ class BackgroundBuild:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self._thread.join(600)
+        if self._container:  # made, never used
+            self._buildah("rm", self._container[1])
+            self._container = None
 
 
 _build: BackgroundBuild | None = None
@@ -88,9 +133,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def image_build() -> BackgroundBuild:
-    """The session's build of the CI image (started after collection, else now)."""
+def image_build() -> BackgroundBuild | None:
+    """The session's build of the CI image (started after collection, else now); None when
+    $OPEN_LMI_TEST_IMAGE names an image built already."""
     global _build
-    if _build is None:
+    if _build is None and not os.environ.get("OPEN_LMI_TEST_IMAGE"):
         _build = BackgroundBuild()
     return _build

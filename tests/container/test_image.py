@@ -81,12 +81,15 @@ def image(report, image_build) -> dict:
 
 
 @pytest.fixture(scope="module")
-def container(image):
-    name = f"open-lmi-test-{os.getpid()}"
-    stale = _buildah("containers", "--noheading", "--format", "{{.ContainerName}}", check=False).stdout.split()
-    for old in [c for c in stale if c.startswith("open-lmi-test-")]:  # a killed run's (vfs: a full copy each)
-        _buildah("rm", old, check=False)
-    _buildah("from", "--pull=never", "--name", name, image["name"])
+def container(image, image_build):
+    # Made in the background right after the build (tests/container/conftest.py), else here.
+    name = image_build.take_container(image["name"]) if image_build else None
+    if name is None:
+        name = f"open-lmi-test-{os.getpid()}"
+        stale = _buildah("containers", "--noheading", "--format", "{{.ContainerName}}", check=False).stdout.split()
+        for old in [c for c in stale if c.startswith("open-lmi-test-")]:  # a killed run's (vfs: a full copy each)
+            _buildah("rm", old, check=False)
+        _buildah("from", "--pull=never", "--name", name, image["name"])
     try:
         yield name
     finally:
