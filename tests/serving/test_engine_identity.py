@@ -9,7 +9,7 @@ engines of this module; each test builds its own cheap LLMEngine on it.
 from __future__ import annotations
 
 import pytest
-from hf_oracle import hf_greedy
+from hf_oracle import HFGreedyInBackground
 from identity_prompts import LONG_A, LONG_B, PROMPTS
 
 from serving.engine.llm_engine import LLMEngine
@@ -62,8 +62,12 @@ def tokenizer(smol_dir: str):  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
-def expected(smol_dir: str, tokenizer) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
-    return {p: hf_greedy(smol_dir, tuple(tokenizer.encode(p)), MAX_NEW) for p in PROMPTS}
+def expected(smol_dir: str, tokenizer):  # noqa: ANN001, ANN201
+    """prompt -> transformers' greedy tokens, computed in another process (one thread, as here)
+    while the engine runs its prompts on this one; a test's check waits for the prompt it needs."""
+    oracle = HFGreedyInBackground(smol_dir, {p: tuple(tokenizer.encode(p)) for p in PROMPTS}, MAX_NEW)
+    yield oracle
+    oracle.close()
 
 
 @pytest.fixture
