@@ -100,7 +100,7 @@ else
         "$ROOT" >&2
     log "built $IMAGE in $(($(date +%s) - start)) s"
     # Older CI images of this repository: vfs keeps whole copies, so keep one.
-    for old in $(buildah "${VFS[@]}" images --format '{{.Name}}:{{.Tag}}' "$REPO" 2>/dev/null | grep ':ci-' | grep -v ":ci-$HASH\$"); do
+    for old in $(buildah "${VFS[@]}" images --format '{{.Name}}:{{.Tag}}' 2>/dev/null | grep "^$REPO:ci-" | grep -v ":ci-$HASH\$"); do
         buildah "${VFS[@]}" rmi "$old" >/dev/null 2>&1 || true
     done
 fi
