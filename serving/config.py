@@ -21,7 +21,7 @@ from types import MappingProxyType
 from serving.config_keys import (
     IGNORED_KEYS,
     KEYS,
-    LONG_PREFILL_TOKEN_THRESHOLD,
+    PREFILL_TOKENS_WHILE_DECODING,
     ROLLING_BATCH_MEANING,
     TGI_ALIASES,
     ConfigError,
@@ -356,9 +356,9 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
         raise ConfigError(f"{_src(sources, 'engine.max_cpu_loras')}: option.max_cpu_loras={lora_cpu} is less than "
                           f"option.max_loras={lora_max} ({_src(sources, 'engine.max_loras')}): adapters on the "
                           "device are also kept in host memory, so use at least max_loras (or leave it unset)")
-    if engine_kwargs["long_prefill_token_threshold"] is None:  # the server's default (see config_keys)
-        engine_kwargs["long_prefill_token_threshold"] = (
-            LONG_PREFILL_TOKEN_THRESHOLD if engine_kwargs["enable_chunked_prefill"] else 0)
+    if engine_kwargs["max_prefill_tokens_while_decoding"] is None:  # the server's default (see config_keys)
+        engine_kwargs["max_prefill_tokens_while_decoding"] = (
+            PREFILL_TOKENS_WHILE_DECODING if engine_kwargs["enable_chunked_prefill"] else 0)
     model_id = values["model_id"]
     engine_kwargs["model"] = model_id
     engine_kwargs["revision"] = values["revision"]

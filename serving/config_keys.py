@@ -89,10 +89,10 @@ def _optional_int(lo: int) -> Callable[[str], int | None]:
     return parse
 
 
-# The server's default (offline, as in vLLM, it is off): a prompt longer than this is computed over
-# several steps, each short enough that the streams already decoding keep a steady pace
-# (bench/RESULTS.md run 15: inter-token p99 at 16 req/s on the 8B shape).
-LONG_PREFILL_TOKEN_THRESHOLD = 512
+# The server's default for max_prefill_tokens_while_decoding (offline it is off): while streams are
+# decoding, a step takes at most this many prompt tokens, so no step they wait on runs long
+# (bench/RESULTS.md run 15: inter-token p99 of an 8B server at 8 and 16 req/s).
+PREFILL_TOKENS_WHILE_DECODING = 256
 CHAT_TEMPLATE_MAX_BYTES = 256 * 1024  # the largest hub chat templates are ~20 KB
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # not in a text file
 
@@ -203,8 +203,10 @@ KEYS: tuple[Key, ...] = (
     Key("option.async_scheduling", "engine.async_scheduling", _optional_bool, "auto|true|false", None),
     Key("option.enable_prefix_caching", "engine.enable_prefix_caching", _bool, "true|false", True),
     Key("option.enable_chunked_prefill", "engine.enable_chunked_prefill", _bool, "true|false", True),
-    Key("option.long_prefill_token_threshold", "engine.long_prefill_token_threshold", _optional_int(0),
-        f"a non-negative integer (0: off; unset: {LONG_PREFILL_TOKEN_THRESHOLD} with chunked prefill)", None),
+    Key("option.long_prefill_token_threshold", "engine.long_prefill_token_threshold", _int(0),
+        "a non-negative integer (0: off)", 0),
+    Key("option.max_prefill_tokens_while_decoding", "engine.max_prefill_tokens_while_decoding", _optional_int(0),
+        f"a non-negative integer (0: off; unset: {PREFILL_TOKENS_WHILE_DECODING} with chunked prefill)", None),
     Key("option.block_size", "engine.block_size", _int(1, 1024), "a positive integer <= 1024", 16),
     Key("option.kv_cache_memory_gb", "engine.kv_cache_memory_gb", _float(0.0, 1e6, lo_open=True),
         "a positive number of GB (CPU KV cache budget)", 2.0),

@@ -52,6 +52,9 @@ class EngineConfig:
     # long prompt arriving while others decode is spread over several short steps instead of
     # one long one that stalls every running stream (inter-token latency tail).
     long_prefill_token_threshold: int = 0
+    # Ours: most prompt tokens in a step that also decodes (0: off). Bounds every step that streams
+    # are waiting on, whatever arrives at once (the server's default is on, see config_keys).
+    max_prefill_tokens_while_decoding: int = 0
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float = 2.0  # CPU KV budget
     enforce_eager: bool = False
@@ -84,11 +87,12 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        v = self.long_prefill_token_threshold
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"long_prefill_token_threshold must be a non-negative integer (0: off), got {v!r}")
-        if v and not self.enable_chunked_prefill:
-            raise ValueError("long_prefill_token_threshold needs chunked prefill (enable_chunked_prefill=True)")
+        for name in ("long_prefill_token_threshold", "max_prefill_tokens_while_decoding"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer (0: off), got {v!r}")
+            if v and not self.enable_chunked_prefill:
+                raise ValueError(f"{name} needs chunked prefill (enable_chunked_prefill=True)")
         if self.max_cpu_loras is not None:
             v = self.max_cpu_loras
             if not isinstance(v, int) or isinstance(v, bool) or v < self.max_loras:

@@ -98,6 +98,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_loras=config.max_loras if config.enable_lora else None,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
         )
         # LoRA adapters: registered by name (any thread), assigned to device slots per step.
         self.lora = LoRARegistry(info.model_dir, config.max_loras, config.max_lora_rank) if config.enable_lora else None
@@ -132,9 +133,12 @@ class LLMEngine:
         self.num_generated_tokens = 0
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%d tokens), max_model_len=%d, max_num_seqs=%d, "
-            "max_num_batched_tokens=%d, async_scheduling=%s, devices=%s",
+            "max_num_batched_tokens=%d, max_prefill_tokens_while_decoding=%d, long_prefill_token_threshold=%d, "
+            "async_scheduling=%s, devices=%s",
             num_blocks, cache.block_size, num_blocks * cache.block_size, cache.max_model_len,
-            config.max_num_seqs, self.max_num_batched_tokens, self.async_scheduling, ",".join(info.devices),
+            config.max_num_seqs, self.max_num_batched_tokens, config.max_prefill_tokens_while_decoding,
+            config.long_prefill_token_threshold,
+            self.async_scheduling, ",".join(info.devices),
         )
         if info.device_type == "cuda":
             # Compile, load and size everything serving will touch before anyone calls this ready.

@@ -36,6 +36,10 @@ class Scheduler:
         enable_chunked_prefill: when False a prompt is only admitted whole.
         long_prefill_token_threshold: most tokens one sequence computes in a step when it has more
             to compute (vLLM's; 0: only the budget limits it).
+        max_prefill_tokens_while_decoding: most prompt tokens (of all sequences together) in a step
+            that also decodes (0: only the budget limits them). Every such step stays short, so the
+            streams already running keep their pace while prompts arrive; a step with no decode
+            (an idle server's first prompts) still fills the whole budget.
         max_loras: most distinct LoRA adapters in one step (the device slots; None: LoRA off).
             A sequence whose adapter would be one too many waits (running ones keep their blocks).
     """
@@ -50,6 +54,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_loras: int | None = None,
         long_prefill_token_threshold: int = 0,
+        max_prefill_tokens_while_decoding: int = 0,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             # Otherwise the decodes at the back of the running list could starve forever.
@@ -62,9 +67,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
-        assert long_prefill_token_threshold >= 0 and (enable_chunked_prefill or not long_prefill_token_threshold)
+        for cap in (long_prefill_token_threshold, max_prefill_tokens_while_decoding):
+            assert cap >= 0 and (enable_chunked_prefill or not cap), cap
         # (as the budget when off: min() below then never binds)
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
+        self.prefill_cap_while_decoding = max_prefill_tokens_while_decoding
         self.max_loras = max_loras
         self.waiting: list[Sequence] = []  # FCFS; preempted sequences go back to the front
         self.running: list[Sequence] = []  # sorted by seq_id (= arrival order)
@@ -167,6 +174,10 @@ class Scheduler:
         # Running sequences in arrival order; victims are taken from the back, so a sequence
         # already scheduled this step is never preempted.
         block_size = bm.block_size
+        # Prompt tokens (chunks of more than one token) this step may still take.
+        prefill_left = budget
+        if self.prefill_cap_while_decoding and any(len(s.token_ids) - s.num_computed_tokens == 1 for s in self.running):
+            prefill_left = self.prefill_cap_while_decoding
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -181,6 +192,12 @@ class Scheduler:
             computed = seq.num_computed_tokens
             num_new = min(num_tokens - computed, budget, self.chunk_cap)
             assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
+            if num_new > 1:  # a prompt (or recompute) chunk
+                num_new = min(num_new, prefill_left)
+                if num_new == 0:
+                    i += 1  # this step's prompt tokens are spent: it goes on next step
+                    continue
+                prefill_left -= num_new
             end = computed + num_new
             if end <= len(seq.block_table) * block_size:
                 # The common decode: its slots exist already (no new block, nothing to preempt).
@@ -220,6 +237,10 @@ class Scheduler:
             donor = leader if leader is not None and not leader.is_finished else None
             num_cached = bm.num_cached_tokens(seq, donor)
             num_new = min(seq.num_tokens - num_cached, budget, self.chunk_cap)
+            if num_new > 1:
+                num_new = min(num_new, prefill_left)
+                if num_new == 0:
+                    break  # this step's prompt tokens are spent
             if not self.enable_chunked_prefill and num_new < seq.num_tokens - num_cached:
                 break
             if not bm.can_allocate(seq, num_new, donor):
@@ -236,6 +257,8 @@ class Scheduler:
                 num_prompt += num_new
             scheduled.append(self._advance(seq, num_new))
             budget -= num_new
+            if num_new > 1:
+                prefill_left -= num_new
 
         # Decodes (one query token) first, as AttentionMetadata expects; stable otherwise.
         decodes = [s for s in scheduled if s.num_tokens == 1]

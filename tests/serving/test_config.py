@@ -68,17 +68,23 @@ def test_async_scheduling_is_auto_unless_set():
     assert load_config({"OPTION_ASYNC_SCHEDULING": "auto"}, []).engine.async_scheduling is None
 
 
-def test_long_prefill_token_threshold_server_default_follows_chunked_prefill():
-    from serving.config_keys import LONG_PREFILL_TOKEN_THRESHOLD
+def test_prefill_tokens_while_decoding_server_default_follows_chunked_prefill():
+    from serving.config_keys import PREFILL_TOKENS_WHILE_DECODING
     from serving.engine_config import EngineConfig
 
-    assert EngineConfig().long_prefill_token_threshold == 0  # offline: off, as in vLLM
-    assert load_config({}, []).engine.long_prefill_token_threshold == LONG_PREFILL_TOKEN_THRESHOLD > 0
+    assert EngineConfig().max_prefill_tokens_while_decoding == 0  # offline: off
+    assert EngineConfig().long_prefill_token_threshold == 0  # vLLM's option, off as in vLLM
+    cfg = load_config({}, [])
+    assert cfg.engine.max_prefill_tokens_while_decoding == PREFILL_TOKENS_WHILE_DECODING > 0
+    assert cfg.engine.long_prefill_token_threshold == 0
     off = load_config({"OPTION_ENABLE_CHUNKED_PREFILL": "false"}, [])
-    assert off.engine.long_prefill_token_threshold == 0 and not off.engine.enable_chunked_prefill
-    assert load_config({"OPTION_LONG_PREFILL_TOKEN_THRESHOLD": "0"}, []).engine.long_prefill_token_threshold == 0
-    with pytest.raises(ConfigError, match="needs chunked prefill"):
-        load_config({"OPTION_LONG_PREFILL_TOKEN_THRESHOLD": "64", "OPTION_ENABLE_CHUNKED_PREFILL": "false"}, [])
+    assert off.engine.max_prefill_tokens_while_decoding == 0 and not off.engine.enable_chunked_prefill
+    env = {"OPTION_MAX_PREFILL_TOKENS_WHILE_DECODING": "0", "OPTION_LONG_PREFILL_TOKEN_THRESHOLD": "512"}
+    cfg = load_config(env, [])
+    assert (cfg.engine.max_prefill_tokens_while_decoding, cfg.engine.long_prefill_token_threshold) == (0, 512)
+    for name in ("OPTION_MAX_PREFILL_TOKENS_WHILE_DECODING", "OPTION_LONG_PREFILL_TOKEN_THRESHOLD"):
+        with pytest.raises(ConfigError, match="needs chunked prefill"):
+            load_config({name: "64", "OPTION_ENABLE_CHUNKED_PREFILL": "false"}, [])
 
 
 def test_chat_template_from_file(tmp_path):

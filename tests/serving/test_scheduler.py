@@ -235,6 +235,28 @@ def test_long_prefill_token_threshold_spreads_a_long_prompt_over_short_steps() -
     assert long_.output_token_ids == [1001, 1001] and a.num_output_tokens == 6
 
 
+def test_prompt_tokens_are_capped_only_in_steps_that_decode() -> None:
+    # With nothing decoding, prompts fill the budget; once a stream decodes, all prompt chunks of a
+    # step together take at most 5 tokens (two arrivals share them, first come first).
+    sched, runner = make_scheduler(budget=32, max_num_seqs=4, num_blocks=32, max_prefill_tokens_while_decoding=5)
+    a = make_sequence(0, list(range(12)), max_tokens=8)
+    sched.add_sequences([a])
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 12, True)]  # no decode yet: the whole prompt at once
+    b = make_sequence(1, list(range(20, 27)), max_tokens=2)  # 7 prompt tokens
+    c = make_sequence(2, list(range(40, 46)), max_tokens=2)  # 6
+    sched.add_sequences([b])
+    sched.add_sequences([c])
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 1, True), (1, 5, False)]
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 1, True), (1, 2, True), (2, 3, False)]
+    step(sched, runner)
+    assert runner.steps[-1] == [(0, 1, True), (1, 1, True), (2, 3, True)]
+    run_to_end(sched, runner)
+    assert b.output_token_ids == [1001, 1001] and c.num_output_tokens == 2 and a.num_output_tokens == 8
+
+
 def test_chunked_prefill_disabled_admits_whole_prompts_only() -> None:
     sched, runner = make_scheduler(budget=8, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="chunked prefill is disabled"):
