@@ -91,8 +91,9 @@ def _optional_int(lo: int) -> Callable[[str], int | None]:
 
 # The server's default for max_prefill_tokens_while_decoding (offline it is off): while streams are
 # decoding, a step takes at most this many prompt tokens, so prompts arriving together cannot make
-# one long step that every stream waits on (a full 2,048-token step is ~35 ms on an 8B H200, a
-# 512-token one ~12 ms). 256 lengthened TTFT p99 with no measurable inter-token gain (run 15).
+# one long step that every stream waits on (at an H200's ~790 TFLOP/s, 2,048 prompt tokens of an
+# 8B model are ~40 ms of compute, 512 are ~10 ms). 256 lengthened TTFT p99 with no measurable
+# inter-token gain (bench/RESULTS.md run 15).
 PREFILL_TOKENS_WHILE_DECODING = 512
 CHAT_TEMPLATE_MAX_BYTES = 256 * 1024  # the largest hub chat templates are ~20 KB
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # not in a text file
