@@ -1,7 +1,8 @@
 """The CI image build (tests/container/test_image.py) runs in the background, overlapping the suite.
 
-Building the real Dockerfile with buildah is minutes of mostly I/O (packages, vfs copies); nothing
-else in the suite needs it. So when the session is going to run test_image.py (it was collected
+Building the real Dockerfile with buildah takes minutes (package installs, the default model's
+conversion, vfs copies of whole file trees), much of it waiting on network and disk; nothing else
+in the suite needs it. So when the session is going to run test_image.py (it was collected
 and not deselected), `container/build-ci-image.sh` starts right after collection, at the lowest
 CPU and I/O priority (the tests keep the cores), and test_image.py's items are moved to the end
 of the run; its `image` fixture then only waits for that same build (`image_build` below) and
