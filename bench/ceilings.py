@@ -44,3 +44,17 @@ def matmul_tflops(n: int = 8192) -> float:
 def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of `fn` on the current CUDA stream."""
     return _time_ms(fn, iters, warmup)
+
+
+def graphed(fn, reps: int = 1):
+    """Capture `reps` calls of fn in one CUDA graph and return its replay (launch gaps out of the timing)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return g.replay

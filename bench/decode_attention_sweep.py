@@ -30,23 +30,30 @@ from kernels.paged_decode_attention import _default_num_splits, paged_decode_att
 BLOCK = 16
 
 
-def make_case(num_seqs: int, head_dim: int, cache_tokens: int, seed: int = 0):
-    """Random bf16 K/V over `cache_tokens` slots, and `num_seqs` contexts scattered over them."""
+def make_case(num_seqs: int, head_dim: int, cache_tokens: int, seed: int = 0, page: int = BLOCK,
+              head_major: bool = False):
+    """Random bf16 K/V over `cache_tokens` slots, and `num_seqs` contexts scattered over its pages.
+
+    The cache is `[blocks, page, 8, head_dim]` (the engine's, token-major), or with `head_major` a view
+    of that shape over `[blocks, 8, page, head_dim]` storage (each KV head's page contiguous)."""
     rng = random.Random(seed)
     lens = [rng.randint(100, 2000) for _ in range(num_seqs)]
-    num_blocks = cache_tokens // BLOCK
-    need = sum(-(-n // BLOCK) for n in lens)
+    num_blocks = cache_tokens // page
+    need = sum(-(-n // page) for n in lens)
     assert need <= num_blocks, (need, num_blocks)
     perm = torch.randperm(num_blocks)[:need].tolist()
-    width = max(-(-n // BLOCK) for n in lens)
+    width = max(-(-n // page) for n in lens)
     tables = torch.zeros(num_seqs, width, dtype=torch.int32)
     i = 0
     for s, n in enumerate(lens):
-        nb = -(-n // BLOCK)
+        nb = -(-n // page)
         tables[s, :nb] = torch.tensor(perm[i : i + nb])
         i += nb
-    k = torch.randn(num_blocks, BLOCK, 8, head_dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    if head_major:
+        k = torch.randn(num_blocks, 8, page, head_dim, device="cuda", dtype=torch.bfloat16).permute(0, 2, 1, 3)
+    else:
+        k = torch.randn(num_blocks, page, 8, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)  # same strides as k
     q = torch.randn(num_seqs, 32, head_dim, device="cuda", dtype=torch.bfloat16)
     kv_bytes = 2 * sum(lens) * 8 * head_dim * 2
     return q, k, v, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), kv_bytes

@@ -16,23 +16,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "kernels"))
 
 import kernels  # noqa: E402
-from bench.ceilings import copy_bandwidth_gbs, matmul_tflops, time_ms  # noqa: E402
+from bench.ceilings import copy_bandwidth_gbs, graphed, matmul_tflops, time_ms  # noqa: E402
 from kernel_helpers import make_paged_cache  # noqa: E402
 
 BF16 = torch.bfloat16
-
-
-def graphed(fn):
-    """Capture fn in a CUDA graph and return its replay (launch gaps out of the timing)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import http.client
 import json
 import math
 import random
+import re
 import statistics
 import sys
 import threading
@@ -130,8 +131,44 @@ def _stats(xs: list[float]) -> tuple[float, float, float]:
     return statistics.fmean(s), s[len(s) // 2], s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
 
 
+_INTERVAL_RE = re.compile(r'^lmi_engine_token_interval_seconds_bucket\{le="([^"]+)",step="([^"]+)"\} (\S+)$')
+
+
+def engine_intervals(url: str) -> dict[str, list[tuple[float, float]]]:
+    """The server's engine cadence histogram (`lmi_engine_token_interval_seconds`): per step kind,
+    cumulative (upper bound s, count) pairs; empty when the server does not export it."""
+    try:
+        u = urlparse(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except OSError:
+        return {}
+    out: dict[str, list[tuple[float, float]]] = {}
+    for line in text.splitlines():
+        m = _INTERVAL_RE.match(line)
+        if m:
+            out.setdefault(m.group(2), []).append((float(m.group(1)), float(m.group(3))))
+    return out
+
+
+def interval_summary(before: dict, after: dict) -> dict:
+    """Per step kind over the run: count and the p50 / p99 as bucket upper bounds in ms."""
+    out = {}
+    for kind, rows in after.items():
+        prev = dict(before.get(kind, []))
+        cum = [(le, n - prev.get(le, 0.0)) for le, n in rows]
+        total = cum[-1][1] if cum else 0.0
+        entry: dict = {"count": int(total)}
+        for name, q in (("p50_ms", 0.5), ("p99_ms", 0.99)):
+            entry[name] = next((le * 1e3 for le, n in cum if total and n >= q * total), None)
+        out[kind] = entry
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     reqs = make_requests(args.dataset, args.num_prompts, args.seed, args.output_len)
+    before = engine_intervals(args.url) if not args.sagemaker_endpoint else {}
     rng = random.Random(args.seed)
     results: list[Result] = [Result() for _ in reqs]
     threads = []
@@ -166,6 +203,8 @@ def run(args: argparse.Namespace) -> dict:
     for name, xs in (("ttft_ms", [r.ttft for r in ok]), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", [r.e2e for r in ok])):
         mean, p50, p99 = _stats(xs)
         summary[name] = {"mean": mean * 1e3, "p50": p50 * 1e3, "p99": p99 * 1e3}
+    if before:  # the engine's own step-to-step cadence, to tell engine steps from delivery in the ITL tail
+        summary["engine_intervals"] = interval_summary(before, engine_intervals(args.url))
     # Per request, to see which ones make the tails: (sent s, prompt words, TTFT ms, max ITL ms).
     summary["requests"] = [
         [round(r.sent, 3), len(q.prompt.split()), round(r.ttft * 1e3, 1), round(max(r.itl, default=0.0) * 1e3, 1)]
@@ -183,6 +222,8 @@ def print_table(s: dict) -> None:
         print(f"{name:8} {m['mean']:>9.1f} {m['p50']:>9.1f} {m['p99']:>9.1f}")
     if s["errors"]:
         print("errors:", s["errors"])
+    for kind, e in s.get("engine_intervals", {}).items():
+        print(f"engine intervals, {kind} steps: {e['count']}, p50 <= {e['p50_ms']} ms, p99 <= {e['p99_ms']} ms")
     worst = sorted(s.get("requests", []), key=lambda r: -r[2])[:5]
     if worst:
         print("slowest TTFT [sent s, prompt words, TTFT ms, max ITL ms]:", worst)

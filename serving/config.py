@@ -22,6 +22,7 @@ from serving.config_keys import (
     IGNORED_KEYS,
     KEYS,
     PREFILL_TOKENS_WHILE_DECODING,
+    SERVER_EXECUTOR_BACKEND,
     ROLLING_BATCH_MEANING,
     TGI_ALIASES,
     ConfigError,
@@ -359,6 +360,8 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
     if engine_kwargs["max_prefill_tokens_while_decoding"] is None:  # the server's default (see config_keys)
         engine_kwargs["max_prefill_tokens_while_decoding"] = (
             PREFILL_TOKENS_WHILE_DECODING if engine_kwargs["enable_chunked_prefill"] else 0)
+    if engine_kwargs["distributed_executor_backend"] is None:  # the server's default (see config_keys)
+        engine_kwargs["distributed_executor_backend"] = SERVER_EXECUTOR_BACKEND if gpus or tp > 1 else "uni"
     model_id = values["model_id"]
     engine_kwargs["model"] = model_id
     engine_kwargs["revision"] = values["revision"]

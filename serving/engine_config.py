@@ -70,6 +70,10 @@ class EngineConfig:
     # Plan step N+1 while step N runs on the device (None: on for CUDA, off on CPU, where
     # nothing runs concurrently and results would only arrive a step later).
     async_scheduling: bool | None = None
+    # vLLM's name: "mp" runs the model in worker processes (one per rank), "uni" in this process
+    # (one rank only); None: "mp" when tensor_parallel_size > 1, else "uni". A server's model work
+    # in its own process does not share the GIL with the HTTP threads that stream tokens.
+    distributed_executor_backend: Literal["uni", "mp"] | None = None
     # Multi-LoRA (LMI / vLLM names and defaults): adapters resident on the device at once
     # (slots), the largest rank accepted, and adapters kept in host memory (None: max_loras).
     enable_lora: bool = False
@@ -103,6 +107,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not float(self.kv_cache_memory_gb) > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend='uni' runs one rank: tensor_parallel_size > 1 needs 'mp'")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -214,6 +214,7 @@ class EngineLoop:
         if self.engine is not None:
             try:
                 out.update(self.engine.stats())
+                out["token_intervals"] = self.engine.token_intervals.snapshot()
             except Exception:  # noqa: BLE001 - a racing read must never fail a scrape
                 pass
         return out

@@ -33,6 +33,7 @@ from serving.engine.scheduler import Scheduler
 from serving.engine.plan_builder import build_plan
 from serving.engine.scheduler_output import SchedulerOutput
 from serving.engine.sequence import FinishReason, Sequence, SequenceStatus
+from serving.engine.token_intervals import TokenIntervals
 from serving.engine.warmup import warm_up
 from serving.engine_config import EngineConfig
 from serving.executor.executor import Executor, WorkerFailedError
@@ -131,6 +132,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        self.token_intervals = TokenIntervals()  # step-to-step output cadence (/metrics)
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%d tokens), max_model_len=%d, max_num_seqs=%d, "
             "max_num_batched_tokens=%d, max_prefill_tokens_while_decoding=%d, long_prefill_token_threshold=%d, "
@@ -143,6 +145,7 @@ class LLMEngine:
         if info.device_type == "cuda":
             # Compile, load and size everything serving will touch before anyone calls this ready.
             warm_up(self)
+            self.token_intervals = TokenIntervals()  # users' cadence only, not the warm-up's
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -435,6 +438,9 @@ class LLMEngine:
                     done.append(req.request_id)
         for request_id in done:  # after the loop: samples of one request may finish together
             self._drop(request_id)
+        self.token_intervals.output(time.monotonic(), sched_out.num_prompt_tokens > 0)
+        if not requests:
+            self.token_intervals.idle()
         return deltas
 
     def _drop(self, request_id: str) -> None:

@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 
 from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
+from serving.engine.token_intervals import merge_snapshots
 from serving.lora_request import LoRARequest
 from serving.sampling_params import SamplingParams
 
@@ -95,6 +96,9 @@ class ReplicaSet:
                     out[key] = out.get(key, 0) + value
         if "kv_cache_usage" in out:
             out["kv_cache_usage"] /= len(per_copy)
+        intervals = [stats["token_intervals"] for stats in per_copy if "token_intervals" in stats]
+        if intervals:
+            out["token_intervals"] = merge_snapshots(intervals)
         out["routed_per_copy"] = list(self.num_routed)
         out["prefix_affinity_hits"] = self.num_affinity_hits
         return out

@@ -16,13 +16,16 @@ def make_executor(config: EngineConfig, model_dir: str | None, devices: tuple[st
     """The executor for `config.tensor_parallel_size` ranks on `devices` (default: the first ones).
 
     `multiprocess`: force worker processes even for one rank (replicas do, to keep each
-    replica's device work off the HTTP process's GIL); default only when there are several ranks.
+    replica's device work off the HTTP process's GIL); default: `config.distributed_executor_backend`
+    says "mp", or there are several ranks.
     """
     tp = config.tensor_parallel_size
     if devices is None:
         devices = default_devices(config, tp)
     if len(devices) != tp:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, got {list(devices)}")
+    if multiprocess is None:
+        multiprocess = config.distributed_executor_backend == "mp"
     if tp == 1 and not multiprocess:
         return InProcessExecutor(config, model_dir, devices[0])
     return MultiprocExecutor(config, model_dir, devices)

@@ -11,6 +11,7 @@ rank); a failure on another rank ends its process (the watchdog then fails the e
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -61,6 +62,11 @@ def worker_main(config, model_dir, rank, world_size, device, init_method, conn, 
     except BaseException:  # noqa: BLE001 - reported to the executor, which names the rank
         conn.send(("init_error", traceback.format_exc(limit=8)))
         os._exit(1)
+    # What loading built (imports, model, graphs) lives as long as this process: keep it out of
+    # the cyclic collector's full walks, which hold the GIL for tens of ms mid-serving (as the
+    # server process does before /ping turns 200, serving/server/wsgi.py).
+    gc.collect()
+    gc.freeze()
     try:
         _serve(runner, conn, rank)
     except (EOFError, OSError):

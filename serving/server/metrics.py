@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+from serving.engine.token_intervals import BOUNDS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -39,6 +41,20 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value or 0))
             yield g
+        intervals = stats.get("token_intervals")
+        if intervals:
+            h = HistogramMetricFamily(
+                "lmi_engine_token_interval_seconds",
+                "seconds between consecutive engine steps' outputs while busy (the engine's part of the "
+                "inter-token latency), by whether the step also computed prompt tokens",
+                labels=["step"])
+            for kind, snap in intervals.items():
+                cumulative, buckets = 0, []
+                for bound, count in zip((*BOUNDS, float("inf")), snap.counts):
+                    cumulative += count
+                    buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+                h.add_metric([kind], buckets, sum_value=snap.total_s)
+            yield h
 
 
 class Metrics:

@@ -111,7 +111,7 @@ def _engine_factory(config: ServingConfig, devices: tuple[str, ...], copy: int):
         t0 = time.monotonic()
         path = _resolved_model()
         engine = LLMEngine(dataclasses.replace(engine_config, model=str(path) if path else None),
-                           devices=devices, multiprocess=config.model_copies > 1)
+                           devices=devices, multiprocess=True if config.model_copies > 1 else None)
         logger.info("model %s ready in %.1f s (copy %d of %d on %s)",
                     path or "(embedded default SmolLM2-135M-Instruct)", time.monotonic() - t0,
                     copy, config.model_copies, ",".join(devices))

@@ -61,6 +61,20 @@ def test_option_mapping_and_vllm_aliases():
     assert cfg.revision == "v2" and e.revision == "v2" and cfg.hf_token == "secret" and "secret" not in repr(cfg)
 
 
+def test_executor_backend_is_worker_processes_on_gpus_unless_set():
+    """The server runs the model in its own process on GPUs (off the HTTP threads' GIL); on the
+    CPU one rank stays in-process; TP always uses processes; an explicit value wins."""
+    backend = lambda env, gpus: load_config(env, [], gpu_count=lambda: gpus).engine.distributed_executor_backend  # noqa: E731
+    assert backend({}, 1) == "mp" and backend({}, 0) == "uni"
+    assert backend({"TENSOR_PARALLEL_DEGREE": "2"}, 0) == "mp"
+    assert backend({"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "uni"}, 1) == "uni"
+    assert backend({"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "MP"}, 0) == "mp"
+    with pytest.raises(ConfigError, match="DISTRIBUTED_EXECUTOR_BACKEND=.ray. is invalid: accepts mp|uni"):
+        backend({"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "ray"}, 1)
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 needs 'mp'"):
+        backend({"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "uni", "TENSOR_PARALLEL_DEGREE": "2"}, 2)
+
+
 def test_async_scheduling_is_auto_unless_set():
     assert load_config({}, []).engine.async_scheduling is None
     assert load_config({"OPTION_ASYNC_SCHEDULING": "true"}, []).engine.async_scheduling is True
