@@ -81,6 +81,10 @@ class ServingConfig:
     download_dir: str = "/tmp/open-lmi/download"
     compat_200_errors: bool = False
     fail_fast: bool = False
+    # The engine (scheduler, model, detokenizer) in a process of its own, off the HTTP threads' GIL
+    # (serving/engine/engine_process.py). Off by default: on an 8B server at 8 and 16 req/s it measured
+    # the same as the default (model work in a worker process, option.distributed_executor_backend=mp).
+    engine_process: bool = False
     threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
     graceful_timeout: float = 25.0
     lora_extra_vocab_size: int = 256  # LMI / vLLM: accepted, logged; adapters adding tokens are refused
@@ -360,8 +364,14 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
     if engine_kwargs["max_prefill_tokens_while_decoding"] is None:  # the server's default (see config_keys)
         engine_kwargs["max_prefill_tokens_while_decoding"] = (
             PREFILL_TOKENS_WHILE_DECODING if engine_kwargs["enable_chunked_prefill"] else 0)
+    if values["engine_process"] and copies > 1:
+        raise ConfigError(f"{_src(sources, 'engine_process')}: option.engine_process=true serves one model copy, but "
+                          f"{gpus} GPUs / tensor_parallel_degree={tp} make {copies} copies (each copy already runs "
+                          "its model in worker processes): set option.engine_process=false")
     if engine_kwargs["distributed_executor_backend"] is None:  # the server's default (see config_keys)
-        engine_kwargs["distributed_executor_backend"] = SERVER_EXECUTOR_BACKEND if gpus or tp > 1 else "uni"
+        in_engine_process = values["engine_process"] and tp == 1
+        engine_kwargs["distributed_executor_backend"] = (
+            SERVER_EXECUTOR_BACKEND if (gpus and not in_engine_process) or tp > 1 else "uni")
     model_id = values["model_id"]
     engine_kwargs["model"] = model_id
     engine_kwargs["revision"] = values["revision"]

@@ -95,10 +95,12 @@ def _optional_int(lo: int) -> Callable[[str], int | None]:
 # 8B model are ~40 ms of compute, 512 are ~10 ms). 256 lengthened TTFT p99 with no measurable
 # inter-token gain (bench/RESULTS.md run 15).
 PREFILL_TOKENS_WHILE_DECODING = 512
-# The server's default for distributed_executor_backend on GPUs (offline `LLM`: "uni" for one rank):
-# the model's host work (step inputs, graph launches) runs in its own process, so it never waits for
-# the GIL that every streaming HTTP thread takes once per token. A fresh 8B server at 16 req/s
-# measured TPOT p50 12.0 -> 8.3 ms and ITL p99 32.5 -> 16.4 ms with it (bench/RESULTS.md run 16).
+# The server's default for distributed_executor_backend on GPUs when the engine shares the HTTP
+# process (option.engine_process=false; offline `LLM`: "uni" for one rank): the model's host work
+# (step inputs, graph launches) runs in its own process, so it never waits for the GIL that every
+# streaming HTTP thread takes once per token. A fresh 8B server at 16 req/s measured TPOT p50
+# 12.0 -> 8.3 ms and ITL p99 32.5 -> 16.4 ms with it (bench/RESULTS.md run 16). With the whole engine
+# in its own process (option.engine_process=true, serving/engine/engine_process.py) one rank stays "uni".
 SERVER_EXECUTOR_BACKEND = "mp"
 CHAT_TEMPLATE_MAX_BYTES = 256 * 1024  # the largest hub chat templates are ~20 KB
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # not in a text file
@@ -256,6 +258,7 @@ KEYS: tuple[Key, ...] = (
     Key("download_dir", "download_dir", _str, "a directory for downloaded models", "/tmp/open-lmi/download"),
     Key("compat_200_errors", "compat_200_errors", _bool, "true|false", False),
     Key("fail_fast", "fail_fast", _bool, "true|false", False),
+    Key("option.engine_process", "engine_process", _bool, "true|false", False),
     Key("threads", "threads", _int(0, 4096), "an integer 0..4096 (0 = automatic)", 0),
     Key("graceful_timeout", "graceful_timeout", _float(0.0, 30.0), "seconds in [0, 30]", 25.0),
 )

@@ -56,5 +56,9 @@ class UnknownAdapterError(ValueError):
     def __init__(self, name: str, known: Iterable[str], hint: str = "") -> None:
         self.name = name
         self.known = sorted(known)
+        self.hint = hint
         listed = ", ".join(repr(k) for k in self.known) if self.known else "none"
         super().__init__(f"unknown adapter {name!r}; known adapters: {listed}" + (f" ({hint})" if hint else ""))
+
+    def __reduce__(self):  # noqa: ANN204 - rebuilt from its fields (it crosses the engine process's pipe)
+        return (UnknownAdapterError, (self.name, self.known, self.hint))

@@ -135,6 +135,8 @@ class EngineLoop:
         max_queue_size: most unfinished requests before `add_request` raises QueueFullError.
     """
 
+    stream_class: type[RequestStream] = RequestStream  # the engine process forwards instead of queueing
+
     def __init__(
         self,
         config: EngineConfig,
@@ -247,7 +249,7 @@ class EngineLoop:
         else:
             lora = lora_name
             payload = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
-        stream = RequestStream(self, request_id, params.n)
+        stream = self.stream_class(self, request_id, params.n)
         with self._lock:
             if self.state is EngineState.DEAD:
                 raise EngineDeadError(f"the engine is dead: {self.error!r}")

@@ -24,7 +24,7 @@ _PR_SET_PDEATHSIG = 1
 _HEARTBEAT_S = 0.2
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Linux: SIGKILL this process when its parent exits, so no rank outlives the server."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -42,7 +42,7 @@ def _beat(heartbeats, rank: int) -> None:  # noqa: ANN001 - a shared ctypes arra
 
 def worker_main(config, model_dir, rank, world_size, device, init_method, conn, heartbeats) -> None:  # noqa: ANN001
     """Entry point of rank `rank`'s process."""
-    _die_with_parent(os.getppid())
+    die_with_parent(os.getppid())
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     threading.Thread(target=_beat, args=(heartbeats, rank), name="heartbeat", daemon=True).start()

@@ -24,6 +24,7 @@ from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
+from serving.engine.engine_process import EngineProcess
 from serving.engine.replicas import ReplicaSet
 from serving.lora_request import LoRARequest
 
@@ -134,10 +135,15 @@ def _resolved_model():  # noqa: ANN202 - Path | None
 
 
 def _engine_client(config: ServingConfig) -> EngineClient:
-    """One EngineLoop, or a ReplicaSet of one loop per model copy (GPUs / tensor-parallel degree)."""
+    """The engine in its own process (`option.engine_process`), one EngineLoop, or a ReplicaSet of
+    one loop per model copy (GPUs / tensor-parallel degree)."""
+    copies = config.copy_devices()
+    if config.engine_process:
+        return EngineProcess(config.engine, resolve=_resolved_model, devices=copies[0],
+                             max_queue_size=config.job_queue_size)
     loops = [EngineLoop(config.engine, engine_factory=_engine_factory(config, devices, c),
                         max_queue_size=config.job_queue_size)
-             for c, devices in enumerate(config.copy_devices())]
+             for c, devices in enumerate(copies)]
     return loops[0] if len(loops) == 1 else ReplicaSet(loops)
 
 

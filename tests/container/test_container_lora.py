@@ -4,7 +4,8 @@ unknown adapter is a 404 with the known names, and an adapter registered through
 API serves at once and, removed while a stream runs on it, lets that stream finish on it.
 
 One server: the default model's files linked into a directory whose `adapters/` holds r8 and r16
-(registered at start, before /ping 200); r16_attn is registered over HTTP.
+(registered at start, before /ping 200); r16_attn is registered over HTTP. The server runs its engine
+in a process of its own (`option.engine_process=true`, serving/engine/engine_process.py).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def setup(tmp_path_factory, lora_adapters):  # noqa: F811
         (model / f.name).symlink_to(f)
     for name in ("r8", "r16"):
         (model / "adapters" / name).symlink_to(adapters[name], target_is_directory=True)
+    # The engine in its own process (the GPU default; off by default on the CPU): every adapter call
+    # below (start-up registration, the management API, the 404's list) crosses its pipe.
     env = {"HF_MODEL_ID": str(model), "OPTION_ENABLE_LORA": "true", "OPTION_SERVED_MODEL_NAME": SERVED,
-           "OPTION_MAX_ROLLING_BATCH_SIZE": "8"}
+           "OPTION_MAX_ROLLING_BATCH_SIZE": "8", "OPTION_ENGINE_PROCESS": "true"}
     srv = LMIServer(env, cwd, cwd / "serve.log")
     try:
         srv.wait(200)

@@ -75,6 +75,16 @@ def test_executor_backend_is_worker_processes_on_gpus_unless_set():
         backend({"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "uni", "TENSOR_PARALLEL_DEGREE": "2"}, 2)
 
 
+def test_engine_process_is_opt_in_for_one_copy_and_keeps_one_rank_in_it():
+    cfg = lambda env, gpus: load_config(env, [], gpu_count=lambda: gpus)  # noqa: E731
+    assert cfg({}, 1).engine_process is False and cfg({}, 0).engine_process is False
+    on = cfg({"OPTION_ENGINE_PROCESS": "true"}, 1)
+    assert on.engine_process is True and on.engine.distributed_executor_backend == "uni"  # no third process
+    assert cfg({"OPTION_ENGINE_PROCESS": "true", "TENSOR_PARALLEL_DEGREE": "2"}, 2).engine.distributed_executor_backend == "mp"
+    with pytest.raises(ConfigError, match="serves one model copy.*2 copies"):
+        cfg({"OPTION_ENGINE_PROCESS": "true", "TENSOR_PARALLEL_DEGREE": "1"}, 2)
+
+
 def test_async_scheduling_is_auto_unless_set():
     assert load_config({}, []).engine.async_scheduling is None
     assert load_config({"OPTION_ASYNC_SCHEDULING": "true"}, []).engine.async_scheduling is True
