@@ -295,7 +295,12 @@ class LLMEngine:
         had_inflight = self._inflight is not None
         # The steps whose requests a failure would involve (`recover` reads their request ids).
         self._involved = [self._inflight[0]] if had_inflight else []
-        if had_inflight and self._inflight_blocks_next:
+        # The launched step's tokens are read first (no overlap) when its samples need their own
+        # history, or when this step is likely to carry a prompt chunk: launching a prompt step
+        # can block for much of its length (bench/RESULTS.md run 16: decode intervals of 20-50 ms
+        # whenever one was launched before the previous step's tokens were read), and every
+        # stream would wait for it on top of the step it is owed.
+        if had_inflight and (self._inflight_blocks_next or self.scheduler.prompt_work_ahead()):
             deltas = self._process(*self._take_inflight())
         sched_out = self.scheduler.schedule()
         self._involved.append(sched_out)

@@ -162,6 +162,14 @@ class Scheduler:
         # blocks are also registered in the prefix cache), even with async scheduling.
         return leader.num_resolved_output_tokens == 0
 
+    def prompt_work_ahead(self) -> bool:
+        """Whether the next `schedule()` is likely to compute prompt tokens: a running sequence is
+        mid-prompt, or the first waiting one could be admitted (a slot and a free block are there).
+        Cheap and conservative; the engine reads it to decide how to order its next step."""
+        if self.waiting and len(self.running) < self.max_num_seqs and self.block_manager.num_free_blocks > 0:
+            return True
+        return any(len(s.token_ids) - s.num_computed_tokens > 1 for s in self.running)
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work: running sequences first (preempting if needed), then FCFS admissions."""
         bm = self.block_manager

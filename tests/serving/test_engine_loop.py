@@ -239,3 +239,45 @@ def test_failures_that_keep_coming_kill_the_engine() -> None:
         assert loop.state is EngineState.DEAD
     finally:
         loop.close()
+
+
+class OrderRunner(FakeRunner):
+    """Logs each launch (and whether it carries a prompt chunk) and each read of a step's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, int, bool]] = []
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        out = super().execute(plan)
+        step, prompt = self.num_steps, any(n > 1 for n in plan.num_tokens)
+        self.log.append(("launch", step, prompt))
+        tokens = out.sampled
+        return StepOutput(resolve=lambda: (self.log.append(("read", step, prompt)), tokens)[1])
+
+
+def test_async_steps_read_the_launched_tokens_before_launching_a_prompt_chunk() -> None:
+    """With async scheduling a decode step is launched before the previous one's tokens are read;
+    a step that carries a prompt chunk is launched only after they are (its launch can block for
+    most of its length, and the streams would wait for it on top of their own step)."""
+    import dataclasses
+
+    runner = OrderRunner()
+    engine = LLMEngine(dataclasses.replace(CONFIG, async_scheduling=True), runner)
+    engine.add_request("a", None, SamplingParams(max_tokens=8), prompt_token_ids=[5, 6, 7])
+    for _ in range(4):
+        engine.step()
+    engine.add_request("b", None, SamplingParams(max_tokens=3), prompt_token_ids=[9, 8, 7, 6, 5])
+    while engine.has_unfinished_requests():
+        engine.step()
+    log = runner.log
+    launches = [(i, step, prompt) for i, (kind, step, prompt) in enumerate(log) if kind == "launch"]
+    prompt_launches = [(i, step) for i, step, prompt in launches if prompt]
+    assert len(prompt_launches) == 2  # a's prompt, then b's while a decodes
+    for i, step in prompt_launches:
+        read = {s for kind, s, _ in log[:i] if kind == "read"}
+        assert read == set(range(1, step)), (step, log)  # every earlier step's tokens were read first
+    # Decode steps still overlap: some decode launch comes before the previous step's read.
+    overlapped = [step for i, step, prompt in launches
+                  if not prompt and step > 1 and ("read", step - 1, False) not in log[:i]]
+    assert overlapped, log
