@@ -130,3 +130,18 @@ def test_hung_rank_fails_the_executor_within_5s(qwen2_kv2):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         llm.llm_engine.shutdown()
+
+
+def test_one_rank_in_a_worker_process_equals_in_process(qwen2_kv2):
+    """`distributed_executor_backend="mp"` at TP=1 (the server's default on GPUs): the same tokens as
+    the in-process engine, with async scheduling on, from a spawned worker that goes with the engine."""
+    expected = _tokens(LLM(str(qwen2_kv2), **OPTIONS), PROMPTS)
+    llm = LLM(str(qwen2_kv2), distributed_executor_backend="mp", async_scheduling=True, **OPTIONS)
+    try:
+        procs = llm.llm_engine.executor._procs
+        assert len(procs) == 1 and procs[0].is_alive()
+        assert _tokens(llm, PROMPTS) == expected
+    finally:
+        llm.llm_engine.shutdown()
+    procs[0].join(5)
+    assert not procs[0].is_alive()
