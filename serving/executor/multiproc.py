@@ -122,6 +122,15 @@ class MultiprocExecutor(Executor):
         step_id = plan.step_id
         return StepOutput(resolve=lambda: self._fetch(step_id))
 
+    @property
+    def supports_deferred_masks(self) -> bool:  # type: ignore[override]
+        """One rank samples alone, so its guided masks may follow the step (a "masks" message)."""
+        return len(self._conns) == 1
+
+    def sample_deferred(self, masks: object) -> None:
+        assert self.supports_deferred_masks, "deferred guided-decoding masks need a single rank"
+        self._send(("masks", masks))
+
     def reset(self) -> None:
         self._send(("reset", None))
 

@@ -83,6 +83,7 @@ def worker_main(config, model_dir, rank, world_size, device, init_method, conn, 
 
 def _serve(runner, conn, rank: int) -> None:  # noqa: ANN001
     pending: dict[int, object] = {}  # step id -> StepOutput (or the exception it raised), rank 0
+    last_step = -1
     while True:
         kind, payload = pickle.loads(conn.recv_bytes())
         if kind == "step":
@@ -94,6 +95,12 @@ def _serve(runner, conn, rank: int) -> None:  # noqa: ANN001
                 out = exc
             if rank == 0:
                 pending[payload.step_id] = out
+                last_step = payload.step_id
+        elif kind == "masks":  # the guided masks of the last step, which waits for them to sample
+            try:
+                runner.sample_deferred(payload)
+            except Exception as exc:  # noqa: BLE001 - its "get" answers the error
+                pending[last_step] = exc
         elif kind == "get":
             out = pending.pop(payload)
             for old in [k for k in pending if k < payload]:  # steps that sampled nothing

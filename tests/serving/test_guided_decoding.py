@@ -110,16 +110,25 @@ def smol():  # noqa: ANN201
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_engine_mixed_batch_outputs_validate(smol, async_scheduling: bool) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("async_scheduling", "worker"), [(False, False), (True, False), (True, True)],
+                         ids=["sync", "async", "async-worker-process"])
+def test_engine_mixed_batch_outputs_validate(smol, async_scheduling: bool, worker: bool) -> None:  # noqa: ANN001
+    """`worker`: the model in a spawned process (`distributed_executor_backend="mp"`, the server's GPU
+    default): the deferred masks cross its pipe after the step they belong to."""
     from serving.engine.llm_engine import LLMEngine
     from serving.engine_config import EngineConfig
     from serving.executor.executor import InProcessExecutor
     from serving.llm import LLM
 
     path, runner, tok = smol
-    llm = LLM.from_engine(LLMEngine(EngineConfig(model=path, block_size=8, async_scheduling=async_scheduling),
-                                    InProcessExecutor.from_runner(runner), tok))
+    if worker:
+        config = EngineConfig(model=path, block_size=8, num_gpu_blocks_override=200, dtype="float32",
+                              async_scheduling=True, distributed_executor_backend="mp")
+        llm = LLM.from_engine(LLMEngine(config, tokenizer=tok))
+        assert llm.llm_engine.executor.supports_deferred_masks
+    else:
+        llm = LLM.from_engine(LLMEngine(EngineConfig(model=path, block_size=8, async_scheduling=async_scheduling),
+                                        InProcessExecutor.from_runner(runner), tok))
     G = GuidedDecodingParams
     params = [
         SamplingParams(max_tokens=48, temperature=0.0, guided_decoding=G(json=SCHEMA)),
@@ -145,6 +154,8 @@ def test_engine_mixed_batch_outputs_validate(smol, async_scheduling: bool) -> No
     # Async: the guided rows' masks were filled while their step's forward ran, not before it.
     assert (engine.num_deferred_mask_steps > 20) == async_scheduling
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if worker:
+        engine.shutdown()
 
 
 def test_engine_refuses_an_invalid_schema(smol) -> None:  # noqa: ANN001
