@@ -48,7 +48,6 @@ _CALL_TIMEOUT_S = 60.0  # a call the child never answers (it is alive but stuck)
 class _Ready:
     """Child -> parent once the engine is built: what the HTTP edge reads without a round trip."""
 
-    model_dir: str
     max_model_len: int
 
 
@@ -75,7 +74,6 @@ class EngineProcess:
         self.tokenizer: Any = None
         self._tokenizer_ready = False
         self.max_model_len: int | None = None
-        self.model_dir: str | None = None
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -265,7 +263,6 @@ class EngineProcess:
             self._die(EngineDeadError(f"the engine process exited (code {code})"))
 
     def _on_ready(self, ready: _Ready) -> None:
-        self.model_dir = ready.model_dir
         self.max_model_len = ready.max_model_len
         self._maybe_ready()
 
@@ -378,10 +375,9 @@ def _child_main(config: EngineConfig, devices: tuple[str, ...] | None, max_queue
         except EngineDeadError:
             send(("dead", f"{type(loop.error).__name__}: {loop.error}"))
             return
-        engine = loop.engine
         gc.collect()
         gc.freeze()  # what loading built lives as long as this process (see serving/server/wsgi.py)
-        send(("ready", _Ready(model_dir=str(engine.info.model_dir), max_model_len=int(engine.max_model_len))))
+        send(("ready", _Ready(max_model_len=int(loop.max_model_len))))
         while loop.state is not EngineState.DEAD:
             time.sleep(0.2)
         if not loop.closing:
