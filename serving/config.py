@@ -369,9 +369,8 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
                           f"{gpus} GPUs / tensor_parallel_degree={tp} make {copies} copies (each copy already runs "
                           "its model in worker processes): set option.engine_process=false")
     if engine_kwargs["distributed_executor_backend"] is None:  # the server's default (see config_keys)
-        in_engine_process = values["engine_process"] and tp == 1
         engine_kwargs["distributed_executor_backend"] = (
-            SERVER_EXECUTOR_BACKEND if (gpus and not in_engine_process) or tp > 1 else "uni")
+            SERVER_EXECUTOR_BACKEND if tp > 1 or (gpus and not values["engine_process"]) else "uni")
     model_id = values["model_id"]
     engine_kwargs["model"] = model_id
     engine_kwargs["revision"] = values["revision"]

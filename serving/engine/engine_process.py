@@ -274,17 +274,14 @@ class EngineProcess:
                 self.was_ready = True
                 self._ready.set()
 
+    # A delta into its stream (the stream leaves `_streams` with its last): the loop's own routing,
+    # on the same fields.
+    _deliver = EngineLoop._deliver
+    _fail_stream = EngineLoop._fail_stream
+
     def _route(self, deltas: list[StreamDelta]) -> None:
-        streams = self._streams
         for delta in deltas:
-            stream = streams.get(delta.request_id)
-            if stream is None:
-                continue
-            if delta.finish_reason is None:
-                stream._queue.put(delta)
-            elif stream._put(delta):
-                with self._lock:
-                    streams.pop(delta.request_id, None)
+            self._deliver(delta)
 
     def _die(self, exc: BaseException, reason: str = "error") -> None:
         with self._lock:
@@ -300,8 +297,7 @@ class EngineProcess:
         self._ready.set()
         message = f"engine error: {type(exc).__name__}: {exc}" if reason == "error" else str(exc)
         for stream in streams:
-            for index in stream._unfinished_indexes():
-                stream._put(StreamDelta(stream.request_id, index, (), "", finish_reason=reason, error=message))
+            self._fail_stream(stream, message, reason)
         for slot in calls:  # callers waiting on a dead child: fail them now
             slot[1], slot[2] = False, EngineDeadError(f"the engine is dead: {exc}")
             slot[0].set()
