@@ -48,6 +48,20 @@ def main() -> None:
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
 
+    from serving.executor.model_runner import ModelRunner
+
+    launches: list[float] = []  # host ms of each ModelRunner.execute (inputs + launches, no wait)
+    execute = ModelRunner.execute
+
+    def timed_execute(self, plan):  # noqa: ANN001, ANN202
+        t = time.perf_counter()
+        try:
+            return execute(self, plan)
+        finally:
+            launches.append((time.perf_counter() - t) * 1e3)
+
+    ModelRunner.execute = timed_execute  # type: ignore[method-assign]
+
     def timed_step() -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -57,16 +71,19 @@ def main() -> None:
 
     rows = []
     for n in [int(x) for x in args.sizes.split(",")]:
-        times = []
+        times, host = [], []
         for r in range(args.repeats):
             timed_step()  # a pure decode step between samples
             if n:
                 engine.add_request(f"p{n}-{r}", None, SamplingParams(max_tokens=1, detokenize=False),
                                    prompt_token_ids=[rng.randint(0, 10000) for _ in range(n)])
+            launches.clear()
             times.append(timed_step())
+            host.append(sum(launches))
         rows.append((n, statistics.median(times), min(times), max(times)))
         print(f"{args.decodes} decodes + {n:5d} prompt tokens: median {rows[-1][1]:6.2f} ms "
-              f"(min {rows[-1][2]:.2f}, max {rows[-1][3]:.2f})", flush=True)
+              f"(min {rows[-1][2]:.2f}, max {rows[-1][3]:.2f}); host launch median {statistics.median(host):.2f} ms",
+              flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

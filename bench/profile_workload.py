@@ -71,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_dummy_model_args(ap)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--gaps", type=int, default=12, help="list this many of the longest idle gaps")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import torch
@@ -113,6 +114,15 @@ def main() -> None:
     print(f"{'family':20} {'s':>7} {'of busy':>8}")
     for fam, t in sorted(by_family.items(), key=lambda kv: -kv[1]):
         print(f"{fam:20} {t / 1e6:7.3f} {t / busy:8.1%}")
+    print(f"\nlongest idle gaps (ms into the run, gap us, kernel before -> kernel after):")
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    end_so_far, gap_list = ordered[0].time_range.end, []
+    for prev_i, e in enumerate(ordered[1:]):
+        if e.time_range.start > end_so_far:
+            gap_list.append((e.time_range.start - end_so_far, end_so_far - first, ordered[prev_i].name, e.name))
+        end_so_far = max(end_so_far, e.time_range.end)
+    for gap, at, before, after in sorted(gap_list, reverse=True)[: args.gaps]:
+        print(f"  {at / 1e3:9.1f} {gap:8.0f}  {before[:40]} -> {after[:40]}")
     print(f"\n{'kernel':70} {'s':>7} {'calls':>7} {'us/call':>8}")
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]
     for name, (t, n) in top:

@@ -59,13 +59,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
+    out: torch.Tensor | None = None,  # [num_seqs, H, D]: written and returned instead of a new tensor
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
     if use_triton(query):
         impl = _mod("paged_decode_attention").paged_decode_attention
     else:
         impl = reference.paged_decode_attention
-    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
 
 
 def prefill_attention(
@@ -77,10 +78,11 @@ def prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32: total K/V length incl. this chunk
     max_query_len: int,
     scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, H, D]: written and returned instead of a new tensor
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix + itself."""
     impl = _mod("prefill_attention").prefill_attention if use_triton(query) else reference.prefill_attention
-    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale)
+    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out)
 
 
 def rms_norm(

@@ -172,6 +172,7 @@ def paged_decode_attention_impl(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention` with the tile, split count and launch shape exposed (tests and
     bench/decode_attention_sweep.py pin them)."""
@@ -185,7 +186,9 @@ def paged_decode_attention_impl(
     assert block_tables.dim() == 2 and block_tables.shape[0] >= num_seqs and block_tables.stride(1) == 1
     assert block_tables.dtype in (torch.int32, torch.int64) and seq_lens.dtype in (torch.int32, torch.int64)
     assert seq_lens.shape[0] >= num_seqs and seq_lens.is_contiguous()
-    out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, (out.shape, out.dtype)
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
@@ -254,11 +257,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D].
 
     Shapes: query [S, H, D] (unit stride over D); caches [NB, BS, KVH, D] with H % KVH == 0;
     block_tables [>=S, max_blocks]; seq_lens [>=S]. A row with seq_len 0 (graph padding)
     yields zeros. Head dims that are not powers of two are padded to BLOCK_D and masked.
+    `out` ([S, H, D], query's dtype, unit stride over D; rows may be strided): written in
+    place of a fresh tensor (a step's eager attention writes its layer's buffer directly).
     """
-    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out)

@@ -115,6 +115,7 @@ def prefill_attention_impl(
     scale: float,
     block_m: int | None = None,
     block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` with the tile sizes exposed (tests pin them)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -129,7 +130,9 @@ def prefill_attention_impl(
     assert seq_lens.dtype in (torch.int32, torch.int64) and seq_lens.is_contiguous()
     num_seqs = seq_lens.shape[0]
     assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] >= num_seqs
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, (out.shape, out.dtype)
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
     if block_m is None:
@@ -177,6 +180,7 @@ def prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32: total K/V length incl. this chunk
     max_query_len: int,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix + itself.
 
@@ -186,5 +190,5 @@ def prefill_attention(
     query_start_loc [S + 1]; seq_lens [S]. Returns [T, H, D].
     """
     return prefill_attention_impl(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out
     )

@@ -48,11 +48,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
+    out: torch.Tensor | None = None,  # [num_seqs, H, D] of query's dtype: written and returned
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
-        return query.new_empty(query.shape)
+        return query.new_empty(query.shape) if out is None else out
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_len = int(seq_lens.max())
@@ -63,8 +64,9 @@ def paged_decode_attention(
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     pos = torch.arange(max_len, device=query.device)
     valid = pos[None, :] < seq_lens[:, None].to(pos.device)  # [S, L]: key l is in sequence s
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    res = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    res = res.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    return res if out is None else out.copy_(res)
 
 
 def prefill_attention(
@@ -76,15 +78,16 @@ def prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32: total K/V length incl. this chunk
     max_query_len: int,
     scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, H, D] of query's dtype: written and returned
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix + itself.
 
     Query j of sequence s sits at position `seq_lens[s] - q_len_s + j` and sees K/V positions
     up to and including it. All K/V (old and new) are read from the paged cache, so the
-    caller writes this step's K/V first. Returns [num_tokens, H, D].
+    caller writes this step's K/V first. Returns [num_tokens, H, D] (`out` when given).
     """
     num_tokens, num_heads, head_dim = query.shape
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     starts = query_start_loc.tolist()

@@ -91,10 +91,12 @@ def _optional_int(lo: int) -> Callable[[str], int | None]:
 
 # The server's default for max_prefill_tokens_while_decoding (offline it is off): while streams are
 # decoding, a step takes at most this many prompt tokens, so prompts arriving together cannot make
-# one long step that every stream waits on (at an H200's ~790 TFLOP/s, 2,048 prompt tokens of an
-# 8B model are ~40 ms of compute, 512 are ~10 ms). 256 lengthened TTFT p99 with no measurable
-# inter-token gain (bench/RESULTS.md run 15).
-PREFILL_TOKENS_WHILE_DECODING = 512
+# one long step that every stream waits on (at an H100's ~760 TFLOP/s, 2,048 prompt tokens of an
+# 8B model are ~40 ms of compute, 256 about 5 ms: near the ridge where a step's GEMMs turn from
+# reading weights to computing, so such a step costs ~1.5x a decode step). Once the decode-interval
+# tail was gone, the steps carrying prompts set the inter-token p99 (bench/RESULTS.md run 17):
+# 512 gave 2.7-2.8x p50, 256 2.3-2.4x, with TTFT p99 still 2.5-2.8x p50.
+PREFILL_TOKENS_WHILE_DECODING = 256
 # The server's default for distributed_executor_backend on GPUs when the engine shares the HTTP
 # process (option.engine_process=false; offline `LLM`: "uni" for one rank): the model's host work
 # (step inputs, graph launches) runs in its own process, so it never waits for the GIL that every

@@ -299,8 +299,12 @@ class LLMEngine:
         # history, or when this step is likely to carry a prompt chunk: launching a prompt step
         # can block for much of its length (bench/RESULTS.md run 16: decode intervals of 20-50 ms
         # whenever one was launched before the previous step's tokens were read), and every
-        # stream would wait for it on top of the step it is owed.
-        if had_inflight and (self._inflight_blocks_next or self.scheduler.prompt_work_ahead()):
+        # stream would wait for it on top of the step it is owed. That order is for streams
+        # (a server: `max_prefill_tokens_while_decoding` set); offline (0) nobody waits per
+        # token, and overlapping the prompt step's host work with the GPU is worth more
+        # (run 17: 5-11 ms of idle GPU before each 16k-token prefill step of the 1B workload).
+        if had_inflight and (self._inflight_blocks_next or (
+                self.scheduler.prefill_cap_while_decoding and self.scheduler.prompt_work_ahead())):
             deltas = self._process(*self._take_inflight())
         sched_out = self.scheduler.schedule()
         self._involved.append(sched_out)

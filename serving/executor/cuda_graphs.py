@@ -7,9 +7,10 @@ into one shared memory pool; a step with n sequences replays the smallest bucket
 rows get slot -1 (the cache write skips them) and seq_len 0 (decode attention returns zeros), so
 they cost a little compute and touch no real KV blocks. `enforce_eager` means this is never built.
 
-With `compute_logits`, each graph also runs the LM head on every row into one static float32
-buffer (`logits`, shared by all buckets): the biggest GEMM of a decode step then costs no
-launch or cuBLAS set-up on the host.
+With `compute_logits`, each graph also runs the LM head on every row into one static buffer
+(`logits`, shared by all buckets; `logits_dtype`, the model's dtype on one rank, so the matmul
+writes it with no upcast copy): the biggest GEMM of a decode step then costs no launch or cuBLAS
+set-up on the host. Readers upcast (an exact widening of the head's bf16 output).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from serving.executor.attention_metadata import AttentionMetadata, forward_conte
 logger = logging.getLogger(__name__)
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, positions) -> hidden
-LogitsFn = Callable[..., torch.Tensor]  # (hidden [n, H], out=float32 [n, vocab]) -> the logits, in `out`
+LogitsFn = Callable[..., torch.Tensor]  # (hidden [n, H], out=[n, vocab]) -> the logits, in `out`
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -49,6 +50,7 @@ class DecodeGraphRunner:
         device: torch.device,
         compute_logits: LogitsFn | None = None,
         vocab_size: int = 0,
+        logits_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.forward = forward
         self.compute_logits = compute_logits
@@ -63,7 +65,7 @@ class DecodeGraphRunner:
             self.seq_lens = torch.zeros(n, dtype=torch.int32)
             self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32)
             self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
-            self.logits = torch.zeros(n, vocab_size, dtype=torch.float32) if compute_logits is not None else None
+            self.logits = torch.zeros(n, vocab_size, dtype=logits_dtype) if compute_logits is not None else None
         self.hidden_size = hidden_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

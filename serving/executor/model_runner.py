@@ -200,6 +200,7 @@ class ModelRunner:
             self._model_forward, self.config.max_num_seqs,
             (self.max_model_len + self.block_size - 1) // self.block_size, self.model_args.hidden_size,
             self.max_model_len, self.device, compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
+            logits_dtype=self.dtype if self.world_size == 1 else torch.float32,
         )
         runner.capture()
         logger.info("decode CUDA graphs captured in %.1f s", time.monotonic() - t0)
@@ -259,6 +260,7 @@ class ModelRunner:
         rows = inputs.batch_rows[sampled_chunks]  # the input-batch row of each sampled entry
         if all_logits is None:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sampled, vocab] float32
+        # (else the decode graph's static logits: the model's dtype on one rank, see cuda_graphs)
         elif num_sampled == all_logits.shape[0]:
             logits = all_logits  # every row samples (the usual decode step): no gather
         else:

@@ -39,9 +39,9 @@ from serving.executor.attention_metadata import AttentionMetadata, forward_conte
 
 logger = logging.getLogger(__name__)
 
-# Steps of a few dozen decodes plus a prompt chunk of 128-256 tokens land in 160-288 (a prompt that
-# arrives while streams decode, under the server's cap of 512 such tokens a step): steps of 32 there,
-# so the padding's compute stays under ~12 % where a step's length is what the inter-token tail measures.
+# Steps of a few dozen decodes plus a prompt chunk of up to 256 tokens (the server's cap on prompt
+# tokens while streams decode) land in 160-288: steps of 32 there, so the padding's compute stays
+# under ~12 % where a step's length is what the inter-token tail measures.
 _BUCKETS = (16, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
 
 
@@ -145,7 +145,7 @@ class PiecewiseGraphRunner:
         with forward_context(meta):
             for i, attention in enumerate(self.attention):
                 graphs[i].replay()
-                self.attn[:n].copy_(attention.attend(self.q[:n]))
+                attention.attend(self.q[:n], out=self.attn[:n])  # written in place: no copy
         graphs[-1].replay()
         return self.hidden[:n]
 

@@ -120,7 +120,7 @@ class Sampler:
 
     def sample(
         self,
-        logits: torch.Tensor,  # [N, V] float32
+        logits: torch.Tensor,  # [N, V] float32, or the model's dtype (upcast here)
         seqs: list[WorkerSeq],
         generators: list[torch.Generator | None],
         masks: tuple[list[int], object] | None = None,
@@ -133,6 +133,7 @@ class Sampler:
         n = logits.shape[0]
         assert n == len(seqs) == len(generators) and n > 0
         params = [s.params for s in seqs]
+        logits = logits.float()  # the decode graph's logits come in the model's dtype (exact widening)
         logits = self._apply_penalties(logits, seqs)
         if masks is not None and masks[0]:
             logits = apply_token_masks(logits, *masks)
@@ -170,7 +171,7 @@ class Sampler:
 
     def sample_plain(
         self,
-        logits: torch.Tensor,  # [N, V] float32
+        logits: torch.Tensor,  # [N, V] float32, or the model's dtype (read as float32)
         inv_temperature: np.ndarray,  # [N] float32; 0 = greedy row
         masks: tuple[list[int], object] | None = None,
     ) -> DeviceSamples:

@@ -54,3 +54,20 @@ def test_dispatch_uses_reference_on_cpu():
     import kernels
 
     assert not kernels.use_triton(torch.zeros(1))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_decode_writes_a_given_out_in_place(device, impl):
+    # A mixed step's eager attention writes its decode rows straight into the first rows of the
+    # layer's [T, H * D] buffer: the same values as a fresh result, nothing outside those rows.
+    num_kv_heads, group, head_dim = 2, 2, 64
+    k, v, tables, lens = make_paged_cache([9, 30, 1], num_kv_heads, head_dim, 16, torch.float32, device)
+    q = torch.randn(3, num_kv_heads * group, head_dim, device=device)
+    fn = paged_decode_attention if impl == "triton" else reference.paged_decode_attention
+    want = fn(q, k, v, tables, lens, head_dim**-0.5)
+    buf = torch.full((5, num_kv_heads * group * head_dim), float("nan"), device=device)
+    view = buf.view(5, num_kv_heads * group, head_dim)[:3]
+    got = fn(q, k, v, tables, lens, head_dim**-0.5, out=view)
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf[:3].view(3, -1, head_dim), want, rtol=0, atol=0)
+    assert torch.isnan(buf[3:]).all()

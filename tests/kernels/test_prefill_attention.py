@@ -33,3 +33,22 @@ def test_prefill_matches_reference(device, group, head_dim, dtype, chunks, block
     out = prefill_attention_impl(q, k, v, tables, qsl, lens, max(q_lens), scale, block_m=16, block_n=16)
     ref = reference.prefill_attention(q, k, v, tables, qsl, lens, max(q_lens), scale)
     torch.testing.assert_close(out, ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_prefill_writes_a_given_out_in_place(device, impl):
+    # The prompt rows of a mixed step land after the decode rows of the layer's buffer: written
+    # there directly, equal to a fresh result, the rows before them untouched.
+    from kernels.prefill_attention import prefill_attention
+
+    num_kv_heads, group, head_dim = 2, 2, 64
+    k, v, tables, lens = make_paged_cache([12, 20], num_kv_heads, head_dim, 16, torch.float32, device)
+    qsl = torch.tensor([0, 5, 13], dtype=torch.int32, device=device)  # 5 and 8 new tokens
+    q = torch.randn(13, num_kv_heads * group, head_dim, device=device)
+    fn = prefill_attention if impl == "triton" else reference.prefill_attention
+    want = fn(q, k, v, tables, qsl, lens, 8, head_dim**-0.5)
+    buf = torch.full((16, num_kv_heads * group * head_dim), float("nan"), device=device)
+    got = fn(q, k, v, tables, qsl, lens, 8, head_dim**-0.5, out=buf.view(16, -1, head_dim)[3:])
+    assert got.data_ptr() == buf[3:].data_ptr()
+    torch.testing.assert_close(buf[3:].view(13, -1, head_dim), want, rtol=0, atol=0)
+    assert torch.isnan(buf[:3]).all()

@@ -256,21 +256,27 @@ class OrderRunner(FakeRunner):
         return StepOutput(resolve=lambda: (self.log.append(("read", step, prompt)), tokens)[1])
 
 
-def test_async_steps_read_the_launched_tokens_before_launching_a_prompt_chunk() -> None:
-    """With async scheduling a decode step is launched before the previous one's tokens are read;
-    a step that carries a prompt chunk is launched only after they are (its launch can block for
-    most of its length, and the streams would wait for it on top of their own step)."""
+def launch_order(**config) -> list[tuple[str, int, bool]]:
+    """The launches and reads of an async engine: "a" decodes, then "b"'s prompt arrives."""
     import dataclasses
 
     runner = OrderRunner()
-    engine = LLMEngine(dataclasses.replace(CONFIG, async_scheduling=True), runner)
+    engine = LLMEngine(dataclasses.replace(CONFIG, async_scheduling=True, **config), runner)
     engine.add_request("a", None, SamplingParams(max_tokens=8), prompt_token_ids=[5, 6, 7])
     for _ in range(4):
         engine.step()
     engine.add_request("b", None, SamplingParams(max_tokens=3), prompt_token_ids=[9, 8, 7, 6, 5])
     while engine.has_unfinished_requests():
         engine.step()
-    log = runner.log
+    return runner.log
+
+
+def test_async_steps_read_the_launched_tokens_before_launching_a_prompt_chunk() -> None:
+    """With async scheduling a decode step is launched before the previous one's tokens are read;
+    when streams keep pace (a server's `max_prefill_tokens_while_decoding`), a step that carries a
+    prompt chunk is launched only after they are (its launch can block for most of its length, and
+    the streams would wait for it on top of their own step)."""
+    log = launch_order(max_prefill_tokens_while_decoding=16)
     launches = [(i, step, prompt) for i, (kind, step, prompt) in enumerate(log) if kind == "launch"]
     prompt_launches = [(i, step) for i, step, prompt in launches if prompt]
     assert len(prompt_launches) == 2  # a's prompt, then b's while a decodes
@@ -280,4 +286,13 @@ def test_async_steps_read_the_launched_tokens_before_launching_a_prompt_chunk() 
     # Decode steps still overlap: some decode launch comes before the previous step's read.
     overlapped = [step for i, step, prompt in launches
                   if not prompt and step > 1 and ("read", step - 1, False) not in log[:i]]
+    assert overlapped, log
+
+
+def test_offline_async_steps_overlap_prompt_launches_too() -> None:
+    """Offline (no cap: nobody waits per token) the prompt step is launched while the previous
+    step runs, like any other: its host work overlaps the device."""
+    log = launch_order()
+    overlapped = [step for i, (kind, step, prompt) in enumerate(log)
+                  if kind == "launch" and prompt and step > 1 and ("read", step - 1, False) not in log[:i]]
     assert overlapped, log

@@ -103,9 +103,11 @@ def test_packed_qkv_from_separate_tensors(tiny_models):  # noqa: F811
     assert runner.model.lm_head is None  # tied: logits use embed_tokens
 
 
-def test_lm_head_logits_into_a_float32_buffer_equal_the_upcast_copy():
-    # The decode graphs have the LM head write its bf16 matmul straight into their static float32
-    # buffer (one pass); it must hold exactly what the upcast copy held.
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_logits_into_a_buffer_equal_the_upcast_logits(buffer_dtype):
+    # The decode graphs have the LM head write its bf16 matmul straight into their static buffer:
+    # float32 (several ranks: one pass from the matmul), or the weights' dtype on one rank, where
+    # the buffer is the matmul's own output (no copy). Either holds exactly the upcast logits.
     from serving.executor.models.layers import VocabParallelEmbedding
 
     head = VocabParallelEmbedding(50, 16)
@@ -113,8 +115,8 @@ def test_lm_head_logits_into_a_float32_buffer_equal_the_upcast_copy():
         head.weight.copy_(torch.randn(50, 16))
     head = head.to(torch.bfloat16)
     hidden = torch.randn(5, 16, dtype=torch.bfloat16)
-    buf = torch.full((8, 50), float("nan"))
+    buf = torch.full((8, 50), float("nan"), dtype=buffer_dtype)
     got = head.compute_logits(hidden, out=buf[:5])
     want = head.compute_logits(hidden)
-    assert got.dtype == want.dtype == torch.float32 and got.data_ptr() == buf.data_ptr()
-    assert torch.equal(buf[:5], want) and torch.isnan(buf[5:]).all()
+    assert want.dtype == torch.float32 and got.dtype == buffer_dtype and got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:5].float(), want) and torch.isnan(buf[5:]).all()

@@ -186,3 +186,29 @@ def test_logit_bias_is_a_per_row_additive_bias():
     # sampled rows too (the fused path): a +100 bias wins every draw
     sampled = [seq(seq_id=i, temperature=1.0, seed=i, logit_bias={11: 100.0}) for i in range(4)]
     assert {o.token_id for o in Sampler(CPU)(logits[:1].repeat(4, 1), sampled, gens(sampled))} == {11}
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.7),  # plain rows: sample_plain, the Gumbel kernel's reference
+    dict(temperature=0.0),
+    dict(temperature=0.8, top_k=5, repetition_penalty=1.3, seed=3),  # the per-row path
+    dict(temperature=0.0, logprobs=2, presence_penalty=0.5),
+])
+def test_bf16_logits_sample_as_their_float32_widening(params):
+    # The decode graphs hand the sampler the LM head's bf16 output; every path must draw exactly
+    # what it draws from the float32 upcast of the same values (HF upcasts before processing).
+    import numpy as np
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    seqs = [seq(prompt=(1, 2, 3 + i), output=(7, 8), seq_id=i, **params) for i in range(6)]
+    got, want = [], []
+    for source, dest in ((logits, got), (logits.float(), want)):
+        sampler = Sampler(CPU, seed=11)
+        if all(s.params.seed is None and s.params.logprobs is None and s.params.top_k in (0, -1, None)
+               and s.params.repetition_penalty == 1.0 and s.params.presence_penalty == 0.0 for s in seqs):
+            inv_t = np.array([0.0 if s.params.greedy else 1.0 / s.params.temperature for s in seqs], np.float32)
+            out = sampler.sample_plain(source, inv_t).tokens()
+        else:
+            out = sampler.sample(source, seqs, gens(seqs)).tokens()
+        dest.extend((o.token_id, o.logprob, o.top_logprobs) for o in out)
+    assert got == want
