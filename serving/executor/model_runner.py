@@ -260,8 +260,7 @@ class ModelRunner:
         rows = inputs.batch_rows[sampled_chunks]  # the input-batch row of each sampled entry
         if all_logits is None:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sampled, vocab] float32
-        # (else the decode graph's static logits: the model's dtype on one rank, see cuda_graphs)
-        elif num_sampled == all_logits.shape[0]:
+        elif num_sampled == all_logits.shape[0]:  # the decode graph's logits (one rank: the model's dtype)
             logits = all_logits  # every row samples (the usual decode step): no gather
         else:
             logits = all_logits[inputs.sample_rows]

@@ -359,7 +359,7 @@ class PagedAttention(nn.Module):
 
         `out` (`[T, H * D]`, contiguous rows): the kernels write it directly, the decode rows and
         the prompt rows each their own part, with no temporary and no copy (a piecewise step's
-        eager attention writes the graphs' input buffer: ~100 µs of host time a layer less)."""
+        eager attention writes the graphs' buffer: 8B, H100, 7.35 -> 5.90 ms of host time a step)."""
         meta = get_attention_metadata()
         num_tokens = q.shape[0]
         nd = meta.num_decode_tokens
