@@ -133,8 +133,10 @@ class Sampler:
         n = logits.shape[0]
         assert n == len(seqs) == len(generators) and n > 0
         params = [s.params for s in seqs]
-        logits = logits.float()  # the decode graph's logits come in the model's dtype (exact widening)
-        logits = self._apply_penalties(logits, seqs)
+        # The decode graph's logits come in the model's dtype: widened here (exactly), into a fresh
+        # tensor the penalties may then change without another copy.
+        owned = logits.dtype != torch.float32
+        logits = self._apply_penalties(logits.float(), seqs, owned=owned)
         if masks is not None and masks[0]:
             logits = apply_token_masks(logits, *masks)
         greedy = [p.greedy for p in params]
@@ -212,7 +214,9 @@ class Sampler:
                 out.append(_mix64(seed, seq.index, seq.num_tokens))
         return out
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[WorkerSeq]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[WorkerSeq], owned: bool = False) -> torch.Tensor:
+        """`logits` after bias, min_tokens bans and penalties; the caller's tensor is left as it was
+        unless `owned` (a copy made for this call)."""
         params = [s.params for s in seqs]
         min_tok_rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
@@ -220,7 +224,8 @@ class Sampler:
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         if not (min_tok_rows or rep_rows or freq_rows or bias_rows):
             return logits
-        logits = logits.clone()
+        if not owned:
+            logits = logits.clone()
         dev = logits.device
         if bias_rows:  # one scatter-add of every (row, id, bias) of the batch
             vocab = logits.shape[1]
