@@ -54,6 +54,16 @@ class LMIServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def log_has(self, text: str, timeout: float = 5.0) -> bool:
+        """Whether `text` appears in the log within `timeout` s: a line logged right after what a
+        client already saw (a socket closed, then the warning about it) may reach the file later."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     def wait(self, want: int = 200, timeout: float = 240.0) -> dict:
         """Poll /ping until it answers `want`; returns the body. Records every status seen."""
         deadline = time.monotonic() + timeout

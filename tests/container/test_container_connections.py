@@ -161,7 +161,7 @@ def test_slow_clients_hold_no_thread_and_are_closed_in_time(server):
     finally:
         for sock in slow + lingering:
             sock.close()
-    assert "answered 408 and closed" in server.log()
+    assert server.log_has("answered 408 and closed")
     assert requests.get(server.url + "/ping", timeout=2).status_code == 200
 
 
@@ -173,7 +173,7 @@ def test_plain_request_is_aborted_as_soon_as_its_client_leaves(server):
     assert _seconds_until_idle(server, timeout=3) < 3  # KV blocks back to 0 within a couple of seconds
     after = server.metrics()['lmi_requests_total{route="/invocations",status="499"}']
     assert after == before + 1
-    assert "client went away; aborted request" in server.log()
+    assert server.log_has("client went away; aborted request")
 
 
 def test_gateway_client_read_timeouts_do_not_stack_generations(server, caplog, capfd):
