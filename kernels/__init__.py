@@ -85,6 +85,21 @@ def prefill_attention(
     return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out)
 
 
+def mixed_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32, non-decreasing from 0, last <= T
+    seq_lens: torch.Tensor,  # [S] int32: K/V length after this step (0: an unused slot)
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, H, D]: written and returned instead of a new tensor
+) -> torch.Tensor:
+    """Decode rows and prompt chunks in one launch whose grid depends only on T and S (graph-safe)."""
+    impl = _mod("mixed_attention").mixed_attention if use_triton(query) else reference.mixed_attention
+    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out)
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
@@ -194,7 +209,7 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _OPS = frozenset(
-    ("fp8_linear", "gumbel_sample", "paged_decode_attention", "prefill_attention", "quant_linear",
+    ("fp8_linear", "gumbel_sample", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear",
      "quantize_fp8", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache")
 )
 
@@ -223,6 +238,7 @@ __all__ = [
     "lora_segments",
     "lora_segments_host",
     "lora_shrink",
+    "mixed_attention",
     "paged_decode_attention",
     "prefill_attention",
     "quant_linear",

@@ -18,6 +18,54 @@ from kernels.launch import aligned
 _LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def causal_paged_attend(
+    q,  # [BLOCK_M, BLOCK_D] query rows, masked rows zero
+    q_pos,  # [BLOCK_M] absolute position of each row's token (>= 0)
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,  # this sequence's block-table row
+    kv_head,
+    end_n,  # K/V positions [0, end_n) are read
+    qk_scale,  # softmax scale * log2(e)
+    stride_c_block,
+    stride_c_tok,
+    stride_c_head,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of each row over the paged K/V of one KV head at positions <= its own
+    (`prefill_attention` and `mixed_attention` share it) -> the attention output, float32."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n_start in range(0, end_n, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end_n
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        kv_offs = page * stride_c_block + (offs_n % PAGE_SIZE) * stride_c_tok + kv_head * stride_c_head
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        # NOTE: position 0 is visible to every row (q_pos >= 0), so each row's max is finite after tile 0.
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc / l_i[:, None]
+
+
 # NOTE: the block-table row stride varies with the step (eager steps size the table to the
 # batch): not specialised on, so one compiled kernel serves every step.
 @triton.jit(do_not_specialize=["stride_bt_seq"])
@@ -70,33 +118,11 @@ def _prefill_attention_kernel(
     )  # [BLOCK_M, BLOCK_D]
     q_pos = context_len + offs_m  # absolute position of each query row
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     # The last query row of this tile sees positions < end_n; nothing past it is needed.
     end_n = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
-
-    for n_start in range(0, end_n, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end_n
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        kv_offs = page * stride_c_block + (offs_n % PAGE_SIZE) * stride_c_tok + kv_head * stride_c_head
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        # NOTE: position 0 is visible to every row, so each row's max is finite after tile 0.
-        allowed = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    out = acc / l_i[:, None]
+    out = causal_paged_attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_seq,
+                              kv_head, end_n, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
+                              HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION)
     tl.store(
         out_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),

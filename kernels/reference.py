@@ -111,6 +111,34 @@ def prefill_attention(
     return out
 
 
+def mixed_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32, non-decreasing from 0, last <= T
+    seq_lens: torch.Tensor,  # [S] int32: total K/V length incl. this step's tokens (0: unused slot)
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, H, D]: written and returned
+) -> torch.Tensor:
+    """Attention of a step of decodes and prompt chunks laid out for a fixed grid (unused sequence
+    slots have no query rows); rows past `query_start_loc[S]` are not written (zeros in a new `out`), and
+    a sequence with query rows but no context (a decode graph's padded row) gets zeros."""
+    out = torch.zeros_like(query) if out is None else out
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, kv_len in enumerate(lens):
+        q0, q1 = starts[s], starts[s + 1]
+        if q1 == q0:
+            continue
+        if kv_len == 0:  # a padded decode row of a graph: zeros
+            out[q0:q1] = 0
+            continue
+        qsl = torch.tensor([0, q1 - q0], dtype=query_start_loc.dtype, device=query.device)
+        prefill_attention(query[q0:q1], k_cache, v_cache, block_tables[s : s + 1], qsl, seq_lens[s : s + 1],
+                          q1 - q0, scale, out=out[q0:q1])
+    return out
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]

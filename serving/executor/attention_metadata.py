@@ -2,7 +2,8 @@
 
 The batch is ordered decodes first: sequences [0, num_decodes) have exactly one query token and
 use the paged decode kernel; the rest (prefill chunks, possibly with cached context) use the
-prefill/extend kernel. The same tensors feed the Triton kernels and the torch references.
+prefill/extend kernel. A mixed-step graph's metadata (`mixed`) instead hands every row to the
+fixed-grid mixed kernel. The same tensors feed the Triton kernels and the torch references.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class AttentionMetadata:
     num_decode_tokens: int  # == num_decodes
     max_query_len: int
     max_seq_len: int
+    # True in a mixed-step graph (`mixed_graphs.py`): one `kernels.mixed_attention` launch whose grid
+    # depends only on the buffers' shapes; unused sequence slots are zero-length.
+    mixed: bool = False
     _prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property

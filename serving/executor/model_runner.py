@@ -22,7 +22,7 @@ import torch
 
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 from serving.executor.cuda_graphs import DecodeGraphRunner
-from serving.executor.piecewise_graphs import PiecewiseGraphRunner
+from serving.executor.mixed_graphs import MixedGraphRunner
 from serving.executor.lora import LoRAManager
 from serving.engine_config import CacheConfig, EngineConfig
 from serving.model_files import resolve_model_dir
@@ -42,9 +42,9 @@ from serving.quantization import resolve_quantization
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Steps with prompt tokens up to this many replay piecewise graphs; longer ones run eagerly,
+# Steps with prompt tokens up to this many replay mixed-step graphs; longer ones run eagerly,
 # where launch cost is small beside the compute.
-PIECEWISE_MAX_TOKENS = 2048
+MIXED_GRAPH_MAX_TOKENS = 2048
 _LOGITS_CHUNK = 256  # rows per lm_head call when prompt logprobs need many rows
 
 
@@ -94,7 +94,7 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self._prompt_logprobs: dict[int, list[float | None]] = {}
         self.graph_runner: DecodeGraphRunner | None = None  # set after the KV cache exists
-        self.piecewise: PiecewiseGraphRunner | None = None  # steps with prompt tokens, idem
+        self.mixed_graphs: MixedGraphRunner | None = None  # steps with prompt tokens, idem
         num_blocks = parallel.min_over_ranks(self._num_kv_blocks(), self.device)  # every rank holds as many
         self.kv_cache = self._allocate_kv_cache(num_blocks)
         self.cache_config = CacheConfig(
@@ -111,10 +111,7 @@ class ModelRunner:
         )
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = self._capture_decode_graphs()
-            self.piecewise = PiecewiseGraphRunner(
-                self.model, min(self.max_num_batched_tokens, PIECEWISE_MAX_TOKENS), self.device,
-                scope=None if self.lora is None else self.lora.rows)
-            self.piecewise.capture()
+            self.mixed_graphs = self._capture_mixed_graphs()
 
     def info(self, devices: tuple[str, ...] = ()) -> ExecutorInfo:
         """What the engine needs from this worker's model (the KV block count is already the
@@ -206,6 +203,13 @@ class ModelRunner:
         logger.info("decode CUDA graphs captured in %.1f s", time.monotonic() - t0)
         return runner
 
+    def _capture_mixed_graphs(self) -> MixedGraphRunner:
+        runner = MixedGraphRunner(
+            self._model_forward, min(self.max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS), self.config.max_num_seqs,
+            (self.max_model_len + self.block_size - 1) // self.block_size, self.device)
+        runner.capture()
+        return runner
+
     # ---- per step ------------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -220,8 +224,9 @@ class ModelRunner:
         if graphs is not None and meta.num_prefills == 0 and graphs.can_run(meta.num_seqs, meta.block_tables.shape[1]):
             hidden = graphs.run(input_ids, positions, meta)
             return hidden, None if graphs.logits is None else graphs.logits[: hidden.shape[0]]
-        if self.piecewise is not None and self.piecewise.can_run(input_ids.shape[0]):
-            return self.piecewise.run(input_ids, positions, meta), None
+        mixed = self.mixed_graphs
+        if mixed is not None and mixed.can_run(input_ids.shape[0], meta.num_seqs, meta.block_tables.shape[1]):
+            return mixed.run(input_ids, positions, meta), None
         with forward_context(meta):
             return self._model_forward(input_ids, positions), None
 
@@ -372,8 +377,8 @@ class ModelRunner:
                 torch.cuda.synchronize(device)  # nothing in flight reads what is freed below
         if state.get("graph_runner") is not None:
             self.graph_runner.close()
-        if state.get("piecewise") is not None:
-            self.piecewise.close()
+        if state.get("mixed_graphs") is not None:
+            self.mixed_graphs.close()
         if device is not None and device.type == "cuda":
             # cuBLAS keeps a workspace per stream for the process, and the one first used in a graph
             # capture was allocated from the graph's pool, which could then never go back (PyTorch's

@@ -19,6 +19,7 @@ _TRITON_MODULES = (
     "kernels.cache_ops",
     "kernels.paged_decode_attention",
     "kernels.prefill_attention",
+    "kernels.mixed_attention",
     "kernels.rms_norm",
     "kernels.rotary",
     "kernels.activation",

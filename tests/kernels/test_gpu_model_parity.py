@@ -42,7 +42,7 @@ def _release(llm) -> None:
         torch.cuda.empty_cache()
 
 
-def check_fp32_greedy(model_dir: str, device: str, new_tokens: int = 24) -> None:
+def check_fp32_greedy(model_dir: str, device: str, new_tokens: int = 24, **engine: int) -> None:
     from transformers import LlamaForCausalLM
 
     from serving import LLM, SamplingParams
@@ -55,7 +55,7 @@ def check_fp32_greedy(model_dir: str, device: str, new_tokens: int = 24) -> None
         expected.append(out[0, len(p):].tolist())
     del hf
     llm = LLM(model_dir, dtype="float32", device=device, max_model_len=256, max_num_seqs=8,
-              num_gpu_blocks_override=256, skip_tokenizer_init=True, enable_prefix_caching=False)
+              num_gpu_blocks_override=256, skip_tokenizer_init=True, enable_prefix_caching=False, **engine)
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], sp, use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outs]
@@ -91,3 +91,9 @@ def test_fp32_greedy_tokens_match_transformers(tmp_path):
 
 def test_bf16_prompt_logprobs_close_to_transformers_fp32(tmp_path):
     check_bf16_prompt_logprobs(_checkpoint(tmp_path), "cuda")
+
+
+def test_fp32_greedy_with_prompt_chunks_beside_decodes(tmp_path):
+    # A 32-token budget splits the longer prompts into chunks that share steps with the shorter
+    # ones' decodes: every such step replays a mixed-step graph (decodes + chunks in one attention).
+    check_fp32_greedy(_checkpoint(tmp_path), "cuda", max_num_batched_tokens=32)

@@ -341,8 +341,7 @@ class PagedAttention(nn.Module):
     def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """qkv -> RoPE -> this step's K/V into the cache; returns q `[T, num_heads, head_dim]`.
 
-        The part of the layer whose launches depend only on the token count (piecewise CUDA
-        graphs capture it per token bucket; `serving/executor/piecewise_graphs.py`)."""
+        Its launches depend only on the token count."""
         meta = get_attention_metadata()
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
@@ -358,8 +357,10 @@ class PagedAttention(nn.Module):
         returns `[T, H * D]` (the input of o_proj). Its launches depend on the batch's make-up.
 
         `out` (`[T, H * D]`, contiguous rows): the kernels write it directly, the decode rows and
-        the prompt rows each their own part, with no temporary and no copy (a piecewise step's
-        eager attention writes the graphs' buffer: 8B, H100, 7.35 -> 5.90 ms of host time a step)."""
+        the prompt rows each their own part, with no temporary and no copy.
+
+        In a mixed-step graph (`meta.mixed`) one fixed-grid launch serves every row, so the whole
+        step can be captured (`serving/executor/mixed_graphs.py`)."""
         meta = get_attention_metadata()
         num_tokens = q.shape[0]
         nd = meta.num_decode_tokens
@@ -368,7 +369,10 @@ class PagedAttention(nn.Module):
         else:
             assert out.shape == (num_tokens, self.q_size), (out.shape, num_tokens, self.q_size)
             out = out.view(num_tokens, self.num_heads, self.head_dim)
-        if meta.num_prefills == 0:
+        if meta.mixed:
+            kernels.mixed_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
+                                    meta.seq_lens, self.scale, out=out)
+        elif meta.num_prefills == 0:
             kernels.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out
             )

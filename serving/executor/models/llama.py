@@ -89,29 +89,6 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    @property
-    def num_pieces(self) -> int:
-        """The forward cut at each layer's attention: layers + 1 pieces (see `piece`)."""
-        return len(self.layers) + 1
-
-    def piece(
-        self, i: int, input_ids: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor | None,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Piece `i` of the forward, everything between two attentions (so its launches depend on
-        the token count only): piece 0 embeds and projects layer 0 -> (q_0, residual); piece i
-        finishes layer i-1 from its attention output and projects layer i -> (q_i, residual); the
-        last finishes the last layer and norms -> (hidden, residual). Running the pieces with
-        `layers[i].self_attn.attend(q_i)` between them is `forward`."""
-        layers = self.layers
-        if i == 0:
-            return layers[0].pre_attention(positions, self.embed_tokens(input_ids), None)
-        assert attn is not None and residual is not None
-        hidden, residual = layers[i - 1].post_attention(attn, residual)
-        if i < len(layers):
-            return layers[i].pre_attention(positions, hidden, residual)
-        return self.norm(hidden, residual)
-
 
 class LlamaForCausalLM(nn.Module):
     """The causal LM: `forward(input_ids, positions) -> hidden`, `compute_logits(hidden) -> fp32`."""
