@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import kernels
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 from serving.executor.cuda_graphs import DecodeGraphRunner
 from serving.executor.mixed_graphs import MixedGraphRunner
@@ -200,6 +201,12 @@ class ModelRunner:
             logits_dtype=self.dtype if self.world_size == 1 else torch.float32,
         )
         runner.capture()
+        if runner.logits is not None and runner.logits.dtype != torch.float32:
+            # The plain sampler reads these logits in their own dtype, and Triton compiles one
+            # sampling kernel per dtype: compile this one now, not in a user's first unseeded
+            # sampled step (the engine's warm-up samples seeded rows, read as float32).
+            kernels.gumbel_sample(runner.logits[:1], torch.ones(1, device=self.device),
+                                  torch.zeros(1, dtype=torch.int64, device=self.device))
         logger.info("decode CUDA graphs captured in %.1f s", time.monotonic() - t0)
         return runner
 
