@@ -10,8 +10,8 @@ copies them into their slot (stream-ordered: a step still running on the old con
 disturbed). Per step the runner stages the rows grouped by slot: the host knows each row's slot,
 so `stage` groups them with numpy (`kernels.lora_segments_host`) and copies the result into one
 persistent device buffer (one pinned, asynchronous copy); every wrapped projection adds its
-rows' x·Aᵀ·Bᵀ (`kernels.lora_shrink`, then `lora_expand`). CUDA graphs (the decode graphs,
-each piece of the piecewise graphs) only read that buffer: no grouping kernels.
+rows' x·Aᵀ·Bᵀ (`kernels.lora_shrink`, then `lora_expand`). CUDA graphs (the decode graphs and
+the mixed-step graphs) only read that buffer: no grouping kernels.
 
 `LORA_VARIANT` picks how a projection runs its adapters (read when a forward is traced, so set
 it before the engine captures its graphs): "stream" (the default: the shrink on a side stream,
@@ -270,7 +270,7 @@ class LoRAManager:
         """Within: the wrapped projections see the first `num_tokens` staged rows grouped by slot.
 
         Views of the persistent buffer `stage` fills, so a CUDA graph (a whole decode step, or
-        one piece of a step with prompt tokens) reads each step's grouping with no op of its own."""
+        a step with prompt tokens) reads each step's grouping with no op of its own."""
         self.batch.segments = self.segments(num_tokens)
         try:
             yield
