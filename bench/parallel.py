@@ -145,15 +145,20 @@ def part_agree(args) -> dict:  # noqa: ANN001
     path = write_random_checkpoint(Path(args.model_root) / "llama-3-8b-4l-fp32", layers=4)
     prompts = [{"prompt_token_ids": list(range(1000 + 7 * i, 1064 + 7 * i))} for i in range(8)]
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=32, detokenize=False)
-    toks = {}
-    for tp in (1, 2):
-        llm = engine(path, tp=tp, load_format="auto", dtype="float32", max_num_seqs=16, max_num_batched_tokens=4096,
-                     gpu_memory_utilization=0.5)
-        toks[tp] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * len(prompts), use_tqdm=False)]
-        llm.llm_engine.shutdown()
-        del llm
-    same = sum(a == b for a, b in zip(toks[1], toks[2]))
-    return {"identical_sequences": f"{same}/{len(prompts)}"}
+    out = {}
+    # 4,096: every prompt in one step; 48: prompt chunks share steps with the first ones' decodes
+    # (mixed-step graphs, with their all-reduces, under TP=2).
+    for budget in (4096, 48):
+        toks = {}
+        for tp in (1, 2):
+            llm = engine(path, tp=tp, load_format="auto", dtype="float32", max_num_seqs=16,
+                         max_num_batched_tokens=budget, gpu_memory_utilization=0.5)
+            toks[tp] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * len(prompts), use_tqdm=False)]
+            llm.llm_engine.shutdown()
+            del llm
+        same = sum(a == b for a, b in zip(toks[1], toks[2]))
+        out[f"identical_sequences_budget_{budget}"] = f"{same}/{len(prompts)}"
+    return out
 
 
 def part_tp(args, shape: str, tps: tuple[int, ...]) -> dict:  # noqa: ANN001

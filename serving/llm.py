@@ -80,8 +80,9 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine and give back its GPU memory, worker processes and threads (idempotent).
 
-        Afterwards `torch.cuda.memory_allocated()` is back where it was before this LLM was built
-        (and `memory_reserved()` too after `torch.cuda.empty_cache()`); every other call raises.
+        Afterwards `torch.cuda.memory_allocated()` is back where it was before this LLM was built,
+        and the freed blocks are handed back to the device (`torch.cuda.empty_cache()`), so an
+        engine built next with worker processes can use them; every other call raises.
         """
         self._finalizer()
         self._engine = None

@@ -398,6 +398,11 @@ class ModelRunner:
         if state.get("kv_cache") is not None:
             release_tensor(self.kv_cache)
         state.clear()  # the batch mirror, sampler, last step's output: whatever else is on the device
+        if device is not None and device.type == "cuda":
+            # Hand the freed blocks back to the device, not just to this process's caching allocator:
+            # an engine built next with worker processes (tensor parallelism, replicas) or any other
+            # process sizes its KV cache from the device's free memory, which still counted them.
+            torch.cuda.empty_cache()
 
 
 def _mask_rows(plan: StepPlan) -> tuple[list[int], object] | None:

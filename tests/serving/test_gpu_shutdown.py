@@ -83,3 +83,17 @@ def test_dropping_the_last_reference_gives_the_gpu_memory_back(tmp_path):
     assert _tokens(llm)
     del llm  # no shutdown(), no gc.collect()
     _assert_back(start, "after del llm")
+
+
+def test_shutdown_hands_the_memory_back_to_the_device(tmp_path):
+    # Without the caller's own empty_cache(): what other processes (an engine's worker processes
+    # built next, for tensor parallelism or replicas) see as free is back too.
+    model_dir = _model_dir(tmp_path)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info()
+    llm = _llm(model_dir)
+    assert _tokens(llm)
+    llm.shutdown()
+    free_after, _ = torch.cuda.mem_get_info()
+    assert free_before - free_after < SLACK_BYTES, f"{(free_before - free_after) / 2**20:.0f} MiB not handed back"
