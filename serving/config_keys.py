@@ -95,7 +95,8 @@ def _optional_int(lo: int) -> Callable[[str], int | None]:
 # 8B model are ~40 ms of compute, 256 about 5 ms: near the ridge where a step's GEMMs turn from
 # reading weights to computing, so such a step costs ~1.5x a decode step). Once the decode-interval
 # tail was gone, the steps carrying prompts set the inter-token p99 (bench/RESULTS.md run 17):
-# 512 gave 2.7-2.8x p50, 256 2.3-2.4x, with TTFT p99 still 2.5-2.8x p50.
+# 512 gave 2.7-2.8x p50, 256 2.3-2.4x, with TTFT p99 still 2.5-2.8x p50. With such steps captured whole
+# (run 18: mixed-step graphs), 256 measured 1.86-2.42x, TTFT p99 2.3-2.8x p50.
 PREFILL_TOKENS_WHILE_DECODING = 256
 # The server's default for distributed_executor_backend on GPUs when the engine shares the HTTP
 # process (option.engine_process=false; offline `LLM`: "uni" for one rank): the model's host work
