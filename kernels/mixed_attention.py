@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import aligned
-from kernels.prefill_attention import causal_paged_attend
+from kernels.prefill_attention import causal_paged_attend, check_varlen_inputs
 
 _LOG2E = 1.4426950408889634
 
@@ -134,17 +134,8 @@ def mixed_attention_impl(
 ) -> torch.Tensor:
     """`mixed_attention` with the tile sizes exposed (tests and the bench pin them)."""
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, page_size, num_kv_heads, cache_head_dim = k_cache.shape
-    assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query.stride(2) == 1, "query rows must be contiguous over head_dim"
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    assert query.dtype == k_cache.dtype == v_cache.dtype, (query.dtype, k_cache.dtype)
-    assert block_tables.dim() == 2 and block_tables.stride(1) == 1
-    assert query_start_loc.dtype == torch.int32 and query_start_loc.is_contiguous()
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-    num_seqs = seq_lens.shape[0]
-    assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] >= num_seqs
+    page_size, num_kv_heads, num_seqs = check_varlen_inputs(query, k_cache, v_cache, block_tables, query_start_loc,
+                                                            seq_lens)
     if out is None:
         out = torch.zeros((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, (out.shape, out.dtype)
@@ -195,8 +186,8 @@ def mixed_attention(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [S, max_blocks] int32
-    query_start_loc: torch.Tensor,  # [S + 1] int32, non-decreasing from 0, last <= T
-    seq_lens: torch.Tensor,  # [S] int32: total K/V length incl. this step's tokens (0: unused slot)
+    query_start_loc: torch.Tensor,  # [S + 1] int32 (or int64), non-decreasing from 0, last <= T
+    seq_lens: torch.Tensor,  # [S] int32 (or int64): K/V length incl. this step's tokens (0: unused slot)
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -130,6 +130,24 @@ def _prefill_attention_kernel(
     )
 
 
+def check_varlen_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int, int]:
+    """The layout both varlen launchers (prefill, mixed) rely on -> (page_size, num_kv_heads, num_seqs)."""
+    num_heads, head_dim = query.shape[1:]
+    _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query.stride(2) == 1, "query rows must be contiguous over head_dim"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert query.dtype == k_cache.dtype == v_cache.dtype, (query.dtype, k_cache.dtype)
+    assert block_tables.dim() == 2 and block_tables.stride(1) == 1
+    assert query_start_loc.dtype in (torch.int32, torch.int64) and query_start_loc.is_contiguous()
+    assert seq_lens.dtype in (torch.int32, torch.int64) and seq_lens.is_contiguous()
+    num_seqs = seq_lens.shape[0]
+    assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] >= num_seqs
+    return page_size, num_kv_heads, num_seqs
+
+
 def prefill_attention_impl(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -145,17 +163,8 @@ def prefill_attention_impl(
 ) -> torch.Tensor:
     """`prefill_attention` with the tile sizes exposed (tests pin them)."""
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, page_size, num_kv_heads, cache_head_dim = k_cache.shape
-    assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query.stride(2) == 1, "query rows must be contiguous over head_dim"
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    assert query.dtype == k_cache.dtype == v_cache.dtype, (query.dtype, k_cache.dtype)
-    assert block_tables.dim() == 2 and block_tables.stride(1) == 1
-    assert query_start_loc.dtype in (torch.int32, torch.int64) and query_start_loc.is_contiguous()
-    assert seq_lens.dtype in (torch.int32, torch.int64) and seq_lens.is_contiguous()
-    num_seqs = seq_lens.shape[0]
-    assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] >= num_seqs
+    page_size, num_kv_heads, num_seqs = check_varlen_inputs(query, k_cache, v_cache, block_tables, query_start_loc,
+                                                            seq_lens)
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, (out.shape, out.dtype)
