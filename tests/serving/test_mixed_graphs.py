@@ -11,6 +11,7 @@ runner; a prompt chunk of 8 beside decodes makes the mixed steps these graphs ex
 from __future__ import annotations
 
 import torch
+from lora_fixtures import lora_adapters, peft_greedy  # noqa: F401  (fixture)
 from model_fixtures import tiny_models  # noqa: F401  (fixture)
 from paged_driver import PagedDriver
 
@@ -18,6 +19,7 @@ from serving.engine_config import EngineConfig
 from serving.executor.attention_metadata import forward_context
 from serving.executor.mixed_graphs import MixedGraphRunner, mixed_buckets
 from serving.executor.model_runner import ModelRunner
+from serving.lora_request import LoRARequest
 from serving.sampling_params import SamplingParams
 
 
@@ -36,6 +38,9 @@ class _EagerGraph:
         self.seen.append((meta.query_start_loc.tolist(), meta.seq_lens.tolist()))
         with forward_context(meta):
             r.outputs[t].copy_(r.forward(r.input_ids[:t], r.positions[:t]))
+
+    def reset(self) -> None:  # what `close` calls on a captured graph
+        self.replays = -1
 
 
 def _cpu_mixed(runner: ModelRunner, max_tokens: int) -> MixedGraphRunner:
@@ -90,3 +95,27 @@ def test_more_sequences_than_slots_run_eagerly(tiny_models) -> None:  # noqa: F8
     mg = _cpu_mixed(runner, 32)
     assert mg.slots(16) == 4 and mg.can_run(16, 4, 1) and not mg.can_run(16, 5, 1)
     assert not mg.can_run(16, 2, mg.block_tables.shape[1] + 1) and not mg.can_run(33, 2, 1)
+
+
+def test_lora_rows_through_mixed_graphs_match_peft(lora_adapters) -> None:  # noqa: F811
+    # Each row's adapter is read from the staged grouping inside the graph; the bucket's padded rows
+    # are in no group (the base model). A 16-token budget puts prompt chunks beside decodes.
+    from serving.llm import LLM
+
+    base, adapters = lora_adapters("llama")
+    llm = LLM(str(base), enable_lora=True, max_loras=2, device="cpu", dtype="float32", block_size=4,
+              max_model_len=256, kv_cache_memory_gb=0.05, max_num_batched_tokens=16, max_num_seqs=8)
+    try:
+        runner = llm.llm_engine.executor.runner
+        runner.mixed_graphs = mg = _cpu_mixed(runner, 16)
+        names = ["r8", None, "r16"]
+        reqs = [None if n is None else LoRARequest(n, 1 + sorted(adapters).index(n), str(adapters[n])) for n in names]
+        prompts = ["The capital of France is", "Write a haiku about the sea:", "List three prime numbers:"]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                            lora_request=reqs, use_tqdm=False)
+        for out, name in zip(outs, names):
+            want = peft_greedy(str(base), None if name is None else str(adapters[name]), tuple(out.prompt_token_ids), 8)
+            assert tuple(out.outputs[0].token_ids) == want, name
+        assert mg.graphs[16].replays > 0
+    finally:
+        llm.llm_engine.shutdown()
