@@ -4,6 +4,7 @@ launch), on random K/V of a model shape's head layout.
 
   python bench/mixed_attention.py                     # 8B and 1B layouts, the default mixes
   python bench/mixed_attention.py --block-m 16,32,64  # the mixed kernel's tile rows
+  python bench/mixed_attention.py --configs 16/64/4/2,16/128/4/3   # tile rows/tile columns/warps/stages
 
 A mix "32x1000+256@0" is 32 decodes at context 1000 and one 256-token prompt chunk with no cached
 prefix. The mixed kernel runs on buffers padded as a graph pads them (T = the step's bucket,
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(LAYOUTS))
     ap.add_argument("--mixes", default=";".join(MIXES))
     ap.add_argument("--block-m", default="16,32,64")
+    ap.add_argument("--configs", default="", help="comma-separated BLOCK_M/BLOCK_N/warps/stages (instead of --block-m)")
     args = ap.parse_args()
     import torch
 
@@ -73,8 +75,12 @@ def main() -> None:
             times.append(a.elapsed_time(b) * 1000 / 20)
         return statistics.median(times)
 
-    block_ms = [int(m) for m in args.block_m.split(",")]
-    print(f"{'shape':14} {'mix':32} {'pair us':>8} " + " ".join(f"{'mixed/' + str(m):>9}" for m in block_ms))
+    if args.configs:
+        configs = [tuple(int(x) for x in c.split("/")) for c in args.configs.split(",")]
+    else:
+        configs = [(int(m), 64, 4, 2) for m in args.block_m.split(",")]
+    names = ["/".join(map(str, c)) for c in configs]
+    print(f"{'shape':14} {'mix':32} {'pair us':>8} " + " ".join(f"{n:>11}" for n in names))
     for shape in args.shapes.split(","):
         heads, kv_heads, d = LAYOUTS[shape]
         for mix in args.mixes.split(";"):
@@ -124,11 +130,12 @@ def main() -> None:
             row = [timed(pair)]
             pair()
             want = out.float().clone()
-            for bm in block_ms:
-                row.append(timed(lambda: mixed_attention_impl(qp, k, v, tabp, qslp, lensp, scale, out=op, block_m=bm)))
+            for bm, bn, warps, stages in configs:
+                row.append(timed(lambda: mixed_attention_impl(qp, k, v, tabp, qslp, lensp, scale, out=op, block_m=bm,
+                                                              block_n=bn, num_warps=warps, num_stages=stages)))
                 err = (op[:n].float() - want).abs().max().item()
-                assert err < 2e-2, (shape, mix, bm, err)
-            print(f"{shape:14} {mix:32} {row[0]:>8.1f} " + " ".join(f"{x:>9.1f}" for x in row[1:]), flush=True)
+                assert err < 2e-2, (shape, mix, bm, bn, err)
+            print(f"{shape:14} {mix:32} {row[0]:>8.1f} " + " ".join(f"{x:>11.1f}" for x in row[1:]), flush=True)
 
 
 if __name__ == "__main__":

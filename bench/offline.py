@@ -10,6 +10,9 @@ same reduced workload (all 256 prompts, output lengths divided by --peer-div: th
   python bench/offline.py --shapes llama-3.2-1b,llama-3-8b --peer --out /tmp/offline.json
   python bench/offline.py --shapes llama-3-8b --quantize bf16,gptq,fp8     # quantized vs bf16, same call
 
+`--makespan 0,192` also times the same warm engine (prefix cache emptied before each run) with the scheduler's `makespan_step_tokens` set to each
+value (0: FCFS, as before that option existed), after the run with the shipped default; rows `shape@makespan=V`.
+
 `--quantize` runs each variant of bench/dummy_model.py QUANT_VARIANTS per shape (int4 g128 GPTQ /
 AWQ packed dummy weights, fp8 converted at load) and adds its tokens/s as a ratio to bf16's.
 """
@@ -121,6 +124,7 @@ def main() -> None:
     ap.add_argument("--peer-timeout", type=float, default=150.0)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--quantize", default="bf16", help=f"comma-separated variants of {sorted(QUANT_VARIANTS)}")
+    ap.add_argument("--makespan", default="", help="comma-separated makespan_step_tokens to A/B on the same engine")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -148,6 +152,17 @@ def main() -> None:
         print(f"[{key}] ours: {produced} tokens in {dt:.2f} s = {produced / dt:,.0f} tok/s, "
               f"{floor['floor_s'] / dt:.1%} of the (bf16) workload floor ({floor['floor_s']:.2f} s)"
               + (f"; {row['vs_bf16']:.2f}x bf16 tok/s" if "vs_bf16" in row else ""), flush=True)
+        for value in filter(None, args.makespan.split(",")):
+            scheduler = llm.llm_engine.scheduler
+            default, scheduler.makespan_target = scheduler.makespan_target, int(value)
+            assert llm.reset_prefix_cache()  # the workload repeats its prompts: every run computes them
+            dt_v, produced_v = run_ours(llm, prompts, out_lens)
+            scheduler.makespan_target = default
+            results["shapes"][f"{key}@makespan={value}"] = dict(
+                floor_s=floor["floor_s"], ours_s=dt_v, ours_tokens=produced_v, ours_tok_s=produced_v / dt_v,
+                frac_floor=floor["floor_s"] / dt_v)
+            print(f"[{key}] makespan_step_tokens={value} (shipped {default}): {produced_v / dt_v:,.0f} tok/s, "
+                  f"{floor['floor_s'] / dt_v:.1%} of floor", flush=True)
         if args.peer and variant == "bf16":  # the peer runs the unquantized model
             dt_s, produced_s = run_ours(llm, prompts, small_lens)
             row.update(ours_small_tok_s=produced_s / dt_s, ours_small_s=dt_s)

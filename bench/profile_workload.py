@@ -8,6 +8,10 @@ families (GEMM, attention, sampling, ...). If busy ≈ wall the run is GPU-bound
 table says what to make faster; large idle time means the host is the limit.
 
   python bench/profile_workload.py --shape llama-3.2-1b [--out /tmp/prof.json]
+  python bench/profile_workload.py --shape llama-3-8b --makespan 0,256    # the scheduler's makespan_step_tokens A/B
+
+With `--makespan`, the same engine runs the unprofiled and profiled runs once per value (the scheduler's
+`makespan_step_tokens`; 0: FCFS), and the report also counts the steps each value took.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from bench.workload import reference_workload  # noqa: E402
 
 FAMILIES = (  # (family, substrings of the kernel name), first match wins
     ("decode attention", ("paged_decode",)),
+    ("mixed attention", ("mixed_attention",)),
     ("prefill attention", ("prefill_attention",)),
     ("sampling", ("sample", "gumbel", "softmax", "argmax", "exponential", "topk", "sort")),
     ("gemm", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "matmul", "ampere", "xmma", "splitk")),
@@ -72,6 +77,7 @@ def main() -> None:
     add_dummy_model_args(ap)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--gaps", type=int, default=12, help="list this many of the longest idle gaps")
+    ap.add_argument("--makespan", default="", help="comma-separated makespan_step_tokens values to profile")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import torch
@@ -93,9 +99,26 @@ def main() -> None:
         return time.perf_counter() - t0
 
     run()  # warm-up (compiles, caches)
-    plain_s = run()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        prof_s = run()
+    engine = llm.llm_engine
+    reports = []
+    for value in args.makespan.split(",") if args.makespan else [None]:
+        if value is not None:
+            engine.scheduler.makespan_target = int(value)
+        steps0 = engine.num_steps
+        plain_s = run()
+        steps = engine.num_steps - steps0
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            prof_s = run()
+        label = f"{args.shape}" + (f", makespan_step_tokens={value}" if value is not None else "")
+        reports.append(report(label, prof, plain_s, prof_s, steps, sum(out_lens), args))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"shape": args.shape, "device": torch.cuda.get_device_name(),
+                                              "runs": reports}, indent=2))
+    llm.shutdown()
+
+
+def report(label: str, prof, plain_s: float, prof_s: float, steps: int, tokens: int, args) -> dict:
+    """Print one profiled run's busy time, idle gaps, families and top kernels; return them."""
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
     busy, gaps, first, last = busy_and_gaps([(e.time_range.start, e.time_range.end) for e in kernels])
     span = last - first
@@ -106,9 +129,8 @@ def main() -> None:
         by_name[e.name][0] += d
         by_name[e.name][1] += 1
         by_family[family(e.name)] += d
-    tokens = sum(out_lens)
-    print(f"\n== {args.shape}: {tokens} output tokens; unprofiled {plain_s:.2f} s ({tokens / plain_s:,.0f} tok/s), "
-          f"profiled {prof_s:.2f} s")
+    print(f"\n== {label}: {tokens} output tokens in {steps} steps; unprofiled {plain_s:.2f} s "
+          f"({tokens / plain_s:,.0f} tok/s), profiled {prof_s:.2f} s")
     print(f"device span {span / 1e6:.2f} s: busy {busy / 1e6:.2f} s ({busy / span:.1%}), idle "
           + ", ".join(f"{k} {v / 1e6:.2f} s" for k, v in gaps.items()) + f"; {len(kernels):,} kernels")
     print(f"{'family':20} {'s':>7} {'of busy':>8}")
@@ -127,13 +149,10 @@ def main() -> None:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]
     for name, (t, n) in top:
         print(f"{name[:70]:70} {t / 1e6:7.3f} {n:7d} {t / n:8.1f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({
-            "shape": args.shape, "device": torch.cuda.get_device_name(), "tokens": tokens, "plain_s": plain_s,
-            "profiled_s": prof_s, "span_s": span / 1e6, "busy_s": busy / 1e6,
-            "idle_s": {k: v / 1e6 for k, v in gaps.items()}, "families_s": {k: v / 1e6 for k, v in by_family.items()},
-            "top": [{"name": n, "s": t / 1e6, "calls": c} for n, (t, c) in top]}, indent=2))
-    llm.shutdown()
+    return {"label": label, "plain_s": plain_s, "profiled_s": prof_s, "steps": steps, "span_s": span / 1e6,
+            "busy_s": busy / 1e6, "idle_s": {k: v / 1e6 for k, v in gaps.items()},
+            "families_s": {k: v / 1e6 for k, v in by_family.items()},
+            "top": [{"name": n, "s": t / 1e6, "calls": c} for n, (t, c) in top]}
 
 
 if __name__ == "__main__":

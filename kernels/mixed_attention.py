@@ -131,8 +131,10 @@ def mixed_attention_impl(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
-    """`mixed_attention` with the tile sizes exposed (tests and the bench pin them)."""
+    """`mixed_attention` with the tile sizes and launch shape exposed (tests and the bench pin them)."""
     num_tokens, num_heads, head_dim = query.shape
     page_size, num_kv_heads, num_seqs = check_varlen_inputs(query, k_cache, v_cache, block_tables, query_start_loc,
                                                             seq_lens)
@@ -175,8 +177,8 @@ def mixed_attention_impl(
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

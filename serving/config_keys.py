@@ -221,6 +221,8 @@ KEYS: tuple[Key, ...] = (
         "a non-negative integer (0: off)", 0),
     Key("option.max_prefill_tokens_while_decoding", "engine.max_prefill_tokens_while_decoding", _optional_int(0),
         f"a non-negative integer (0: off; unset: {PREFILL_TOKENS_WHILE_DECODING} with chunked prefill)", None),
+    Key("option.makespan_step_tokens", "engine.makespan_step_tokens", _int(0),
+        "a non-negative integer (0: off, the server's FCFS)", 0),
     Key("option.block_size", "engine.block_size", _int(1, 1024), "a positive integer <= 1024", 16),
     Key("option.kv_cache_memory_gb", "engine.kv_cache_memory_gb", _float(0.0, 1e6, lo_open=True),
         "a positive number of GB (CPU KV cache budget)", 2.0),

@@ -13,6 +13,11 @@ from typing import Literal
 from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's per-step token budget with chunked prefill
+# Offline on a GPU, the step size `makespan_step_tokens` fills with prompt tokens: near the ridge of
+# bf16 GEMMs, where a step stops being bound by reading the weights (an H100: ~760 TFLOP/s over
+# ~3.0 TB/s = ~250 FLOP per byte = ~250 tokens), so the prompt tokens up to it cost little more
+# than the decode step they ride in.
+MAKESPAN_STEP_TOKENS = 256
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPE_ALIASES = {
     "auto": "auto", "fp32": "float32", "float32": "float32", "float": "float32",
@@ -55,6 +60,13 @@ class EngineConfig:
     # Ours: most prompt tokens in a step that also decodes (0: off). Bounds every step that streams
     # are waiting on, whatever arrives at once (the server's default is on, see config_keys).
     max_prefill_tokens_while_decoding: int = 0
+    # Ours: batch work that ends as early as possible (0: off, FCFS). Waiting requests start longest
+    # max_tokens first, and a step that decodes takes prompt tokens up to this many tokens in all
+    # (more only when a waiting request would otherwise end after the longest running one), so
+    # prompts are computed in the decode steps' spare GEMM capacity instead of in steps of their
+    # own. None: MAKESPAN_STEP_TOKENS offline on a GPU, off on CPU (compute-bound at any step
+    # size, nothing to fill) and in the server (FCFS; streams are judged by latency).
+    makespan_step_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float = 2.0  # CPU KV budget
     enforce_eager: bool = False
@@ -91,8 +103,10 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("long_prefill_token_threshold", "max_prefill_tokens_while_decoding"):
+        for name in ("long_prefill_token_threshold", "max_prefill_tokens_while_decoding", "makespan_step_tokens"):
             v = getattr(self, name)
+            if v is None and name == "makespan_step_tokens":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer (0: off), got {v!r}")
             if v and not self.enable_chunked_prefill:
@@ -126,6 +140,12 @@ class EngineConfig:
     def num_cpu_loras(self) -> int:
         """Adapters kept in host memory: `max_cpu_loras`, else `max_loras`."""
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    def makespan_target(self, device_type: str) -> int:
+        """`makespan_step_tokens` resolved for this device (the one place its default is derived)."""
+        if self.makespan_step_tokens is not None:
+            return self.makespan_step_tokens
+        return MAKESPAN_STEP_TOKENS if device_type == "cuda" and self.enable_chunked_prefill else 0
 
     def token_budget(self, max_model_len: int) -> int:
         """Tokens computed per step (the one place it is derived): the option, else vLLM's

@@ -100,6 +100,8 @@ class LLMEngine:
             max_loras=config.max_loras if config.enable_lora else None,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+            makespan_target=config.makespan_target(info.device_type),
+            step_sizes=info.step_sizes,
         )
         # LoRA adapters: registered by name (any thread), assigned to device slots per step.
         self.lora = LoRARegistry(info.model_dir, config.max_loras, config.max_lora_rank) if config.enable_lora else None
@@ -136,10 +138,10 @@ class LLMEngine:
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%d tokens), max_model_len=%d, max_num_seqs=%d, "
             "max_num_batched_tokens=%d, max_prefill_tokens_while_decoding=%d, long_prefill_token_threshold=%d, "
-            "async_scheduling=%s, devices=%s",
+            "makespan_step_tokens=%d, async_scheduling=%s, devices=%s",
             num_blocks, cache.block_size, num_blocks * cache.block_size, cache.max_model_len,
             config.max_num_seqs, self.max_num_batched_tokens, config.max_prefill_tokens_while_decoding,
-            config.long_prefill_token_threshold,
+            config.long_prefill_token_threshold, self.scheduler.makespan_target,
             self.async_scheduling, ",".join(info.devices),
         )
         if info.device_type == "cuda":

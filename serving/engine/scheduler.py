@@ -15,6 +15,7 @@ Called in order schedule -> update (no placeholders) it is the plain synchronous
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable
 
 from serving.engine.block_manager import BlockManager
@@ -42,6 +43,15 @@ class Scheduler:
             (an idle server's first prompts) still fills the whole budget.
         max_loras: most distinct LoRA adapters in one step (the device slots; None: LoRA off).
             A sequence whose adapter would be one too many waits (running ones keep their blocks).
+        makespan_target: 0 (off: FCFS, prompts as fast as the budget allows), or a step size in
+            tokens for batch work that should end as early as possible. Waiting requests are then
+            admitted longest `max_tokens` first, and a step that decodes takes only enough prompt
+            tokens to reach `makespan_target` tokens (where its GEMMs stop being bound by reading
+            the weights, so those tokens are nearly free), or more when a waiting request would
+            otherwise start too late to finish by the time the longest running one does.
+        step_sizes: the token counts the executor runs a step at (its CUDA graphs' buckets, ascending;
+            empty: any count). A step that decodes and takes prompt tokens is padded up to the next
+            size anyway, so its prompt tokens may fill that padding: they cost nothing more.
     """
 
     def __init__(
@@ -55,6 +65,8 @@ class Scheduler:
         max_loras: int | None = None,
         long_prefill_token_threshold: int = 0,
         max_prefill_tokens_while_decoding: int = 0,
+        makespan_target: int = 0,
+        step_sizes: Iterable[int] = (),
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             # Otherwise the decodes at the back of the running list could starve forever.
@@ -72,6 +84,9 @@ class Scheduler:
         # (as the budget when off: min() below then never binds)
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.prefill_cap_while_decoding = max_prefill_tokens_while_decoding
+        assert makespan_target >= 0 and (enable_chunked_prefill or not makespan_target), makespan_target
+        self.makespan_target = makespan_target
+        self.step_sizes = sorted(step_sizes)
         self.max_loras = max_loras
         self.waiting: list[Sequence] = []  # FCFS; preempted sequences go back to the front
         self.running: list[Sequence] = []  # sorted by seq_id (= arrival order)
@@ -131,7 +146,10 @@ class Scheduler:
         for seq in seqs:
             seq.max_num_tokens = min(seq.num_prompt_tokens + self.max_tokens(seq), self.max_model_len)
             seq.status = SequenceStatus.WAITING
-            self.waiting.append(seq)
+            if self.makespan_target:  # longest first; FCFS among equals (and behind preempted ones)
+                self.waiting.insert(bisect.bisect_right(self.waiting, _admission_key(seq), key=_admission_key), seq)
+            else:
+                self.waiting.append(seq)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -183,9 +201,19 @@ class Scheduler:
         # already scheduled this step is never preempted.
         block_size = bm.block_size
         # Prompt tokens (chunks of more than one token) this step may still take.
-        prefill_left = budget
-        if self.prefill_cap_while_decoding and any(len(s.token_ids) - s.num_computed_tokens == 1 for s in self.running):
-            prefill_left = self.prefill_cap_while_decoding
+        # The budget's room for them is what the decodes leave: a chunk of an earlier sequence
+        # never pushes a later sequence's decode out of the step.
+        num_decodes = sum(1 for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1)
+        prefill_left = budget - num_decodes
+        if num_decodes and self.prefill_cap_while_decoding:
+            prefill_left = min(prefill_left, self.prefill_cap_while_decoding)
+        if num_decodes and self.makespan_target and (self.waiting or num_decodes < len(self.running)):
+            prefill_left = min(prefill_left, max(self.makespan_target - num_decodes, self._prompt_tokens_due()))
+        sizes = self.step_sizes
+        if num_decodes and prefill_left > 0 and sizes and num_decodes + prefill_left <= sizes[-1]:
+            # The step runs padded to the next size: prompt tokens may fill the padding.
+            size = min(sizes[bisect.bisect_left(sizes, num_decodes + prefill_left)], budget)
+            prefill_left = size - num_decodes
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -274,6 +302,28 @@ class Scheduler:
             return SchedulerOutput(scheduled, len(scheduled), preempted, num_prompt)
         others = [s for s in scheduled if s.num_tokens != 1]
         return SchedulerOutput(decodes + others, len(decodes), preempted, num_prompt)
+
+    def _prompt_tokens_due(self) -> int:
+        """Prompt tokens per step that let every waiting sequence start decoding in time.
+
+        The running sequences may decode for up to `horizon` more steps. A waiting sequence with
+        `o` tokens to produce must have its prompt (and those of the sequences admitted before it)
+        computed within `horizon - o` steps, or it finishes later than they do; the answer is the
+        highest rate any of them needs (the whole budget once one is out of time). The horizon
+        comes from `max_tokens`, an upper bound: a sequence that stops early only shortens it, and
+        each later step sees that.
+        """
+        horizon = max((s.max_num_tokens - len(s.token_ids) for s in self.running), default=0)
+        due = tokens = 0
+        # Prompts under way come first (they take this step's tokens first), then the waiting order.
+        under_way = (s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1)
+        for seq in itertools.chain(under_way, self.waiting):
+            tokens += len(seq.token_ids) - seq.num_computed_tokens
+            steps = horizon - (seq.max_num_tokens - len(seq.token_ids))
+            if steps <= 1:
+                return self.max_num_batched_tokens
+            due = max(due, -(-tokens // (steps - 1)))
+        return due
 
     def _lora_fits(self, seq: Sequence, loras: set, admit: bool = True) -> bool:
         """Whether `seq`'s adapter (if any) fits this step's slots; with `admit`, count it in."""
@@ -412,3 +462,9 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+
+def _admission_key(seq: Sequence) -> int:
+    """Waiting order with `makespan_target`: preempted sequences first (as FCFS puts them), then the
+    most output tokens still to produce first."""
+    return -(1 << 62) if seq.num_preemptions else -(seq.max_num_tokens - seq.num_tokens)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from serving.executor import parallel
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,17 @@ def mixed_buckets(max_tokens: int) -> list[int]:
     sizes = [b for b in _BUCKETS if b < max_tokens]
     sizes.append(max_tokens)
     return sizes
+
+
+def faster_buckets(buckets: list[int], times: list[float]) -> list[int]:
+    """The buckets (ascending) each faster than every larger one; the largest always stays."""
+    assert len(buckets) == len(times) and buckets == sorted(buckets), (buckets, times)
+    keep, fastest = [], float("inf")
+    for t, ms in zip(reversed(buckets), reversed(times)):
+        if ms < fastest or not keep:
+            keep.append(t)
+            fastest = ms
+    return keep[::-1]
 
 
 class MixedGraphRunner:
@@ -106,8 +118,34 @@ class MixedGraphRunner:
         for graph in self.graphs.values():
             graph.replay()
         torch.cuda.synchronize()
-        logger.info("captured %d mixed-step CUDA graphs (token buckets %s) in %.1f s", len(self.graphs),
-                    self.buckets, time.monotonic() - t0)
+        dropped = self._drop_slow_buckets()
+        logger.info("captured %d mixed-step CUDA graphs (token buckets %s; dropped as no faster than a larger one: "
+                    "%s) in %.1f s", len(self.graphs), self.buckets, dropped or "none", time.monotonic() - t0)
+
+    def _drop_slow_buckets(self, replays: int = 3) -> list[int]:
+        """Time each bucket's replay and drop those no faster than a larger bucket: a GEMM's speed is
+        not monotonic in its rows (tile shapes), e.g. 288 rows of an 8B layer took longer than 320 on
+        an H100 (bench/step_gemms.py). Steps then pad to the faster size, and the scheduler fills
+        that padding with prompt tokens. Every rank replays the same graphs in the same order (their
+        collectives pair up) and keeps rank 0's verdict, so all ranks keep the same buckets."""
+        times = []
+        for t in self.buckets:
+            graph = self.graphs[t]
+            graph.replay()  # a warm replay, untimed
+            best = float("inf")
+            for _ in range(replays):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end))
+            times.append(best)
+        times = parallel.broadcast_from_driver(torch.tensor(times, device=self.input_ids.device)).tolist()
+        keep = faster_buckets(self.buckets, times)
+        dropped = [t for t in self.buckets if t not in keep]
+        self.buckets = keep  # (dropped graphs stay until `close`: their memory is the shared pool's)
+        return dropped
 
     def can_run(self, num_tokens: int, num_seqs: int, block_table_width: int) -> bool:
         return (0 < num_tokens <= self.buckets[-1] and num_seqs <= self.max_num_seqs

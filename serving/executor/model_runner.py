@@ -121,6 +121,7 @@ class ModelRunner:
             model_dir=str(self.model_dir), cache=self.cache_config, vocab_size=self.vocab_size,
             eos_token_ids=tuple(self.eos_token_ids),
             device_type=self.device.type, devices=devices or (str(self.device),),
+            step_sizes=tuple(self.mixed_graphs.buckets) if self.mixed_graphs is not None else (),
         )
 
     # ---- KV cache ------------------------------------------------------------------------
@@ -271,7 +272,14 @@ class ModelRunner:
             return StepOutput([])
         rows = inputs.batch_rows[sampled_chunks]  # the input-batch row of each sampled entry
         if all_logits is None:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sampled, vocab] float32
+            sampled_hidden = hidden[inputs.sample_rows]
+            if self.world_size == 1 and self.device.type == "cuda":
+                # As in the decode graphs: the matmul's own bf16/fp16 output, which the samplers upcast as
+                # they read it (a float32 copy of 256 x 128,256 logits costs ~54 us on an H100).
+                logits = self.model.compute_logits(sampled_hidden, out=torch.empty(
+                    (num_sampled, self.vocab_size), dtype=self.dtype, device=self.device))
+            else:
+                logits = self.model.compute_logits(sampled_hidden)  # [num_sampled, vocab] float32
         elif num_sampled == all_logits.shape[0]:  # the decode graph's logits (one rank: the model's dtype)
             logits = all_logits  # every row samples (the usual decode step): no gather
         else:

@@ -148,6 +148,9 @@ class ExecutorInfo:
     eos_token_ids: tuple[int, ...]
     device_type: str  # "cuda" | "cpu"
     devices: tuple[str, ...] = ()  # one per rank, e.g. ("cuda:0", "cuda:1")
+    # Token counts a step with prompt tokens runs at (its graphs' buckets; empty: any count). The
+    # scheduler fills a step's padding up to the next one with prompt tokens.
+    step_sizes: tuple[int, ...] = ()
 
     @property
     def tensor_parallel_size(self) -> int:

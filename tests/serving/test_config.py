@@ -111,6 +111,23 @@ def test_prefill_tokens_while_decoding_server_default_follows_chunked_prefill():
             load_config({name: "64", "OPTION_ENABLE_CHUNKED_PREFILL": "false"}, [])
 
 
+def test_makespan_scheduling_is_on_offline_on_a_gpu_only():
+    from serving.engine_config import MAKESPAN_STEP_TOKENS, EngineConfig
+
+    assert EngineConfig().makespan_target("cuda") == MAKESPAN_STEP_TOKENS > 0
+    assert EngineConfig().makespan_target("cpu") == 0  # compute-bound at any step size: nothing to fill
+    assert EngineConfig(enable_chunked_prefill=False).makespan_target("cuda") == 0
+    assert EngineConfig(makespan_step_tokens=0).makespan_target("cuda") == 0
+    assert EngineConfig(makespan_step_tokens=96).makespan_target("cpu") == 96
+    with pytest.raises(ValueError, match="makespan_step_tokens must be a non-negative integer"):
+        EngineConfig(makespan_step_tokens=-1)
+    cfg = load_config({}, [])  # the server: FCFS (streams are judged by their latency)
+    assert cfg.engine.makespan_step_tokens == 0 and cfg.engine.makespan_target("cuda") == 0
+    assert load_config({"OPTION_MAKESPAN_STEP_TOKENS": "192"}, []).engine.makespan_target("cuda") == 192
+    with pytest.raises(ConfigError, match="needs chunked prefill"):
+        load_config({"OPTION_MAKESPAN_STEP_TOKENS": "64", "OPTION_ENABLE_CHUNKED_PREFILL": "false"}, [])
+
+
 def test_chat_template_from_file(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")

@@ -132,6 +132,21 @@ def test_chunked_prefill(make_llm, async_scheduling, expected) -> None:  # noqa:
 
 
 @BOTH_LOOPS
+def test_makespan_scheduling(make_llm, async_scheduling, expected) -> None:  # noqa: ANN001
+    # Longest max_tokens first, prompt chunks spread over the decode steps (a 24-token step target,
+    # 48-token budget): each sample is still transformers' greedy prefix of its own length.
+    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False, max_num_batched_tokens=48,
+                   max_num_seqs=8, makespan_step_tokens=24)
+    assert llm.llm_engine.scheduler.makespan_target == 24
+    prompts = [PROMPTS[0], LONG_A, PROMPTS[2], LONG_B, PROMPTS[5]]
+    lengths = [16, 64, 40, 8, 64]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out, n in zip(prompts, outputs, lengths):
+        assert out.prompt == prompt and tuple(out.outputs[0].token_ids) == expected[prompt][:n]
+
+
+@BOTH_LOOPS
 def test_prefix_cache_hits(make_llm, async_scheduling, expected) -> None:  # noqa: ANN001
     llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=True)
     first = llm.generate([LONG_A], SamplingParams(max_tokens=1), use_tqdm=False)  # fills the cache

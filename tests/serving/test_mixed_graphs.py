@@ -17,7 +17,7 @@ from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig
 from serving.executor.attention_metadata import forward_context
-from serving.executor.mixed_graphs import MixedGraphRunner, mixed_buckets
+from serving.executor.mixed_graphs import MixedGraphRunner, faster_buckets, mixed_buckets
 from serving.executor.model_runner import ModelRunner
 from serving.lora_request import LoRARequest
 from serving.sampling_params import SamplingParams
@@ -55,6 +55,15 @@ def _cpu_mixed(runner: ModelRunner, max_tokens: int) -> MixedGraphRunner:
 def test_buckets_end_at_the_limit() -> None:
     assert mixed_buckets(2048)[-1] == 2048 and mixed_buckets(100)[-1] == 100
     assert mixed_buckets(100) == [16, 32, 64, 96, 100]
+
+
+def test_buckets_no_faster_than_a_larger_one_are_dropped() -> None:
+    # (an H100's 8B layer: 288 rows took longer than 320, 224 longer than 256; bench/step_gemms.py)
+    buckets = [16, 32, 64, 96, 128]
+    assert faster_buckets(buckets, [1.0, 2.0, 5.0, 4.0, 4.5]) == [16, 32, 96, 128]
+    assert faster_buckets(buckets, [1.0, 1.0, 1.0, 1.0, 1.0]) == [128]  # ties go to the larger bucket
+    assert faster_buckets(buckets, [1.0, 2.0, 3.0, 4.0, 5.0]) == buckets
+    assert faster_buckets([2048], [9.0]) == [2048]
 
 
 def test_mixed_steps_match_hf_greedy(tiny_models) -> None:  # noqa: F811
