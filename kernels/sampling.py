@@ -21,20 +21,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _best_of_chunk(logits_ptr, row_off, first, lanes, vocab, u, inv_t, greedy):
-    """(max key, its column) over columns first + lanes; key = logit / T + Gumbel(u), or the logit."""
-    cols = first + lanes
+def _keys(logits_ptr, row_off, cols, vocab, u, inv_t, greedy):
+    """Sampling keys of columns `cols`: logit / T + Gumbel(u), or the logit for a greedy row."""
     mask = cols < vocab
     x = tl.load(logits_ptr + row_off + cols, mask=mask, other=float("-inf")).to(tl.float32)
     # Gumbel(0, 1) = -log(-log(u)); u = 0 gives -inf (never chosen).
     key = tl.where(greedy, x, x * inv_t - tl.log(-tl.log(u)))
-    key = tl.where(mask, key, float("-inf"))
-    return tl.max(key, 0), tl.argmax(key, 0).to(tl.int64) + first
+    return tl.where(mask, key, float("-inf"))
 
 
 @triton.jit
 def _keep_best(best_val, best_idx, val, idx):
-    """The running (max, argmax) after one more candidate; strict > keeps the first of a tie."""
+    """Each lane's running (max, argmax) after one more candidate; strict > keeps a lane's first
+    column of a tie (a lane visits its columns in increasing order)."""
     better = val > best_val
     return tl.where(better, val, best_val), tl.where(better, idx, best_idx)
 
@@ -60,23 +59,33 @@ def _gumbel_sample_kernel(
     row_off = row * stride_row
     QUARTER: tl.constexpr = BLOCK // 4
     lanes = tl.arange(0, QUARTER)
-    best_val = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int64)
+    # Per lane, elementwise in the loop; one reduction over the lanes at the end (reducing each
+    # chunk cost four max/argmax reductions per loop step).
+    best_val = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_idx = tl.full([QUARTER], 0, tl.int64)
     lo = part * span
     for start in range(lo, tl.minimum(lo + span, vocab), BLOCK):
         # One Philox call yields four uniforms: one per quarter of the chunk. Chunks start at the
         # same columns however the row is split, so a row's draw does not depend on the split.
         u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lanes)
-        v0, i0 = _best_of_chunk(logits_ptr, row_off, start, lanes, vocab, u0, inv_t, greedy)
-        v1, i1 = _best_of_chunk(logits_ptr, row_off, start + QUARTER, lanes, vocab, u1, inv_t, greedy)
-        v2, i2 = _best_of_chunk(logits_ptr, row_off, start + 2 * QUARTER, lanes, vocab, u2, inv_t, greedy)
-        v3, i3 = _best_of_chunk(logits_ptr, row_off, start + 3 * QUARTER, lanes, vocab, u3, inv_t, greedy)
-        best_val, best_idx = _keep_best(best_val, best_idx, v0, i0)
-        best_val, best_idx = _keep_best(best_val, best_idx, v1, i1)
-        best_val, best_idx = _keep_best(best_val, best_idx, v2, i2)
-        best_val, best_idx = _keep_best(best_val, best_idx, v3, i3)
-    tl.store(part_val_ptr + row * num_parts + part, best_val)
-    tl.store(part_idx_ptr + row * num_parts + part, best_idx)
+        cols = start + lanes
+        best_val, best_idx = _keep_best(best_val, best_idx, _keys(logits_ptr, row_off, cols, vocab, u0, inv_t, greedy),
+                                        cols.to(tl.int64))
+        cols += QUARTER
+        best_val, best_idx = _keep_best(best_val, best_idx, _keys(logits_ptr, row_off, cols, vocab, u1, inv_t, greedy),
+                                        cols.to(tl.int64))
+        cols += QUARTER
+        best_val, best_idx = _keep_best(best_val, best_idx, _keys(logits_ptr, row_off, cols, vocab, u2, inv_t, greedy),
+                                        cols.to(tl.int64))
+        cols += QUARTER
+        best_val, best_idx = _keep_best(best_val, best_idx, _keys(logits_ptr, row_off, cols, vocab, u3, inv_t, greedy),
+                                        cols.to(tl.int64))
+    top = tl.max(best_val, 0)
+    # The first column holding the maximum (as one walk over the row keeps it); a part with no
+    # finite key reports -inf, which the merge never prefers.
+    col = tl.min(tl.where(best_val == top, best_idx, vocab), 0)
+    tl.store(part_val_ptr + row * num_parts + part, top)
+    tl.store(part_idx_ptr + row * num_parts + part, tl.minimum(col, vocab - 1))
 
 
 @functools.cache

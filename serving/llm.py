@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import itertools
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -52,7 +53,7 @@ class LLM:
             # their locals go now, so that a retry with other options finds the memory free.
             traceback.clear_frames(exc.__traceback__)
             raise
-        self._attach(engine)
+        self._attach(engine, freeze_heap=True)
         _collect_cycles_holding_this_call()
 
     @classmethod
@@ -63,12 +64,14 @@ class LLM:
         llm._attach(engine)
         return llm
 
-    def _attach(self, engine: LLMEngine) -> None:
+    def _attach(self, engine: LLMEngine, freeze_heap: bool = False) -> None:
         self._engine: LLMEngine | None = engine
         self._request_ids = itertools.count()
+        if freeze_heap:
+            _heap_freeze.acquire()
         # The engine goes with the last reference to this object (`del llm`): the callback holds
         # the engine, never `self`, so it does not keep this object alive.
-        self._finalizer = weakref.finalize(self, engine.shutdown)
+        self._finalizer = weakref.finalize(self, _close, engine, freeze_heap)
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -315,6 +318,53 @@ def _running_frame_refs() -> int:
 # counts them (the interpreter's, its local and getrefcount's argument: 3 on CPython 3.11),
 # measured once rather than assumed, since interpreters count borrowed references differently.
 _RUNNING_FRAME_REFS = _running_frame_refs()
+
+
+class _HeapFreeze:
+    """Keeps what the process had built when its first `LLM` was ready (imports, model, engine:
+    several hundred thousand objects) out of the cyclic collector's walks while any `LLM` lives.
+
+    A generation-2 collection walks every tracked object while the engine waits: on the 1B shape's
+    reference workload they showed as idle gaps of 4-5 ms between GPU steps of ~3.5 ms
+    (bench/RESULTS.md run 19); the server and worker processes freeze theirs for the same reason
+    (serving/server/wsgi.py). Frozen objects are still freed by reference counting; the freeze is
+    undone when the last LLM shuts down, so cycles among them are collected again after that. A
+    process that froze its heap itself (`gc.get_freeze_count()` > 0 at the first LLM) is left as it is.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._ours = False
+
+    def acquire(self) -> None:
+        """Count one more live LLM (freezing the heap for the first); `release` when it shuts down."""
+        with self._lock:
+            if self._holders == 0 and gc.get_freeze_count() == 0:
+                gc.collect()  # garbage cycles are not frozen with the rest
+                gc.freeze()
+                self._ours = True
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            assert self._holders >= 0
+            if self._holders == 0 and self._ours:
+                gc.unfreeze()
+                self._ours = False
+
+
+_heap_freeze = _HeapFreeze()
+
+
+def _close(engine: LLMEngine, heap_frozen: bool) -> None:
+    """An LLM's finalizer (run once: `shutdown()` or the last reference dropped)."""
+    try:
+        engine.shutdown()
+    finally:
+        if heap_frozen:
+            _heap_freeze.release()
 
 
 def _collect_cycles_holding_this_call() -> None:
