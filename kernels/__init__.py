@@ -123,6 +123,22 @@ def rotary_embedding(
     impl(positions, query, key, cos_sin_cache, head_dim)
 
 
+def rotary_and_write_kv(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads * head_dim] (or [T, H, D]), rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place, then stored
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], stored
+    cos_sin_cache: torch.Tensor,  # [max_position, rot_dim]
+    head_dim: int,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = not stored
+) -> None:
+    """`rotary_embedding` then `write_kv_cache` of the rotated key and the value, in one launch."""
+    impl = _mod("rotary").rotary_and_write_kv if use_triton(query) else reference.rotary_and_write_kv
+    impl(positions, query, key, value, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: x = [gate | up] along the last dim -> silu(gate) * up."""
     impl = _mod("activation").silu_and_mul if use_triton(x) else reference.silu_and_mul
@@ -210,7 +226,7 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _OPS = frozenset(
     ("fp8_linear", "gumbel_sample", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear",
-     "quantize_fp8", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache")
+     "quantize_fp8", "rms_norm", "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "write_kv_cache")
 )
 
 
@@ -244,6 +260,7 @@ __all__ = [
     "quant_linear",
     "quantize_fp8",
     "rms_norm",
+    "rotary_and_write_kv",
     "rotary_embedding",
     "silu_and_mul",
     "use_triton",

@@ -26,7 +26,14 @@ def _write_kv_cache_kernel(
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK: tl.constexpr,
 ):
-    tok = tl.program_id(0)
+    _store_kv_row(tl.program_id(0), key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k_tok, stride_v_tok,
+                  ROW, BLOCK)
+
+
+@triton.jit
+def _store_kv_row(tok, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k_tok, stride_v_tok,
+                  ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Token `tok`'s K and V rows into the cache at its slot (nothing for slot -1)."""
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:  # padded row: nothing to store
         return
@@ -37,6 +44,19 @@ def _write_kv_cache_kernel(
     # The cache is contiguous: slot s starts at s * ROW in both [num_blocks, block_size, ...] views.
     tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def check_kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> int:
+    """The K/V write's input contract (shared with the fused RoPE + write); returns the token count."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, (value.shape, key.shape)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    for t in (key, value):
+        assert t.stride(2) == 1 and t.stride(1) == head_dim, "K/V rows must be contiguous per token"
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    return num_tokens
 
 
 def write_kv_cache(
@@ -51,16 +71,10 @@ def write_kv_cache(
     Shapes: key/value [T, KVH, D] with unit stride over (KVH, D); caches [NB, BS, KVH, D]
     contiguous; slot_mapping [T] int32/int64.
     """
-    num_tokens, num_kv_heads, head_dim = key.shape
-    assert value.shape == key.shape, (value.shape, key.shape)
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    for t in (key, value):
-        assert t.stride(2) == 1 and t.stride(1) == head_dim, "K/V rows must be contiguous per token"
-    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    num_tokens = check_kv_write(key, value, k_cache, v_cache, slot_mapping)
     if num_tokens == 0:
         return
-    row = num_kv_heads * head_dim
+    row = key.shape[1] * key.shape[2]
     _write_kv_cache_kernel[(num_tokens,)](
         key,
         value,

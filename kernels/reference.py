@@ -179,6 +179,22 @@ def rotary_embedding(
         v[..., half:rot_dim] = o2.to(t.dtype)
 
 
+def rotary_and_write_kv(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads * head_dim] (or [T, H, D]), rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place, then stored
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], stored
+    cos_sin_cache: torch.Tensor,  # [max_position, rot_dim]
+    head_dim: int,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens], -1 = not stored
+) -> None:
+    """`rotary_embedding` on query and key, then `write_kv_cache` of the rotated key and the value."""
+    rotary_embedding(positions, query, key, cos_sin_cache, head_dim)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: x = [gate | up] along the last dim -> silu(gate) * up."""
     d = x.shape[-1] // 2

@@ -346,10 +346,11 @@ class PagedAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)  # in place (views)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        # RoPE on q and k (in place: views of qkv), then k and v into the cache: one launch.
+        kernels.rotary_and_write_kv(positions, q, k, v, self.cos_sin_cache, self.head_dim, self.k_cache,
+                                    self.v_cache, meta.slot_mapping)
         return q.view(num_tokens, self.num_heads, self.head_dim)
 
     def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
