@@ -203,12 +203,24 @@ class Scheduler:
         # Prompt tokens (chunks of more than one token) this step may still take.
         # The budget's room for them is what the decodes leave: a chunk of an earlier sequence
         # never pushes a later sequence's decode out of the step.
-        num_decodes = sum(1 for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1)
+        if self.makespan_target:  # one pass: the decodes, the horizon and the prompts under way
+            num_decodes, horizon, under_way = 0, 0, []
+            for s in self.running:
+                n = len(s.token_ids)
+                left = n - s.num_computed_tokens
+                if left == 1:
+                    num_decodes += 1
+                elif left > 1:
+                    under_way.append(s)
+                horizon = max(horizon, s.max_num_tokens - n)
+        else:
+            num_decodes = sum(1 for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1)
         prefill_left = budget - num_decodes
         if num_decodes and self.prefill_cap_while_decoding:
             prefill_left = min(prefill_left, self.prefill_cap_while_decoding)
-        if num_decodes and self.makespan_target and (self.waiting or num_decodes < len(self.running)):
-            prefill_left = min(prefill_left, max(self.makespan_target - num_decodes, self._prompt_tokens_due()))
+        if num_decodes and self.makespan_target and (self.waiting or under_way):
+            due = self._prompt_tokens_due(horizon, under_way)
+            prefill_left = min(prefill_left, max(self.makespan_target - num_decodes, due))
         sizes = self.step_sizes
         if num_decodes and prefill_left > 0 and sizes and num_decodes + prefill_left <= sizes[-1]:
             # The step runs padded to the next size: prompt tokens may fill the padding.
@@ -303,26 +315,27 @@ class Scheduler:
         others = [s for s in scheduled if s.num_tokens != 1]
         return SchedulerOutput(decodes + others, len(decodes), preempted, num_prompt)
 
-    def _prompt_tokens_due(self) -> int:
+    def _prompt_tokens_due(self, horizon: int, under_way: list[Sequence]) -> int:
         """Prompt tokens per step that let every waiting sequence start decoding in time.
 
-        The running sequences may decode for up to `horizon` more steps. A waiting sequence with
+        The running sequences may decode for up to `horizon` more steps; `under_way` are those
+        still computing their prompts (their chunks take a step's tokens first). A waiting sequence with
         `o` tokens to produce must have its prompt (and those of the sequences admitted before it)
         computed within `horizon - o` steps, or it finishes later than they do; the answer is the
         highest rate any of them needs (the whole budget once one is out of time). The horizon
         comes from `max_tokens`, an upper bound: a sequence that stops early only shortens it, and
         each later step sees that.
         """
-        horizon = max((s.max_num_tokens - len(s.token_ids) for s in self.running), default=0)
         due = tokens = 0
-        # Prompts under way come first (they take this step's tokens first), then the waiting order.
-        under_way = (s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1)
         for seq in itertools.chain(under_way, self.waiting):
-            tokens += len(seq.token_ids) - seq.num_computed_tokens
-            steps = horizon - (seq.max_num_tokens - len(seq.token_ids))
-            if steps <= 1:
+            n = len(seq.token_ids)
+            tokens += n - seq.num_computed_tokens
+            steps = horizon - seq.max_num_tokens + n - 1
+            if steps <= 0:
                 return self.max_num_batched_tokens
-            due = max(due, -(-tokens // (steps - 1)))
+            rate = -(-tokens // steps)
+            if rate > due:
+                due = rate
         return due
 
     def _lora_fits(self, seq: Sequence, loras: set, admit: bool = True) -> bool:
