@@ -200,9 +200,6 @@ class Scheduler:
         # Running sequences in arrival order; victims are taken from the back, so a sequence
         # already scheduled this step is never preempted.
         block_size = bm.block_size
-        # Prompt tokens (chunks of more than one token) this step may still take.
-        # The budget's room for them is what the decodes leave: a chunk of an earlier sequence
-        # never pushes a later sequence's decode out of the step.
         if self.makespan_target:  # one pass: the decodes, the horizon and the prompts under way
             num_decodes, horizon, under_way = 0, 0, []
             for s in self.running:
@@ -215,7 +212,11 @@ class Scheduler:
                 horizon = max(horizon, s.max_num_tokens - n)
         else:
             num_decodes = sum(1 for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1)
+        # Prompt tokens (chunks of more than one token) this step may still take. The budget's room
+        # for them is what the decodes leave: a chunk of an earlier sequence never pushes a later
+        # sequence's decode out of the step (budget >= max_num_seqs >= the decodes).
         prefill_left = budget - num_decodes
+        assert prefill_left >= 0, (budget, num_decodes)
         if num_decodes and self.prefill_cap_while_decoding:
             prefill_left = min(prefill_left, self.prefill_cap_while_decoding)
         if num_decodes and self.makespan_target and (self.waiting or under_way):
