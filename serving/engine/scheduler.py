@@ -25,7 +25,8 @@ from serving.engine.sequence import PLACEHOLDER, FinishReason, Sequence, Sequenc
 
 
 class Scheduler:
-    """FCFS admission under a per-step token budget and sequence cap, with preemption.
+    """Admission under a per-step token budget and sequence cap, with preemption: FCFS, or longest
+    `max_tokens` first with prompts spread over the decode steps (`makespan_target`).
 
     Args:
         block_manager: owns the KV blocks.
@@ -88,7 +89,8 @@ class Scheduler:
         self.makespan_target = makespan_target
         self.step_sizes = sorted(step_sizes)
         self.max_loras = max_loras
-        self.waiting: list[Sequence] = []  # FCFS; preempted sequences go back to the front
+        # FCFS (or `_admission_key` order with makespan_target); preempted sequences go back to the front
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # sorted by seq_id (= arrival order)
         self._groups: dict[str, list[Sequence]] = {}  # request_id -> its n samples
         self.num_preemptions = 0

@@ -13,7 +13,9 @@ and s sequences replays the smallest bucket T >= n; padded rows get slot -1 (no 
 are never read; unused sequence slots are zero-length (`query_start_loc` repeats n, `seq_lens`
 0), which the kernel skips. Bucket T has min(T, max_num_seqs) slots (each sequence brings at
 least one token). Steps larger than the largest bucket (long prefills, where launch cost is
-small beside the compute) stay eager.
+small beside the compute) stay eager. After capture each bucket is timed once and dropped when a
+larger one is no slower (GEMM speed is not monotonic in rows); the scheduler reads the buckets
+kept (`ExecutorInfo.step_sizes`) and fills a step's padding with prompt tokens.
 
 Graphs share one memory pool; each bucket's output (`[T, hidden]`) is a view of that pool valid
 until the next replay. The LoRA manager's per-step grouping is read through the forward
