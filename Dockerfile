@@ -39,6 +39,7 @@ RUN apt-get update \
          apt-get install -y --no-install-recommends "${CUDA_COMPAT_PACKAGE}" \
          && test -e /usr/local/cuda/compat/libcuda.so.1; \
        fi \
+    && apt-get clean \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 

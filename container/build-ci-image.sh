@@ -13,7 +13,8 @@
 #   container/build-ci-image.sh            # as root; prints the image name as the last line of stdout
 #
 # Installs buildah, podman and debootstrap with apt-get when missing; exits 3 (and says why) only
-# where they cannot be installed or buildah cannot run. Caches (re-runs are fast):
+# where they cannot be installed, buildah cannot run, or the disk has too little room for the build
+# (OPEN_LMI_CI_NEED_GB, default 12: the peak measured was 10.6 GB). Caches (re-runs are fast):
 # the debootstrap root filesystem as a tarball in $OPEN_LMI_CI_CACHE (default
 # /var/cache/open-lmi-ci), the imported base image, and the built image, tagged with a hash of
 # everything the Dockerfile copies (an unchanged tree is not rebuilt; older ci- tags are removed).
@@ -80,6 +81,31 @@ if [ -n "$LOCAL_TORCH" ]; then
     PIP_CONF+='find-links = /wheels\n'  # torch==X matches X+cpu, which sorts above PyPI's X: pip takes it
 fi
 
+# Older CI images of this repository (another tree's hash): vfs keeps whole copies, so keep none.
+remove_older_images() {
+    for old in $(buildah "${VFS[@]}" images --format '{{.Name}}:{{.Tag}}' 2>/dev/null | grep "^$REPO:ci-" | grep -v ":ci-$HASH\$"); do
+        log "removing the older image $old"
+        buildah "${VFS[@]}" rmi "$old" >/dev/null 2>&1 || true
+    done
+}
+
+# The build's peak on disk with vfs: the working container, the committed layer and its staged copy
+# (each a whole tree), then the tests' container (another copy). Too little free space is the
+# machine's limit, not the tree's: say so and exit 3 (the tests skip) rather than fail midway.
+NEED_GB=${OPEN_LMI_CI_NEED_GB:-12}
+need_disk() {
+    local dir avail
+    for dir in "$(buildah "${VFS[@]}" info --format '{{.store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers/storage)" \
+               "${TMPDIR:-/var/tmp}"; do
+        mkdir -p "$dir"
+        avail=$(df -P -B1G "$dir" | awk 'NR == 2 {print $4}')
+        if [ "$avail" -lt "$NEED_GB" ]; then
+            log "not enough disk to build the image: ${avail} GB free under $dir, the build needs about $NEED_GB GB"
+            exit 3
+        fi
+    done
+}
+
 # Everything the Dockerfile copies (less what .dockerignore drops), hashed: the image's tag.
 HASH=$( (echo "$INDEX $LOCAL_TORCH $TRITON"; find Dockerfile .dockerignore constraints.txt pyproject.toml requirements-model.txt \
              serving.properties serving kernels sdk container -type f ! -name '*.pyc' ! -path '*/__pycache__/*' \
@@ -88,6 +114,15 @@ IMAGE="$REPO:ci-$HASH"
 if buildah "${VFS[@]}" inspect --type image "$IMAGE" >/dev/null 2>&1; then
     log "$IMAGE is built already (same files)"
 else
+    # vfs keeps whole copies: before building, drop what an earlier run left (its image, a killed
+    # build's working container, a killed test run's container), then make sure the build fits.
+    for ctr in $(buildah "${VFS[@]}" containers --noheading --format '{{.ContainerName}} {{.ImageName}}' 2>/dev/null \
+                 | awk -v base="$BASE" -v repo="$REPO:ci-" 'index($1, "open-lmi-test-") == 1 || $2 == base || index($2, repo) == 1 {print $1}'); do
+        log "removing the stale container $ctr"
+        buildah "${VFS[@]}" rm "$ctr" >/dev/null 2>&1 || true
+    done
+    remove_older_images
+    need_disk
     printf "$PIP_CONF" >"$CACHE/pip.conf"
     log "building $IMAGE${LOCAL_TORCH:+ (torch: $WHEELS/$LOCAL_TORCH, triton $TRITON)}"
     start=$(date +%s)
@@ -99,9 +134,5 @@ else
         "${MOUNTS[@]}" \
         "$ROOT" >&2
     log "built $IMAGE in $(($(date +%s) - start)) s"
-    # Older CI images of this repository: vfs keeps whole copies, so keep one.
-    for old in $(buildah "${VFS[@]}" images --format '{{.Name}}:{{.Tag}}' 2>/dev/null | grep "^$REPO:ci-" | grep -v ":ci-$HASH\$"); do
-        buildah "${VFS[@]}" rmi "$old" >/dev/null 2>&1 || true
-    done
 fi
 echo "$IMAGE"
