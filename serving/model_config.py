@@ -18,8 +18,19 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "llama": (1e-6, False),
     "mistral": (1e-6, False),
     "qwen2": (1e-6, True),
+    "qwen3": (1e-6, False),
     "phi3": (1e-5, False),
 }
+# model_type -> its architecture, for configs that name no `architectures`
+_ARCH_OF_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+# Architectures whose attention RMS-normalises each head of q and k (over head_dim) before RoPE.
+_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class ModelArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
     mlp_bias: bool
     rope: RopeArgs
     sliding_window: int | None
@@ -94,8 +106,8 @@ class ModelArgs:
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = qkv_bias_default or attention_bias
         sliding = d.get("sliding_window")
-        if model_type == "qwen2" and not d.get("use_sliding_window", False):
-            sliding = None  # Qwen2 configs carry a window that is off unless use_sliding_window
+        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+            sliding = None  # Qwen2/3 configs carry a window that is off unless use_sliding_window
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -113,6 +125,7 @@ class ModelArgs:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
+            qk_norm=arch in _QK_NORM_ARCHS,
             mlp_bias=bool(d.get("mlp_bias", False)),
             rope=_rope_args(d),
             sliding_window=int(sliding) if sliding else None,
@@ -123,9 +136,7 @@ class ModelArgs:
 
 
 def _default_arch(model_type: str) -> str:
-    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "phi3": "Phi3ForCausalLM"}
-    return names.get(model_type, f"<model_type {model_type!r}>")
+    return _ARCH_OF_MODEL_TYPE.get(model_type, f"<model_type {model_type!r}>")
 
 
 def _rope_args(d: dict[str, Any]) -> RopeArgs:
@@ -153,7 +164,7 @@ def _rope_args(d: dict[str, Any]) -> RopeArgs:
 
 
 # The architectures the executor implements (serving/executor/models checks it agrees).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(_ARCH_OF_MODEL_TYPE.values())
 
 
 class UnsupportedModelError(ValueError):
@@ -171,7 +182,7 @@ def check_supported(config: dict) -> None:
             f"model architecture {archs or config.get('model_type')!r} needs remote code (auto_map in config.json); "
             f"open-lmi does not run remote code. Supported architectures: {known}"
         )
-    if not archs and config.get("model_type") in ("llama", "mistral", "qwen2", "phi3"):
+    if not archs and config.get("model_type") in _ARCH_OF_MODEL_TYPE:
         return
     raise UnsupportedModelError(
         f"model architecture {archs or config.get('model_type')!r} is not supported; supported: {known}"

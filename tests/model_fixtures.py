@@ -1,4 +1,4 @@
-"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Phi-3) for identity tests vs transformers.
+"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Qwen3/Phi-3) for identity tests vs transformers.
 
 Each dir is written by transformers itself (`save_pretrained`, >= 2 safetensors shards plus
 `model.safetensors.index.json`) and carries the default model's tokenizer, so the vocab
@@ -23,16 +23,17 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "phi3")
-# NOTE: one head dim per arch so 64/80/96/128 are all exercised.
-HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "phi3": 128}
+TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
+# hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
+HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 
 
 def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -65,6 +66,11 @@ def tiny_config(arch: str):
     if arch == "qwen2":
         return Qwen2Config(
             hidden_size=192, num_attention_heads=2, num_key_value_heads=1, intermediate_size=384,
+            tie_word_embeddings=True, use_sliding_window=False, **common,
+        )
+    if arch == "qwen3":
+        return Qwen3Config(
+            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=320,
             tie_word_embeddings=True, use_sliding_window=False, **common,
         )
     if arch == "phi3":
@@ -110,7 +116,8 @@ def build_tiny_model(
     config.head_dim = HEAD_DIMS[arch]
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    assert config.hidden_size == config.num_attention_heads * config.head_dim
+    if arch != "qwen3":
+        assert config.hidden_size == config.num_attention_heads * config.head_dim
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)

@@ -38,6 +38,17 @@ def test_arch_defaults():
     mistral = ModelArgs.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
                                    "sliding_window": 4096, "head_dim": 80})
     assert mistral.sliding_window == 4096 and mistral.head_dim == 80 and not mistral.qkv_bias
+    assert not qwen.qk_norm and not mistral.qk_norm
+    # Qwen3 (Qwen3-0.6B's numbers): heads wider than hidden / heads, q/k norms, no bias, the window off;
+    # a config naming only its model_type is the same architecture.
+    qwen3_cfg = {**BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+                 "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "sliding_window": None,
+                 "use_sliding_window": False, "attention_bias": False}
+    qwen3 = ModelArgs.from_dict(qwen3_cfg)
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.sliding_window is None
+    assert (qwen3.head_dim, qwen3.q_size, qwen3.kv_size) == (128, 2048, 1024)
+    assert ModelArgs.from_dict({**qwen3_cfg, "architectures": None}) == qwen3
+    check_supported({"model_type": "qwen3"})
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ its shard and must produce the single-process logits of every row, on every rank
 greedy tokens. The checkpoints cover separate q/k/v with biases and 2 KV heads (Qwen2), one KV
 head replicated over the ranks with tied embeddings, an odd vocab and o_proj / MLP biases (a
 row-parallel bias must be added once) (Llama), Phi-3's fused
-qkv_proj / gate_up_proj with a replicated KV head and an odd untied vocab, KV heads shared by
+qkv_proj / gate_up_proj with a replicated KV head and an odd untied vocab, Qwen3's per-head q/k
+norms (replicated) with heads wider than hidden / heads, KV heads shared by
 pairs of ranks (TP=4), and the real SmolLM2-135M (tied; 9 heads, so TP=3: TP=2 is rejected).
 """
 
@@ -40,6 +41,7 @@ TP_MODELS: dict[str, tuple[str, dict[str, object]]] = {
                                                      attention_bias=True, mlp_bias=True)),
     "phi3_fused_kv1_odd_vocab": ("phi3", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64,
                                               vocab_size=1003)),
+    "qwen3_qk_norm_wide_heads": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)),
 }
 
 

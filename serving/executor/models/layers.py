@@ -299,7 +299,8 @@ class PagedAttention(nn.Module):
     `num_heads` / `num_kv_heads` are the model's; the layer keeps this rank's share in the
     attributes of the same names (`parallel.attention_shard`). `k_cache` / `v_cache` are views
     into the runner's single KV allocation, set with `bind_kv_cache`; shape
-    [num_blocks, block_size, self.num_kv_heads, head_dim].
+    [num_blocks, block_size, self.num_kv_heads, head_dim]. With `qk_norm_eps` (Qwen3) each head of
+    q and k is RMS-normalised over head_dim before RoPE (`q_norm` / `k_norm`, replicated on every rank).
     """
 
     def __init__(
@@ -313,6 +314,7 @@ class PagedAttention(nn.Module):
         shard: TPShard = SINGLE,
         quant: QuantConfig | None = None,
         prefix: str = "self_attn",
+        qk_norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         heads = attention_shard(num_heads, num_kv_heads, shard)
@@ -328,6 +330,9 @@ class PagedAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, shard,
                                         in_part=(heads.q_head_start * head_dim, self.q_size),
                                         quant_method=linear_method(quant, f"{prefix}.o_proj"), name=f"{prefix}.o_proj")
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.cos_sin_cache = torch.empty(0)  # shared, set by the model
@@ -346,6 +351,9 @@ class PagedAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # per head, over head_dim: rows of head_dim (new contiguous tensors)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         # RoPE on q and k (in place: views of qkv), then k and v into the cache: one launch.

@@ -1,7 +1,7 @@
-"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Phi-3) with HF parameter names.
+"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) with HF parameter names.
 
-The four architectures differ only in options read from `ModelArgs` (q/k/v bias for Qwen2,
-head_dim, rope scaling) and in how the checkpoint names packed projections, which
+The five architectures differ only in options read from `ModelArgs` (q/k/v bias for Qwen2, per-head
+q/k RMSNorm for Qwen3, head_dim, rope scaling) and in how the checkpoint names packed projections, which
 `packed_modules_mapping` covers (Phi-3 checkpoints are already fused). Forward takes flat
 token rows `[num_tokens]` plus the ambient `AttentionMetadata`; `compute_logits` is applied by
 the runner only to the rows it samples.
@@ -39,6 +39,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = PagedAttention(
             args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
             qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
+            qk_norm_eps=args.rms_norm_eps if args.qk_norm else None,
         )
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
