@@ -44,6 +44,13 @@ class RopeArgs:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     partial_rotary_factor: float = 1.0
+    # YaRN only: cos/sin scale (None: from factor and the mscales), the ramp's bounds in rotations
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -148,18 +155,34 @@ def _rope_args(d: dict[str, Any]) -> RopeArgs:
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     partial = merged.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
     orig = merged.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
-    if rope_type not in ("default", "llama3", "linear", "dynamic"):
+    if rope_type not in ("default", "llama3", "linear", "dynamic", "yarn"):
         raise ValueError(
-            f"rope scaling type {rope_type!r} is not supported (supported: default, llama3, linear, dynamic)"
+            f"rope scaling type {rope_type!r} is not supported (supported: default, llama3, linear, dynamic, yarn)"
         )
+    factor = merged.get("factor")
+    if rope_type == "yarn":
+        if not orig:
+            raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+        if factor is None:  # DeepSeek-style configs: the ratio of the two context lengths
+            factor = int(d.get("max_position_embeddings", orig)) / int(orig)
+
+    def opt(key: str) -> float | None:
+        return None if merged.get(key) is None else float(merged[key])
+
     return RopeArgs(
         theta=float(theta),
         scaling_type=str(rope_type),
-        factor=float(merged.get("factor", 1.0) or 1.0),
+        factor=float(factor or 1.0),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig else None,
         partial_rotary_factor=float(partial),
+        attention_factor=opt("attention_factor"),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=opt("mscale"),
+        mscale_all_dim=opt("mscale_all_dim"),
+        truncate=bool(merged.get("truncate", True)),
     )
 
 

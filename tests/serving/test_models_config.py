@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -58,6 +59,12 @@ def test_arch_defaults():
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
         {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3},
         {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},  # within the window: plain
+        # YaRN (Qwen's long-context recipe): blended frequencies and cos/sin scaled by its attention factor
+        {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "factor": 8.0, "rope_theta": 50000.0, "original_max_position_embeddings": 128,
+         "beta_fast": 16, "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+        {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+         "attention_factor": 1.25},
     ],
 )
 def test_cos_sin_cache_matches_transformers_exactly(rope_parameters):
@@ -72,6 +79,16 @@ def test_cos_sin_cache_matches_transformers_exactly(rope_parameters):
     args = ModelArgs.from_dict({**BASE, "rope_parameters": dict(rope_parameters)})
     cache = build_cos_sin_cache(args.rope, args.head_dim, 512)
     assert torch.equal(cache[:300, :32], cos[0, :, :32]) and torch.equal(cache[:300, 32:], sin[0, :, :32])
+
+
+def test_yarn_needs_its_original_context_and_scales_cos_sin():
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        ModelArgs.from_dict({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    # No factor (DeepSeek-style): max_position_embeddings / original; cos and sin carry 0.1 ln(4) + 1.
+    args = ModelArgs.from_dict({**BASE, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 128}})
+    assert args.rope.factor == 4.0
+    cache = build_cos_sin_cache(args.rope, args.head_dim, 8)
+    assert torch.allclose(cache[0, :32], torch.full((32,), 0.1 * math.log(4.0) + 1.0))
 
 
 def test_partial_rotary_dim():

@@ -2,8 +2,9 @@
 
 `build_cos_sin_cache` returns `[max_position, rot_dim]` float32 with cos in the first half
 and sin in the second, the layout `kernels.rotary_embedding` reads. Frequencies follow
-transformers' `modeling_rope_utils` bit for bit for default, llama3 and linear scaling, so
-fp32 logits match HF exactly in the rotary step.
+transformers' `modeling_rope_utils` bit for bit for default, llama3, linear and YaRN scaling,
+so fp32 logits match HF exactly in the rotary step. YaRN also scales cos and sin (its attention
+factor), which the cache carries.
 """
 
 from __future__ import annotations
@@ -34,7 +35,48 @@ def inverse_frequencies(rope: RopeArgs, rot_dim: int, max_position: int) -> torc
         inv_freq = inv_freq / rope.factor
     elif rope.scaling_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope)
+    elif rope.scaling_type == "yarn":
+        inv_freq = _yarn_blend(base, rot_dim, rope)
     return inv_freq
+
+
+def _yarn_blend(base: float, rot_dim: int, rope: RopeArgs) -> torch.Tensor:
+    """YaRN: each frequency interpolated (divided by `factor`), extrapolated (kept), or a linear
+    blend of both, by how many rotations it makes over the original context (`beta_fast` and
+    more: kept; `beta_slow` and fewer: interpolated). Computed as transformers computes it."""
+    orig = rope.original_max_position_embeddings
+    assert orig is not None, "yarn rope scaling needs original_max_position_embeddings"
+
+    def dim_of(rotations: float) -> float:  # the dimension index that makes `rotations` over `orig`
+        return (rot_dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, rot_dim, 2).to(dtype=torch.float) / rot_dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def cos_sin_scale(rope: RopeArgs) -> float:
+    """What cos and sin are multiplied by: 1, or YaRN's attention factor (from `factor` and the
+    mscales when the config gives none)."""
+    if rope.scaling_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return float(mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim))
+    return mscale(rope.factor)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rope: RopeArgs) -> torch.Tensor:
@@ -61,4 +103,8 @@ def build_cos_sin_cache(
     inv_freq = inverse_frequencies(rope, rot_dim, max_position)
     positions = torch.arange(max_position, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]  # [P, rot_dim // 2], as HF: pos.float() * inv_freq
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous().to(device)
+    cos, sin = freqs.cos(), freqs.sin()
+    scale = cos_sin_scale(rope)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return torch.cat([cos, sin], dim=-1).contiguous().to(device)
