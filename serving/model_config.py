@@ -20,6 +20,8 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "qwen2": (1e-6, True),
     "qwen3": (1e-6, False),
     "phi3": (1e-5, False),
+    "smollm3": (1e-6, False),
+    "granite": (1e-6, False),
 }
 # model_type -> its architecture, for configs that name no `architectures`
 _ARCH_OF_MODEL_TYPE: dict[str, str] = {
@@ -28,6 +30,8 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 # Architectures whose attention RMS-normalises each head of q and k (over head_dim) before RoPE.
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM"})
@@ -78,6 +82,13 @@ class ModelArgs:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # SmolLM3: the layers whose attention applies no RoPE (NoPE)
+    no_rope_layers: tuple[int, ...] = ()
+    # Granite: embeddings and each block's output scaled, softmax scale set, logits divided
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # None: head_dim ** -0.5
+    logits_scaling: float = 1.0
 
     @property
     def q_size(self) -> int:
@@ -113,8 +124,10 @@ class ModelArgs:
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = qkv_bias_default or attention_bias
         sliding = d.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
-            sliding = None  # Qwen2/3 configs carry a window that is off unless use_sliding_window
+        if "use_sliding_window" in d and not d["use_sliding_window"]:
+            sliding = None  # Qwen2/3 and SmolLM3 configs carry a window that is off unless use_sliding_window
+        elif model_type in ("qwen2", "qwen3"):
+            sliding = sliding if d.get("use_sliding_window") else None
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -139,7 +152,26 @@ class ModelArgs:
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            no_rope_layers=_no_rope_layers(d, model_type, int(d["num_hidden_layers"])),
+            embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+            attention_multiplier=float(d.get("attention_multiplier", 1.0)) if model_type == "granite" else None,
+            logits_scaling=float(d.get("logits_scaling", 1.0)),
         )
+
+
+def _no_rope_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's NoPE layers: `no_rope_layers[i]` is 1 where layer i applies RoPE, 0 where it does
+    not; without the list, every `no_rope_layer_interval`-th layer (default 4) has none."""
+    if model_type != "smollm3":
+        return ()
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = int(d.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
 def _default_arch(model_type: str) -> str:

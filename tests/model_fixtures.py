@@ -1,4 +1,5 @@
-"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Qwen3/Phi-3) for identity tests vs transformers.
+"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Qwen3/Phi-3/SmolLM3/Granite) for identity tests
+vs transformers.
 
 Each dir is written by transformers itself (`save_pretrained`, >= 2 safetensors shards plus
 `model.safetensors.index.json`) and carries the default model's tokenizer, so the vocab
@@ -23,17 +24,18 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
-HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128}
+HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 
 
 def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              SmolLM3Config)
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -72,6 +74,17 @@ def tiny_config(arch: str):
         return Qwen3Config(
             hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=320,
             tie_word_embeddings=True, use_sliding_window=False, **common,
+        )
+    if arch == "smollm3":  # layer 1 of 2 without RoPE (NoPE)
+        return SmolLM3Config(
+            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256,
+            tie_word_embeddings=True, no_rope_layers=[1, 0], use_sliding_window=False, **common,
+        )
+    if arch == "granite":  # every multiplier away from 1 (Granite 3's are 12 / 0.22 / 1/128 / 16)
+        return GraniteConfig(
+            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256,
+            tie_word_embeddings=True, embedding_multiplier=4.0, residual_multiplier=0.5,
+            attention_multiplier=0.1, logits_scaling=2.0, **common,
         )
     if arch == "phi3":
         return Phi3Config(

@@ -1,7 +1,9 @@
 """Done-when 2 of issue 2: engine-level greedy identity vs transformers on tiny random models.
 
-Llama (llama3 rope scaling, legacy rope keys), Mistral, Qwen2 (qkv bias, tied embeddings) and
-Phi-3 (fused qkv/gate_up), each saved by transformers as >= 2 safetensors shards. All prompts
+Llama (llama3 rope scaling, legacy rope keys), Mistral, Qwen2 (qkv bias, tied embeddings),
+Qwen3 (per-head q/k norms, heads wider than hidden / heads), Phi-3 (fused qkv/gate_up), SmolLM3
+(a layer without RoPE) and Granite (its four multipliers), each saved by transformers as >= 2
+safetensors shards. All prompts
 run together with block size 4 and a 32-token budget, so prefills are chunked and mixed with
 decodes; a second run forces preemption, a third runs on a 2-token budget with async
 scheduling. Every block must be free afterwards.

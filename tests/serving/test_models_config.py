@@ -50,6 +50,18 @@ def test_arch_defaults():
     assert (qwen3.head_dim, qwen3.q_size, qwen3.kv_size) == (128, 2048, 1024)
     assert ModelArgs.from_dict({**qwen3_cfg, "architectures": None}) == qwen3
     check_supported({"model_type": "qwen3"})
+    # SmolLM3: every 4th layer without RoPE unless the config lists them; Granite: its four multipliers.
+    smol = {**BASE, "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "num_hidden_layers": 8}
+    assert ModelArgs.from_dict(smol).no_rope_layers == (3, 7)
+    assert ModelArgs.from_dict({**smol, "no_rope_layers": [0, 1, 1, 1, 0, 1, 1, 1]}).no_rope_layers == (0, 4)
+    with pytest.raises(ValueError, match="no_rope_layers has 2 entries for 8 layers"):
+        ModelArgs.from_dict({**smol, "no_rope_layers": [1, 0]})
+    granite = ModelArgs.from_dict({**BASE, "architectures": ["GraniteForCausalLM"], "model_type": "granite",
+                                   "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                   "attention_multiplier": 0.0078125, "logits_scaling": 16.0})
+    assert (granite.embedding_multiplier, granite.residual_multiplier, granite.attention_multiplier,
+            granite.logits_scaling) == (12.0, 0.22, 0.0078125, 16.0)
+    assert qwen3.attention_multiplier is None and qwen3.no_rope_layers == () and qwen3.logits_scaling == 1.0
 
 
 @pytest.mark.parametrize(

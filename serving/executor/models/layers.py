@@ -300,7 +300,9 @@ class PagedAttention(nn.Module):
     attributes of the same names (`parallel.attention_shard`). `k_cache` / `v_cache` are views
     into the runner's single KV allocation, set with `bind_kv_cache`; shape
     [num_blocks, block_size, self.num_kv_heads, head_dim]. With `qk_norm_eps` (Qwen3) each head of
-    q and k is RMS-normalised over head_dim before RoPE (`q_norm` / `k_norm`, replicated on every rank).
+    q and k is RMS-normalised over head_dim before RoPE (`q_norm` / `k_norm`, replicated on every rank);
+    `use_rope=False` (SmolLM3's NoPE layers) stores K/V unrotated; `scale` replaces head_dim ** -0.5
+    as the softmax scale (Granite's attention_multiplier).
     """
 
     def __init__(
@@ -315,12 +317,15 @@ class PagedAttention(nn.Module):
         quant: QuantConfig | None = None,
         prefix: str = "self_attn",
         qk_norm_eps: float | None = None,
+        use_rope: bool = True,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         heads = attention_shard(num_heads, num_kv_heads, shard)
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.use_rope = use_rope
         kv_part = OutputPart(num_kv_heads * head_dim, heads.kv_head_start * head_dim, self.kv_size)
         parts = {"q": OutputPart(num_heads * head_dim, heads.q_head_start * head_dim, self.q_size),
                  "k": kv_part, "v": kv_part}
@@ -356,9 +361,11 @@ class PagedAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim))
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        # RoPE on q and k (in place: views of qkv), then k and v into the cache: one launch.
-        kernels.rotary_and_write_kv(positions, q, k, v, self.cos_sin_cache, self.head_dim, self.k_cache,
-                                    self.v_cache, meta.slot_mapping)
+        if self.use_rope:  # RoPE on q and k (in place: views of qkv), then k and v into the cache: one launch
+            kernels.rotary_and_write_kv(positions, q, k, v, self.cos_sin_cache, self.head_dim, self.k_cache,
+                                        self.v_cache, meta.slot_mapping)
+        else:
+            kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return q.view(num_tokens, self.num_heads, self.head_dim)
 
     def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

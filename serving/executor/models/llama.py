@@ -1,7 +1,8 @@
-"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) with HF parameter names.
+"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite) with HF parameter names.
 
-The five architectures differ only in options read from `ModelArgs` (q/k/v bias for Qwen2, per-head
-q/k RMSNorm for Qwen3, head_dim, rope scaling) and in how the checkpoint names packed projections, which
+The architectures differ only in options read from `ModelArgs` (q/k/v bias for Qwen2, per-head
+q/k RMSNorm for Qwen3, layers without RoPE for SmolLM3, Granite's multipliers, head_dim, rope
+scaling) and in how the checkpoint names packed projections, which
 `packed_modules_mapping` covers (Phi-3 checkpoints are already fused). Forward takes flat
 token rows `[num_tokens]` plus the ambient `AttentionMetadata`; `compute_logits` is applied by
 the runner only to the rows it samples.
@@ -34,12 +35,15 @@ from serving.quantization import QuantConfig
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x -> norm -> attention -> (+res) norm -> MLP, residual carried fused."""
 
-    def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None = None, prefix: str = "",
+                 use_rope: bool = True) -> None:
         super().__init__()
+        self.residual_multiplier = args.residual_multiplier
         self.self_attn = PagedAttention(
             args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
             qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
-            qk_norm_eps=args.rms_norm_eps if args.qk_norm else None,
+            qk_norm_eps=args.rms_norm_eps if args.qk_norm else None, use_rope=use_rope,
+            scale=args.attention_multiplier,
         )
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -64,8 +68,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj -> (+res) norm -> MLP: (hidden, residual) for the next layer."""
-        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
-        return self.mlp(hidden), residual
+        m = self.residual_multiplier  # Granite scales each block's output before the residual add
+        attn = self.self_attn.o_proj(attn)
+        hidden, residual = self.post_attention_layernorm(attn if m == 1.0 else attn * m, residual)
+        hidden = self.mlp(hidden)
+        return (hidden if m == 1.0 else hidden * m), residual
 
 
 class LlamaModel(nn.Module):
@@ -74,8 +81,10 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, shard, quant, f"model.layers.{i}")
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, shard, quant, f"model.layers.{i}",
+                                                      use_rope=i not in args.no_rope_layers)
                                     for i in range(args.num_hidden_layers))
+        self.embedding_multiplier = args.embedding_multiplier
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, rot_dim] float32
@@ -84,6 +93,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embedding_multiplier != 1.0:  # Granite
+            hidden = hidden * self.embedding_multiplier
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -129,4 +140,7 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32 (into `out` when given), full vocab on every rank
         (tied embeddings reuse embed_tokens)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.compute_logits(hidden, out)
+        logits = head.compute_logits(hidden, out)
+        if self.args.logits_scaling != 1.0:  # Granite divides the logits
+            logits.div_(self.args.logits_scaling)
+        return logits
