@@ -55,6 +55,9 @@ class RopeArgs:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # LongRoPE (Phi-3.5, Phi-4-mini): per-frequency divisors for short and long contexts
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -187,16 +190,28 @@ def _rope_args(d: dict[str, Any]) -> RopeArgs:
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     partial = merged.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
     orig = merged.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
-    if rope_type not in ("default", "llama3", "linear", "dynamic", "yarn"):
+    if rope_type == "su":  # LongRoPE's early name (Phi-3 configs of 2024)
+        rope_type = "longrope"
+    if rope_type not in ("default", "llama3", "linear", "dynamic", "yarn", "longrope"):
         raise ValueError(
-            f"rope scaling type {rope_type!r} is not supported (supported: default, llama3, linear, dynamic, yarn)"
+            f"rope scaling type {rope_type!r} is not supported "
+            "(supported: default, llama3, linear, dynamic, yarn, longrope)"
         )
     factor = merged.get("factor")
-    if rope_type == "yarn":
+    short = long = None
+    if rope_type in ("yarn", "longrope"):
         if not orig:
-            raise ValueError("yarn rope scaling needs original_max_position_embeddings")
-        if factor is None:  # DeepSeek-style configs: the ratio of the two context lengths
+            if rope_type == "yarn":
+                raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+            orig = d.get("max_position_embeddings")  # LongRoPE: as transformers defaults it
+        if factor is None:  # the ratio of the two context lengths (DeepSeek's YaRN, Phi-3's LongRoPE)
             factor = int(d.get("max_position_embeddings", orig)) / int(orig)
+    if rope_type == "longrope":
+        short, long = merged.get("short_factor"), merged.get("long_factor")
+        half = int(int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"])) * partial) // 2
+        for name, factors in (("short_factor", short), ("long_factor", long)):
+            if not isinstance(factors, list) or len(factors) != half:
+                raise ValueError(f"longrope rope scaling needs {name}: a list of {half} numbers (rotary dims / 2)")
 
     def opt(key: str) -> float | None:
         return None if merged.get(key) is None else float(merged[key])
@@ -215,6 +230,8 @@ def _rope_args(d: dict[str, Any]) -> RopeArgs:
         mscale=opt("mscale"),
         mscale_all_dim=opt("mscale_all_dim"),
         truncate=bool(merged.get("truncate", True)),
+        short_factor=tuple(float(f) for f in short) if short else None,
+        long_factor=tuple(float(f) for f in long) if long else None,
     )
 
 

@@ -83,7 +83,7 @@ class ModelRunner:
         self.quant = resolve_quantization(self.model_dir, raw, config.quantization)
         check_device(self.quant, self.device)
         self.model = build_model(args, self.dtype, self.device, max(self.max_model_len, args.max_position_embeddings),
-                                 quant=self.quant)
+                                 quant=self.quant, context_len=self.max_model_len)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, seed=config.seed)
         else:

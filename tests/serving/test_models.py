@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import TINY_ARCHS, smollm2_path, tiny_models  # noqa: F401  (fixtures)
+from model_fixtures import TINY_ARCHS, build_tiny_model, smollm2_path, tiny_models  # noqa: F401  (fixtures)
 from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig
@@ -25,8 +25,10 @@ def _hf(path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def _check_paged_logits(path, block_size: int, lengths: list[int], chunk: int, decode_steps: int) -> None:
-    runner = ModelRunner(EngineConfig(model=str(path), block_size=block_size, kv_cache_memory_gb=0.02, device="cpu"))
+def _check_paged_logits(path, block_size: int, lengths: list[int], chunk: int, decode_steps: int,
+                        max_model_len: int | None = None) -> None:
+    runner = ModelRunner(EngineConfig(model=str(path), block_size=block_size, kv_cache_memory_gb=0.02, device="cpu",
+                                      max_model_len=max_model_len))
     driver = PagedDriver(runner)
     gen = torch.Generator().manual_seed(sum(lengths))
     prompts = [torch.randint(3, 49000, (n,), generator=gen).tolist() for n in lengths]
@@ -63,6 +65,18 @@ def _check_paged_logits(path, block_size: int, lengths: list[int], chunk: int, d
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_model_logits_match_transformers(tiny_models, arch):  # noqa: F811
     _check_paged_logits(tiny_models(arch), block_size=4, lengths=[5, 23, 37], chunk=9, decode_steps=6)
+
+
+def test_phi3_longrope_served_within_its_original_context(tmp_path):
+    """Phi-3.5-style LongRoPE (partial rotary dims too): served with max_model_len within the original
+    64 positions, the short factors, as transformers uses for such sequences."""
+    gen = torch.Generator().manual_seed(0)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": (1.0 + torch.rand(48, generator=gen)).tolist(),
+            "long_factor": (1.0 + 20 * torch.rand(48, generator=gen)).tolist(), "original_max_position_embeddings": 64}
+    path = build_tiny_model("phi3", tmp_path / "phi3-longrope", overrides=dict(
+        rope_parameters=rope, partial_rotary_factor=0.75, original_max_position_embeddings=64))
+    _check_paged_logits(path, block_size=4, lengths=[5, 23, 37], chunk=9, decode_steps=6, max_model_len=64)
 
 
 def test_smollm2_logits_match_transformers(smollm2_path):  # noqa: F811

@@ -103,14 +103,49 @@ def test_yarn_needs_its_original_context_and_scales_cos_sin():
     assert torch.allclose(cache[0, :32], torch.full((32,), 0.1 * math.log(4.0) + 1.0))
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_short_within_the_original_context_long_beyond_as_transformers(partial):
+    """Phi-3.5 / Phi-4-mini: LongRoPE's short factors for a served context within the original 64
+    positions, the long ones beyond it, each equal to transformers' cache for such a sequence; cos
+    and sin carry sqrt(1 + ln(2048 / 64) / ln 64)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    half = int(64 * partial) // 2
+    gen = torch.Generator().manual_seed(0)
+    short = (1.0 + torch.rand(half, generator=gen)).tolist()
+    long = (1.0 + 20 * torch.rand(half, generator=gen)).tolist()
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": 64, "partial_rotary_factor": partial}
+    base = {**BASE, "max_position_embeddings": 2048, "partial_rotary_factor": partial}
+    cfg = LlamaConfig(**{k: v for k, v in base.items() if k not in ("architectures", "model_type")},
+                      rope_parameters=dict(rope))
+    hf = LlamaRotaryEmbedding(cfg)
+    args = ModelArgs.from_dict({**base, "rope_parameters": dict(rope)})
+    assert args.rope.factor == 32.0 and args.rope.scaling_type == "longrope"
+    rot = int(64 * partial) // 2
+    for context_len, positions in ((64, torch.arange(64)), (2048, torch.arange(300))):
+        cos, sin = hf(torch.zeros(1, 1, 64), positions[None])  # the factors of this longest position
+        cache = build_cos_sin_cache(args.rope, args.head_dim, 2048, context_len=context_len)
+        n = len(positions)
+        assert torch.equal(cache[:n, :rot], cos[0, :, :rot]) and torch.equal(cache[:n, rot:], sin[0, :, :rot])
+    assert math.isclose(build_cos_sin_cache(args.rope, args.head_dim, 8)[0, 0].item(),
+                        math.sqrt(1 + math.log(32) / math.log(64)), rel_tol=1e-6)
+    # The early name "su", and factors that do not fit the rotary dims
+    su = {**{k: v for k, v in rope.items() if k != "rope_type"}, "type": "su"}
+    assert ModelArgs.from_dict({**base, "rope_scaling": su}).rope == args.rope
+    with pytest.raises(ValueError, match=f"long_factor: a list of {half} numbers"):
+        ModelArgs.from_dict({**base, "rope_parameters": {**rope, "long_factor": long[:-1]}})
+
+
 def test_partial_rotary_dim():
     args = ModelArgs.from_dict({**BASE, "partial_rotary_factor": 0.5})
     assert build_cos_sin_cache(args.rope, args.head_dim, 16).shape == (16, 32)
 
 
 def test_unsupported_rope_and_activation_are_clear():
-    with pytest.raises(ValueError, match="longrope"):
-        ModelArgs.from_dict({**BASE, "rope_scaling": {"type": "longrope", "short_factor": [1.0]}})
+    with pytest.raises(ValueError, match="'ntk-by-parts' is not supported"):
+        ModelArgs.from_dict({**BASE, "rope_scaling": {"type": "ntk-by-parts", "factor": 2.0}})
     with pytest.raises(ValueError, match="gelu"):
         ModelArgs.from_dict({**BASE, "hidden_act": "gelu"})
 

@@ -55,15 +55,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(
     args: ModelArgs, dtype: torch.dtype, device: torch.device, max_position: int | None = None,
-    shard: TPShard | None = None, quant: QuantConfig | None = None,
+    shard: TPShard | None = None, quant: QuantConfig | None = None, context_len: int | None = None,
 ) -> nn.Module:
     """Instantiate the model (this rank's slice) with uninitialised parameters of `dtype` directly on `device`.
 
     `quant`: the checkpoint's quantization (its linear layers then hold quantized tensors).
+    `context_len`: the longest sequence the engine serves (it picks LongRoPE's factors).
     Raises ValueError when the model does not split over the tensor-parallel degree (or its
     quantized groups do not).
     """
     cls = get_model_class(args)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(args, max_position=max_position, shard=shard, quant=quant)
+        model = cls(args, max_position=max_position, shard=shard, quant=quant, context_len=context_len)
     return model.eval()

@@ -78,7 +78,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF `model.*`)."""
 
-    def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None) -> None:
+    def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
+                 context_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, shard, quant, f"model.layers.{i}",
@@ -86,7 +87,8 @@ class LlamaModel(nn.Module):
                                     for i in range(args.num_hidden_layers))
         self.embedding_multiplier = args.embedding_multiplier
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device)
+        cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device,
+                                    context_len=context_len)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, rot_dim] float32
         for layer in self.layers:
             layer.self_attn.cos_sin_cache = self.cos_sin_cache
@@ -115,13 +117,13 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, args: ModelArgs, max_position: int | None = None, shard: TPShard | None = None,
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, context_len: int | None = None) -> None:
         super().__init__()
         self.args = args
         self.tp_shard = shard = shard or tp_shard()
         self.quant = quant
         validate_tensor_parallel(args, shard.world_size)
-        self.model = LlamaModel(args, max_position or args.max_position_embeddings, shard, quant)
+        self.model = LlamaModel(args, max_position or args.max_position_embeddings, shard, quant, context_len)
         if args.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -2,9 +2,15 @@
 
 `build_cos_sin_cache` returns `[max_position, rot_dim]` float32 with cos in the first half
 and sin in the second, the layout `kernels.rotary_embedding` reads. Frequencies follow
-transformers' `modeling_rope_utils` bit for bit for default, llama3, linear and YaRN scaling,
-so fp32 logits match HF exactly in the rotary step. YaRN also scales cos and sin (its attention
-factor), which the cache carries.
+transformers' `modeling_rope_utils` bit for bit for default, llama3, linear, YaRN and LongRoPE
+scaling, so fp32 logits match HF exactly in the rotary step. YaRN and LongRoPE also scale cos and
+sin (their attention factor), which the cache carries.
+
+LongRoPE has two sets of frequencies; transformers picks one per forward from the longest position
+in the batch, so a sequence's keys could be rotated by both. Here the choice is made once for the
+served context (`context_len`, the engine's max_model_len): the long factors when it exceeds the
+original pretraining context, else the short ones, which equal transformers for every sequence
+within that context.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from serving.model_config import RopeArgs
 logger = logging.getLogger(__name__)
 
 
-def inverse_frequencies(rope: RopeArgs, rot_dim: int, max_position: int) -> torch.Tensor:
-    """[rot_dim // 2] float32 inverse frequencies after scaling."""
+def inverse_frequencies(rope: RopeArgs, rot_dim: int, max_position: int, context_len: int | None = None
+                        ) -> torch.Tensor:
+    """[rot_dim // 2] float32 inverse frequencies after scaling (`context_len`: see the module text)."""
     base = rope.theta
     if rope.scaling_type == "dynamic":
         # HF recomputes the base from the longest sequence in the batch; at lengths within
@@ -37,6 +44,11 @@ def inverse_frequencies(rope: RopeArgs, rot_dim: int, max_position: int) -> torc
         inv_freq = _llama3_scale(inv_freq, rope)
     elif rope.scaling_type == "yarn":
         inv_freq = _yarn_blend(base, rot_dim, rope)
+    elif rope.scaling_type == "longrope":
+        orig = rope.original_max_position_embeddings
+        assert orig is not None and rope.short_factor is not None and rope.long_factor is not None
+        factors = rope.long_factor if (context_len or max_position) > orig else rope.short_factor
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
     return inv_freq
 
 
@@ -66,10 +78,14 @@ def _yarn_blend(base: float, rot_dim: int, rope: RopeArgs) -> torch.Tensor:
 def cos_sin_scale(rope: RopeArgs) -> float:
     """What cos and sin are multiplied by: 1, or YaRN's attention factor (from `factor` and the
     mscales when the config gives none)."""
-    if rope.scaling_type != "yarn":
+    if rope.scaling_type not in ("yarn", "longrope"):
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
+    if rope.scaling_type == "longrope":
+        orig = rope.original_max_position_embeddings
+        assert orig is not None
+        return 1.0 if rope.factor <= 1.0 else math.sqrt(1 + math.log(rope.factor) / math.log(orig))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -96,11 +112,14 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeArgs) -> torch.Tensor:
 
 
 def build_cos_sin_cache(
-    rope: RopeArgs, head_dim: int, max_position: int, device: torch.device | str = "cpu"
+    rope: RopeArgs, head_dim: int, max_position: int, device: torch.device | str = "cpu",
+    context_len: int | None = None,
 ) -> torch.Tensor:
-    """[max_position, rot_dim] float32: cos(pos * f) | sin(pos * f), rot_dim = head_dim * partial."""
+    """[max_position, rot_dim] float32: cos(pos * f) | sin(pos * f), rot_dim = head_dim * partial.
+
+    `context_len`: the longest sequence served (default `max_position`); picks LongRoPE's factors."""
     rot_dim = int(head_dim * rope.partial_rotary_factor)
-    inv_freq = inverse_frequencies(rope, rot_dim, max_position)
+    inv_freq = inverse_frequencies(rope, rot_dim, max_position, context_len)
     positions = torch.arange(max_position, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]  # [P, rot_dim // 2], as HF: pos.float() * inv_freq
     cos, sin = freqs.cos(), freqs.sin()
