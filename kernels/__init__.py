@@ -60,13 +60,14 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, H, D]: written and returned instead of a new tensor
+    window: int = 0,  # > 0: a sliding window, each query sees its last `window` positions
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
     if use_triton(query):
         impl = _mod("paged_decode_attention").paged_decode_attention
     else:
         impl = reference.paged_decode_attention
-    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window)
 
 
 def prefill_attention(
@@ -79,10 +80,12 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, H, D]: written and returned instead of a new tensor
+    window: int = 0,  # > 0: a sliding window, each query sees the last `window` positions up to its own
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix + itself."""
     impl = _mod("prefill_attention").prefill_attention if use_triton(query) else reference.prefill_attention
-    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out)
+    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out,
+                window=window)
 
 
 def mixed_attention(
@@ -94,10 +97,11 @@ def mixed_attention(
     seq_lens: torch.Tensor,  # [S] int32: K/V length after this step (0: an unused slot)
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]: written and returned instead of a new tensor
+    window: int = 0,  # > 0: a sliding window, each query sees the last `window` positions up to its own
 ) -> torch.Tensor:
     """Decode rows and prompt chunks in one launch whose grid depends only on T and S (graph-safe)."""
     impl = _mod("mixed_attention").mixed_attention if use_triton(query) else reference.mixed_attention
-    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out)
+    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out, window=window)
 
 
 def rms_norm(

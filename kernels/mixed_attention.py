@@ -75,6 +75,7 @@ def _mixed_attention_kernel(
     stride_c_tok,
     stride_c_head,
     stride_bt_seq,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -83,6 +84,7 @@ def _mixed_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -129,7 +131,8 @@ def _mixed_attention_kernel(
     end_n = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_Q)
     out = causal_paged_attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_seq,
                               kv_head, end_n, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
-                              HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION)
+                              context_len + m_block * BLOCK_Q, window,
+                              HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, SLIDING)
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
@@ -146,8 +149,10 @@ def mixed_attention_impl(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    window: int = 0,
 ) -> torch.Tensor:
     """`mixed_attention` with the tile sizes and launch shape exposed (tests and the bench pin them)."""
+    assert window >= 0, window
     num_tokens, num_heads, head_dim = query.shape
     page_size, num_kv_heads, num_seqs = check_varlen_inputs(query, k_cache, v_cache, block_tables, query_start_loc,
                                                             seq_lens)
@@ -182,6 +187,7 @@ def mixed_attention_impl(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        window,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -190,6 +196,7 @@ def mixed_attention_impl(
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -205,12 +212,15 @@ def mixed_attention(
     seq_lens: torch.Tensor,  # [S] int32 (or int64): K/V length incl. this step's tokens (0: unused slot)
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows (one for a decode, a chunk for a prompt)
-    over its cached prefix and itself; see the module docstring for the fixed grid.
+    over its cached prefix and itself (with `window` W > 0, its last W positions only); see the
+    module docstring for the fixed grid.
 
     Query j of sequence s sits at position `seq_lens[s] - q_len_s + j`. All K/V are read from
     the paged cache, so the caller writes this step's K/V first. Rows from `query_start_loc[S]`
     to T are not written (zeros in a new `out`). Returns `out` `[T, H, D]`.
     """
-    return mixed_attention_impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out)
+    return mixed_attention_impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out,
+                                window=window)

@@ -6,7 +6,8 @@ tables and sequence lengths. Out: `[num_seqs, H, D]`. Stage 1 runs one program p
 over its slice of the context (a `tl.dot` on a head tile padded to 16 rows), writing a partial
 output and its log-sum-exp. Stage 2 merges the splits; with one split (large batches), stage 1
 writes the output itself and stage 2 is not launched. Every launch parameter is derived from
-tensor shapes, never from tensor values, so the op can be captured in a CUDA graph.
+tensor shapes, never from tensor values, so the op can be captured in a CUDA graph. With a sliding
+window W (`window` > 0) the splits cover a sequence's last W positions only.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def _paged_decode_stage1_kernel(
     stride_c_head,
     stride_bt_seq,
     num_splits,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -60,14 +62,20 @@ def _paged_decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
-    start = split * split_len
+    if SLIDING:  # the splits share the visible positions [seq_len - window, seq_len)
+        first = tl.maximum(seq_len - window, 0)
+        split_len = _split_len(seq_len - first, num_splits, BLOCK_N)
+        start = first + split * split_len
+    else:
+        split_len = _split_len(seq_len, num_splits, BLOCK_N)
+        start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -124,14 +132,18 @@ def _paged_decode_stage2_kernel(
     stride_o_seq,
     stride_o_head,
     num_splits,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # MAX_SPLITS: one kernel for every split count
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if SLIDING:  # as stage 1 split it: the visible span only
+        seq_len = seq_len - tl.maximum(seq_len - window, 0)
     split_len = _split_len(seq_len, num_splits, BLOCK_N)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -173,9 +185,11 @@ def paged_decode_attention_impl(
     num_warps: int = 4,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`paged_decode_attention` with the tile, split count and launch shape exposed (tests and
     bench/decode_attention_sweep.py pin them)."""
+    assert window >= 0, window
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, page_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape
@@ -195,7 +209,8 @@ def paged_decode_attention_impl(
     if block_n is None:
         block_n = 64 if query.is_cuda else 16
     if num_splits is None:
-        num_splits = _default_num_splits(query, num_kv_heads, block_tables.shape[1] * page_size, block_n)
+        context = block_tables.shape[1] * page_size
+        num_splits = _default_num_splits(query, num_kv_heads, min(context, window) if window else context, block_n)
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
     block_tables, seq_lens = aligned(block_tables), aligned(seq_lens)
     block_d = triton.next_power_of_2(head_dim)
@@ -221,6 +236,7 @@ def paged_decode_attention_impl(
         k_cache.stride(2),
         block_tables.stride(0),
         num_splits,
+        window,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -228,6 +244,7 @@ def paged_decode_attention_impl(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         DOT_PRECISION=precision,
+        SLIDING=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -241,10 +258,12 @@ def paged_decode_attention_impl(
         out.stride(0),
         out.stride(1),
         num_splits,
+        window,
         HEAD_DIM=head_dim,
         BLOCK_S=MAX_SPLITS,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
+        SLIDING=window > 0,
         num_warps=4,
     )
     return out
@@ -258,8 +277,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence attending to its whole cached context -> [num_seqs, H, D].
+    """One query token per sequence attending to its whole cached context (with `window` W > 0,
+    its last W positions) -> [num_seqs, H, D].
 
     Shapes: query [S, H, D] (unit stride over D); caches [NB, BS, KVH, D] with H % KVH == 0;
     block_tables [>=S, max_blocks]; seq_lens [>=S]. A row with seq_len 0 (graph padding)
@@ -267,4 +288,4 @@ def paged_decode_attention(
     `out` ([S, H, D], query's dtype, unit stride over D; rows may be strided): written in
     place of a fresh tensor (a step's eager attention writes its layer's buffer directly).
     """
-    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window)

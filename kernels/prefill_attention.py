@@ -4,7 +4,9 @@ In: this step's query tokens of several sequences packed `[num_tokens, H, D]` wi
 `query_start_loc`, total K/V lengths `seq_lens` (cached prefix + this chunk, so chunked prefill
 and prefix-cache hits are the same case) and block tables. Out: `[num_tokens, H, D]`.
 One program per (query tile, sequence, query head) runs an online softmax over K/V tiles
-gathered token by token through the block table, stopping at the tile's causal frontier.
+gathered token by token through the block table, stopping at the tile's causal frontier. With a
+sliding window W (`window` > 0), a query at position p sees positions p - W + 1 .. p only, and the
+K/V tiles wholly before the tile's first window are not read.
 """
 
 from __future__ import annotations
@@ -31,21 +33,28 @@ def causal_paged_attend(
     stride_c_block,
     stride_c_tok,
     stride_c_head,
+    first_pos,  # the position of the tile's first query row (SLIDING only)
+    window,  # the sliding window W (SLIDING only)
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """Online softmax of each row over the paged K/V of one KV head at positions <= its own
-    (`prefill_attention` and `mixed_attention` share it) -> the attention output, float32."""
+    (`prefill_attention` and `mixed_attention` share it) -> the attention output, float32.
+    With SLIDING, each row sees only the `window` positions ending at its own."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n_start in range(0, end_n, BLOCK_N):
+    start_n = 0
+    if SLIDING:  # from the tile holding the first row's first visible position
+        start_n = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for n_start in range(start_n, end_n, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end_n
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
@@ -53,16 +62,26 @@ def causal_paged_attend(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        # NOTE: position 0 is visible to every row (q_pos >= 0), so each row's max is finite after tile 0.
+        # NOTE: without a window, position 0 is visible to every row (q_pos >= 0), so each row's max
+        # is finite after tile 0; with one, a row may see nothing in a tile and has no finite max yet.
         allowed = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        if SLIDING:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
         qk = tl.where(allowed, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        if SLIDING:  # a row with nothing visible so far: p and alpha are 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+        else:
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if SLIDING:  # rows past the chunk (masked, never stored) may have seen nothing: no 0 / 0
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     return acc / l_i[:, None]
 
 
@@ -86,6 +105,7 @@ def _prefill_attention_kernel(
     stride_c_tok,
     stride_c_head,
     stride_bt_seq,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -93,6 +113,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -122,7 +143,8 @@ def _prefill_attention_kernel(
     end_n = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
     out = causal_paged_attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_seq,
                               kv_head, end_n, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
-                              HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION)
+                              context_len + m_block * BLOCK_M, window,
+                              HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, SLIDING)
     tl.store(
         out_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -160,8 +182,10 @@ def prefill_attention_impl(
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`prefill_attention` with the tile sizes exposed (tests pin them)."""
+    assert window >= 0, window
     num_tokens, num_heads, head_dim = query.shape
     page_size, num_kv_heads, num_seqs = check_varlen_inputs(query, k_cache, v_cache, block_tables, query_start_loc,
                                                             seq_lens)
@@ -193,6 +217,7 @@ def prefill_attention_impl(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        window,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -200,6 +225,7 @@ def prefill_attention_impl(
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=window > 0,
         num_warps=4,
         num_stages=2,
     )
@@ -216,14 +242,16 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix + itself.
 
     Query j of sequence s sits at position `seq_lens[s] - q_len_s + j` and sees K/V positions up
-    to and including it. All K/V are read from the paged cache, so the caller writes this step's
-    K/V first. Shapes: query [T, H, D] (unit stride over D); caches [NB, BS, KVH, D];
-    query_start_loc [S + 1]; seq_lens [S]. Returns [T, H, D].
+    to and including it (with `window` W > 0, only the last W of them). All K/V are read from the
+    paged cache, so the caller writes this step's K/V first. Shapes: query [T, H, D] (unit stride
+    over D); caches [NB, BS, KVH, D]; query_start_loc [S + 1]; seq_lens [S]. Returns [T, H, D].
     """
     return prefill_attention_impl(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out,
+        window=window,
     )

@@ -49,6 +49,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, H, D] of query's dtype: written and returned
+    window: int = 0,  # > 0: each query sees the last `window` positions only
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
     num_seqs, num_heads, head_dim = query.shape
@@ -63,7 +64,10 @@ def paged_decode_attention(
     # The `group` query heads that share KV head h are h's `group` query rows: [S, KVH, G, D].
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     pos = torch.arange(max_len, device=query.device)
-    valid = pos[None, :] < seq_lens[:, None].to(pos.device)  # [S, L]: key l is in sequence s
+    lens = seq_lens[:num_seqs, None].to(pos.device)
+    valid = pos[None, :] < lens  # [S, L]: key l is in sequence s
+    if window:
+        valid &= pos[None, :] >= lens - window
     res = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
     res = res.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
     return res if out is None else out.copy_(res)
@@ -79,6 +83,7 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, H, D] of query's dtype: written and returned
+    window: int = 0,  # > 0: each query sees the last `window` positions up to its own only
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix + itself.
 
@@ -106,6 +111,8 @@ def prefill_attention(
         q = query[q0:q1].float().transpose(0, 1)[None]  # [1, H, q_len, D]
         # Row j (position kv_len - q_len + j) sees keys 0 .. kv_len - q_len + j.
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+        if window:  # and keys later than its position - window
+            allowed &= ~torch.ones_like(allowed).tril(kv_len - q_len - window)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)[0]
         out[q0:q1] = o.transpose(0, 1).to(query.dtype)
     return out
@@ -120,6 +127,7 @@ def mixed_attention(
     seq_lens: torch.Tensor,  # [S] int32: total K/V length incl. this step's tokens (0: unused slot)
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]: written and returned
+    window: int = 0,  # > 0: each query sees the last `window` positions up to its own only
 ) -> torch.Tensor:
     """Attention of a step of decodes and prompt chunks laid out for a fixed grid (unused sequence
     slots have no query rows); rows past `query_start_loc[S]` are not written (zeros in a new `out`), and
@@ -135,7 +143,7 @@ def mixed_attention(
             continue
         qsl = torch.tensor([0, q1 - q0], dtype=query_start_loc.dtype, device=query.device)
         prefill_attention(query[q0:q1], k_cache, v_cache, block_tables[s : s + 1], qsl, seq_lens[s : s + 1],
-                          q1 - q0, scale, out=out[q0:q1])
+                          q1 - q0, scale, out=out[q0:q1], window=window)
     return out
 
 

@@ -81,10 +81,12 @@ class ModelArgs:
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
     mlp_bias: bool
     rope: RopeArgs
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers in `sliding_layers` (all of them by default)
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # the layers that attend within `sliding_window` (None: every layer, when there is a window)
+    sliding_layers: tuple[int, ...] | None = None
     # SmolLM3: the layers whose attention applies no RoPE (NoPE)
     no_rope_layers: tuple[int, ...] = ()
     # Granite: embeddings and each block's output scaled, softmax scale set, logits divided
@@ -155,12 +157,26 @@ class ModelArgs:
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            sliding_layers=_sliding_layers(d, model_type, int(d["num_hidden_layers"])) if sliding else None,
             no_rope_layers=_no_rope_layers(d, model_type, int(d["num_hidden_layers"])),
             embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(d.get("residual_multiplier", 1.0)),
             attention_multiplier=float(d.get("attention_multiplier", 1.0)) if model_type == "granite" else None,
             logits_scaling=float(d.get("logits_scaling", 1.0)),
         )
+
+
+def _sliding_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...] | None:
+    """The layers with a sliding window: as `layer_types` lists them, or Qwen2/3's layers from
+    `max_window_layers` on; None (every layer) otherwise, as Mistral has it."""
+    types = d.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if model_type in ("qwen2", "qwen3") and d.get("max_window_layers") is not None:
+        return tuple(range(int(d["max_window_layers"]), num_layers))
+    return None
 
 
 def _no_rope_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:

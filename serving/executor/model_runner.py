@@ -447,10 +447,4 @@ def _max_model_len(option: int | None, args: ModelArgs) -> int:
     limit = args.max_position_embeddings
     if option is not None and option > limit:
         raise ValueError(f"max_model_len {option} exceeds the model's max_position_embeddings {limit}")
-    length = option or limit
-    if args.sliding_window is not None and length > args.sliding_window:
-        # NOTE: we attend over the whole context; HF masks beyond the window. Identical up to
-        # the window size, a (documented) deviation past it.
-        logger.warning("model uses sliding-window attention (%d); open-lmi attends over the full context "
-                       "up to max_model_len %d", args.sliding_window, length)
-    return length
+    return option or limit

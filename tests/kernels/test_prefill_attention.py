@@ -52,3 +52,21 @@ def test_prefill_writes_a_given_out_in_place(device, impl):
     assert got.data_ptr() == buf[3:].data_ptr()
     torch.testing.assert_close(buf[3:].view(13, -1, head_dim), want, rtol=0, atol=0)
     assert torch.isnan(buf[:3]).all()
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_prefill_sliding_window_matches_reference(device, window):
+    """Rows whose window starts tiles after position 0 (tiles before it are skipped; a row may see
+    nothing in a tile its tile-mates need)."""
+    chunks, group, head_dim, dtype = [(0, 37), (30, 20), (3, 1), (50, 1)], 2, 64, torch.float32
+    seq_lens = [c + q for c, q in chunks]
+    k, v, tables, lens = make_paged_cache(seq_lens, 2, head_dim, 8, dtype, device)
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    qsl = torch.tensor(starts, dtype=torch.int32, device=device)
+    q = torch.randn(starts[-1], 2 * group, head_dim).to(dtype).to(device)
+    out = prefill_attention_impl(q, k, v, tables, qsl, lens, 37, 0.125, block_m=16, block_n=16, window=window)
+    ref = reference.prefill_attention(q, k, v, tables, qsl, lens, 37, 0.125, window=window)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, ref, **tol(dtype))

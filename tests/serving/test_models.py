@@ -15,6 +15,7 @@ from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig
 from serving.executor.model_runner import ModelRunner
+from serving.model_config import ModelArgs
 
 ATOL = 2e-4
 
@@ -77,6 +78,21 @@ def test_phi3_longrope_served_within_its_original_context(tmp_path):
     path = build_tiny_model("phi3", tmp_path / "phi3-longrope", overrides=dict(
         rope_parameters=rope, partial_rotary_factor=0.75, original_max_position_embeddings=64))
     _check_paged_logits(path, block_size=4, lengths=[5, 23, 37], chunk=9, decode_steps=6, max_model_len=64)
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("mistral", dict(sliding_window=8)),  # every layer within 8 positions
+    ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,  # layer 1 of 2 only
+                   layer_types=["full_attention", "sliding_attention"])),
+])
+def test_sliding_window_attention_matches_transformers(tmp_path, arch, overrides):
+    """Sequences several windows long, chunked prefill and decodes: past the window a query attends to
+    the window only, as transformers masks it."""
+    path = build_tiny_model(arch, tmp_path / arch, overrides=overrides)
+    args = ModelArgs.from_dir(path)
+    assert args.sliding_window == overrides["sliding_window"]
+    assert args.sliding_layers == (None if arch == "mistral" else (1,))
+    _check_paged_logits(path, block_size=4, lengths=[5, 23, 37], chunk=9, decode_steps=6)
 
 
 def test_smollm2_logits_match_transformers(smollm2_path):  # noqa: F811

@@ -40,6 +40,15 @@ def test_arch_defaults():
                                    "sliding_window": 4096, "head_dim": 80})
     assert mistral.sliding_window == 4096 and mistral.head_dim == 80 and not mistral.qkv_bias
     assert not qwen.qk_norm and not mistral.qk_norm
+    assert mistral.sliding_layers is None  # the window holds in every layer
+    # Qwen2 with its window on: the layers from max_window_layers; layer_types, where given, decide.
+    qwen_sw = {**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 4,
+               "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 3}
+    assert ModelArgs.from_dict(qwen_sw).sliding_layers == (3,)
+    types = ["sliding_attention", "full_attention"] * 2
+    assert ModelArgs.from_dict({**qwen_sw, "layer_types": types}).sliding_layers == (0, 2)
+    with pytest.raises(ValueError, match="layer_types has 2 entries for 4 layers"):
+        ModelArgs.from_dict({**qwen_sw, "layer_types": types[:2]})
     # Qwen3 (Qwen3-0.6B's numbers): heads wider than hidden / heads, q/k norms, no bias, the window off;
     # a config naming only its model_type is the same architecture.
     qwen3_cfg = {**BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,

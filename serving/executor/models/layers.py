@@ -302,7 +302,8 @@ class PagedAttention(nn.Module):
     [num_blocks, block_size, self.num_kv_heads, head_dim]. With `qk_norm_eps` (Qwen3) each head of
     q and k is RMS-normalised over head_dim before RoPE (`q_norm` / `k_norm`, replicated on every rank);
     `use_rope=False` (SmolLM3's NoPE layers) stores K/V unrotated; `scale` replaces head_dim ** -0.5
-    as the softmax scale (Granite's attention_multiplier).
+    as the softmax scale (Granite's attention_multiplier); `sliding_window` W: each query attends to
+    the W positions ending at its own (Mistral, Qwen2 with use_sliding_window, ...).
     """
 
     def __init__(
@@ -319,6 +320,7 @@ class PagedAttention(nn.Module):
         qk_norm_eps: float | None = None,
         use_rope: bool = True,
         scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         heads = attention_shard(num_heads, num_kv_heads, shard)
@@ -326,6 +328,7 @@ class PagedAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.use_rope = use_rope
+        self.window = sliding_window or 0  # > 0: each query sees its last `window` positions
         kv_part = OutputPart(num_kv_heads * head_dim, heads.kv_head_start * head_dim, self.kv_size)
         parts = {"q": OutputPart(num_heads * head_dim, heads.q_head_start * head_dim, self.q_size),
                  "k": kv_part, "v": kv_part}
@@ -387,25 +390,26 @@ class PagedAttention(nn.Module):
             out = out.view(num_tokens, self.num_heads, self.head_dim)
         if meta.mixed:
             kernels.mixed_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                                    meta.seq_lens, self.scale, out=out)
+                                    meta.seq_lens, self.scale, out=out, window=self.window)
         elif meta.num_prefills == 0:
             kernels.paged_decode_attention(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,
+                window=self.window,
             )
         elif nd == 0:
             kernels.prefill_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                meta.seq_lens, meta.max_query_len, self.scale, out=out,
+                meta.seq_lens, meta.max_query_len, self.scale, out=out, window=self.window,
             )
         else:
             kernels.paged_decode_attention(
                 q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
-                out=out[:nd],
+                out=out[:nd], window=self.window,
             )
             block_tables, query_start_loc, seq_lens = meta.prefill_part()  # rows right after the decodes
             kernels.prefill_attention(
                 q[nd:], self.k_cache, self.v_cache, block_tables, query_start_loc, seq_lens,
-                meta.max_query_len, self.scale, out=out[nd:],
+                meta.max_query_len, self.scale, out=out[nd:], window=self.window,
             )
         return out.view(num_tokens, self.q_size)
 

@@ -36,14 +36,14 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x -> norm -> attention -> (+res) norm -> MLP, residual carried fused."""
 
     def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None = None, prefix: str = "",
-                 use_rope: bool = True) -> None:
+                 use_rope: bool = True, sliding_window: int | None = None) -> None:
         super().__init__()
         self.residual_multiplier = args.residual_multiplier
         self.self_attn = PagedAttention(
             args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
             qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
             qk_norm_eps=args.rms_norm_eps if args.qk_norm else None, use_rope=use_rope,
-            scale=args.attention_multiplier,
+            scale=args.attention_multiplier, sliding_window=sliding_window,
         )
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -82,9 +82,11 @@ class LlamaModel(nn.Module):
                  context_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, shard, quant, f"model.layers.{i}",
-                                                      use_rope=i not in args.no_rope_layers)
-                                    for i in range(args.num_hidden_layers))
+        sliding = args.sliding_layers
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(args, shard, quant, f"model.layers.{i}", use_rope=i not in args.no_rope_layers,
+                              sliding_window=args.sliding_window if sliding is None or i in sliding else None)
+            for i in range(args.num_hidden_layers))
         self.embedding_multiplier = args.embedding_multiplier
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device,
