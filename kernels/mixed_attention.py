@@ -30,14 +30,16 @@ from kernels.prefill_attention import causal_paged_attend, check_varlen_inputs
 _LOG2E = 1.4426950408889634
 
 
-def tile_rows(group: int, num_tokens: int, on_cuda: bool) -> int:
+def tile_rows(group: int, num_tokens: int, on_cuda: bool, head_dim: int = 128) -> int:
     """BLOCK_M, the rows of a program's query tile (BLOCK_M // group query tokens).
 
     16 rows while a step's rows are few (its sequences mostly decode: a 16-row tile wastes least
     on one-token queries), 64 for the large buckets that long prompt chunks fill (more rows share
     each K/V tile). Graph-timed on an H100 (`bench/mixed_attention.py`, 8B heads): 32 decodes +
-    a 256 chunk 64.7 us at 16 against 74.2 at 64; one 2048-token chunk 329 against 172."""
-    rows = 16 if not on_cuda or num_tokens <= 512 else 64
+    a 256 chunk 64.7 us at 16 against 74.2 at 64; one 2048-token chunk 329 against 172. Heads wider
+    than 128 (Gemma 3's 256) keep 16 rows: a 64 x 256 float32 accumulator alone is 128 registers a
+    thread."""
+    rows = 16 if not on_cuda or num_tokens <= 512 or head_dim > 128 else 64
     return max(rows, triton.next_power_of_2(group))
 
 
@@ -48,9 +50,12 @@ def tile_columns(block_m: int, head_dim: int, on_cuda: bool) -> int:
     moves as many bytes as 64 positions of a 128-wide head), else 64. Graph-timed on an H100
     (`bench/mixed_attention.py --configs`, 1B heads, steps of 256 tokens mostly decoding): 250 decodes
     at 900 + a 6-token chunk 177.0 us against 187.8 with 64; 256 decodes at 1,000 193.3 against 207.4;
-    128 at 1,500 + a 128 chunk 154.4 against 168.5. At head_dim 128 the same change lost 0-7 %."""
+    128 at 1,500 + a 128 chunk 154.4 against 168.5. At head_dim 128 the same change lost 0-7 %.
+    Heads wider than 128 read 32 positions a step (the K and V tiles stay 16 KB each in bf16)."""
     if not on_cuda:
         return 16
+    if head_dim > 128:
+        return 32
     return 128 if block_m == 16 and head_dim <= 64 else 64
 
 
@@ -162,7 +167,7 @@ def mixed_attention_impl(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m = block_m or tile_rows(group, num_tokens, query.is_cuda)
+    block_m = block_m or tile_rows(group, num_tokens, query.is_cuda, head_dim)
     block_q = max(1, block_m // group)
     assert block_m >= group and block_m == triton.next_power_of_2(block_m), (block_m, group)
     if block_n is None:

@@ -194,10 +194,11 @@ def prefill_attention_impl(
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, (out.shape, out.dtype)
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
+    wide = head_dim > 128  # Gemma 3's 256: smaller tiles keep the accumulator and K/V tiles in bounds
     if block_m is None:
-        block_m = 64 if query.is_cuda else 16
+        block_m = (32 if wide else 64) if query.is_cuda else 16
     if block_n is None:
-        block_n = 64 if query.is_cuda else 16
+        block_n = (32 if wide else 64) if query.is_cuda else 16
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     block_tables, query_start_loc, seq_lens = aligned(block_tables), aligned(query_start_loc), aligned(seq_lens)
     _prefill_attention_kernel[grid](

@@ -22,6 +22,7 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "phi3": (1e-5, False),
     "smollm3": (1e-6, False),
     "granite": (1e-6, False),
+    "gemma3_text": (1e-6, False),
 }
 # model_type -> its architecture, for configs that name no `architectures`
 _ARCH_OF_MODEL_TYPE: dict[str, str] = {
@@ -32,9 +33,19 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # Architectures whose attention RMS-normalises each head of q and k (over head_dim) before RoPE.
-_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM"})
+_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
+# Gemma 3's configs leave out what transformers' Gemma3TextConfig defaults (the multimodal ones' text
+# configs name little more than their sizes): those defaults.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10000.0, "bos_token_id": 2, "eos_token_id": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -92,8 +103,12 @@ class ModelArgs:
     # Granite: embeddings and each block's output scaled, softmax scale set, logits divided
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
-    attention_multiplier: float | None = None  # None: head_dim ** -0.5
+    attention_multiplier: float | None = None  # the softmax scale; None: head_dim ** -0.5
     logits_scaling: float = 1.0
+    # Gemma 3: the MLP's activation, the sliding layers' own RoPE, the logits' tanh cap
+    hidden_act: str = "silu"
+    rope_local: RopeArgs | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -113,9 +128,20 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
         """Normalise a config.json dict; raises ValueError for what we cannot run."""
+        archs = d.get("architectures") or []
+        if archs and archs[0] in _TEXT_OF_MULTIMODAL and isinstance(d.get("text_config"), dict):
+            # served as its text decoder only (image inputs are refused where requests are read)
+            outer = d
+            d = {**outer["text_config"], "architectures": archs,
+                 "model_type": _TEXT_OF_MULTIMODAL[archs[0]]}
+            for key in ("eos_token_id", "bos_token_id", "dtype", "torch_dtype"):
+                if d.get(key) is None and outer.get(key) is not None:
+                    d[key] = outer[key]
         if "text_config" in d and "hidden_size" not in d:
             raise ValueError("multimodal configs (text_config) are not supported")
-        archs = d.get("architectures") or []
+        if d.get("model_type") == "gemma3_text":
+            d = {**_GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k not in (
+                "head_dim", "sliding_window_pattern", "rope_theta", "rope_local_base_freq")}}
         model_type = str(d.get("model_type", ""))
         arch = archs[0] if archs else _default_arch(model_type)
         eps_default, qkv_bias_default = _ARCH_DEFAULTS.get(model_type, (1e-6, False))
@@ -123,9 +149,14 @@ class ModelArgs:
         heads = int(d["num_attention_heads"])
         kv_heads = int(d.get("num_key_value_heads") or heads)
         head_dim = d.get("head_dim") or hidden // heads
-        act = d.get("hidden_act", d.get("hidden_activation", "silu"))
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if act not in ("silu", "swish", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act {act!r} is not supported (silu: SwiGLU; gelu_pytorch_tanh: GeGLU)")
+        gemma3 = model_type == "gemma3_text"
+        if d.get("attn_logit_softcapping") is not None:
+            raise ValueError("attn_logit_softcapping (Gemma 2) is not supported")
+        if d.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention (an embedding model) is not supported: open-lmi generates")
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = qkv_bias_default or attention_bias
         sliding = d.get("sliding_window")
@@ -152,7 +183,7 @@ class ModelArgs:
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            rope=_rope_args(d),
+            rope=_rope_args(d, "full_attention"),
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             eos_token_ids=eos_ids,
@@ -161,8 +192,13 @@ class ModelArgs:
             no_rope_layers=_no_rope_layers(d, model_type, int(d["num_hidden_layers"])),
             embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(d.get("residual_multiplier", 1.0)),
-            attention_multiplier=float(d.get("attention_multiplier", 1.0)) if model_type == "granite" else None,
+            attention_multiplier=(float(d.get("attention_multiplier", 1.0)) if model_type == "granite" else
+                                  float(d.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma3 else None),
             logits_scaling=float(d.get("logits_scaling", 1.0)),
+            hidden_act="silu" if act == "swish" else act,
+            rope_local=_rope_args(d, "sliding_attention") if gemma3 else None,
+            final_logit_softcapping=(None if d.get("final_logit_softcapping") is None
+                                     else float(d["final_logit_softcapping"])),
         )
 
 
@@ -176,6 +212,9 @@ def _sliding_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tupl
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if model_type in ("qwen2", "qwen3") and d.get("max_window_layers") is not None:
         return tuple(range(int(d["max_window_layers"]), num_layers))
+    if model_type == "gemma3_text":  # 4.x configs: every `sliding_window_pattern`-th layer is global
+        pattern = int(d.get("sliding_window_pattern", 6))
+        return tuple(i for i in range(num_layers) if (i + 1) % pattern)
     return None
 
 
@@ -197,9 +236,18 @@ def _default_arch(model_type: str) -> str:
     return _ARCH_OF_MODEL_TYPE.get(model_type, f"<model_type {model_type!r}>")
 
 
-def _rope_args(d: dict[str, Any]) -> RopeArgs:
-    """RoPE settings from either `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x)."""
+def _rope_args(d: dict[str, Any], layer_type: str = "full_attention") -> RopeArgs:
+    """RoPE settings from either `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x).
+
+    Gemma 3 has two: its 5.x configs key `rope_parameters` by layer type; its 4.x ones give the
+    sliding layers' base as `rope_local_base_freq` (plain RoPE) beside the full layers' settings."""
     params = dict(d.get("rope_parameters") or {})
+    if isinstance(params.get(layer_type), dict):  # per layer type (Gemma 3, 5.x)
+        params = dict(params[layer_type])
+    elif d.get("model_type") == "gemma3_text":
+        if layer_type == "sliding_attention":
+            return RopeArgs(theta=float(d.get("rope_local_base_freq", 10000.0)), scaling_type="default")
+        params.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
     scaling = d.get("rope_scaling") or {}
     merged = {**scaling, **params}  # 5.x dicts win where both exist
     theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
@@ -252,7 +300,9 @@ def _rope_args(d: dict[str, Any]) -> RopeArgs:
 
 
 # The architectures the executor implements (serving/executor/models checks it agrees).
-SUPPORTED_ARCHITECTURES = tuple(_ARCH_OF_MODEL_TYPE.values())
+# Multimodal architectures served as their text decoder: architecture -> the text config's model_type
+_TEXT_OF_MULTIMODAL: dict[str, str] = {"Gemma3ForConditionalGeneration": "gemma3_text"}
+SUPPORTED_ARCHITECTURES = (*_ARCH_OF_MODEL_TYPE.values(), *_TEXT_OF_MULTIMODAL)
 
 
 class UnsupportedModelError(ValueError):

@@ -1,5 +1,5 @@
-"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Qwen3/Phi-3/SmolLM3/Granite) for identity tests
-vs transformers.
+"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Qwen3/Phi-3/SmolLM3/Granite/Gemma 3, and Gemma 3's
+multimodal checkpoint) for identity tests vs transformers.
 
 Each dir is written by transformers itself (`save_pretrained`, >= 2 safetensors shards plus
 `model.safetensors.index.json`) and carries the default model's tokenizer, so the vocab
@@ -24,18 +24,18 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
+TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma3")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
-HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64}
+HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma3": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 
 
 def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
-    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              SmolLM3Config)
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, SmolLM3Config)
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -86,6 +86,25 @@ def tiny_config(arch: str):
             tie_word_embeddings=True, embedding_multiplier=4.0, residual_multiplier=0.5,
             attention_multiplier=0.1, logits_scaling=2.0, **common,
         )
+    if arch == "gemma3":  # a sliding layer (window 8, its own RoPE base) then a full one; a logit cap
+        return Gemma3TextConfig(
+            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=48,
+            final_logit_softcapping=30.0,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+            **common,
+        )
+    if arch == "gemma3_mm":  # Gemma3ForConditionalGeneration: the tiny gemma3 text model beside a vision tower
+        from transformers import Gemma3Config, SiglipVisionConfig
+
+        text = tiny_config("gemma3")
+        text.head_dim = HEAD_DIMS["gemma3"]
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                            image_token_index=49000, boi_token_index=48998, eoi_token_index=48999,
+                            initializer_range=0.08)
     if arch == "phi3":
         return Phi3Config(
             hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=384,
@@ -126,10 +145,11 @@ def build_tiny_model(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = tiny_config(arch)
-    config.head_dim = HEAD_DIMS[arch]
+    if arch in HEAD_DIMS:
+        config.head_dim = HEAD_DIMS[arch]
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    if arch != "qwen3":
+    if arch not in ("qwen3", "gemma3", "gemma3_mm"):
         assert config.hidden_size == config.num_attention_heads * config.head_dim
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -84,10 +84,13 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     params = dict(model.named_parameters())
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "lm_head", None) is None
+    rename = getattr(model, "checkpoint_name", None)  # a model whose checkpoint nests or adds modules
     filled: dict[str, set[str | None]] = {}
     unexpected: list[str] = []
     with torch.no_grad():
         for name, loaded in iterate_checkpoint(model_dir):
+            if rename is not None and (name := rename(name)) is None:
+                continue  # a tensor of a part this model does not run (a vision tower)
             if name.endswith(_SKIP_SUFFIXES) or (tied and name.startswith("lm_head.")):
                 continue
             target, shard = name, None

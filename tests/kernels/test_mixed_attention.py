@@ -23,6 +23,7 @@ CASES = [
     (8, 64, torch.float16, [(3, 20), (40, 1)], 7, 2, 16),  # GROUP 8: two query tokens a tile
     (3, 80, torch.float32, [(0, 9), (17, 7), (2, 1)], 1, 4, 16),  # odd group and head_dim: masked rows
     (2, 64, torch.float32, [(30, 1)] * 5 + [(0, 4)], 2, 2, 32),
+    (2, 256, torch.float16, [(7, 1), (0, 12)], 2, 1, 16),  # Gemma 3's heads
 ]
 
 

@@ -17,6 +17,7 @@ CASES = [
     (4, 80, torch.float32, [5, 31], 8),
     (2, 96, torch.float16, [64, 9], 32),
     (8, 128, torch.float32, [1, 2, 3], 16),
+    (2, 256, torch.float16, [9, 40], 16),  # Gemma 3's heads
 ]
 
 

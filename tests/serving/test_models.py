@@ -95,6 +95,24 @@ def test_sliding_window_attention_matches_transformers(tmp_path, arch, overrides
     _check_paged_logits(path, block_size=4, lengths=[5, 23, 37], chunk=9, decode_steps=6)
 
 
+def test_gemma3_multimodal_checkpoint_served_as_text(tmp_path):
+    """Gemma3ForConditionalGeneration (gemma-3-4b and larger): its text decoder, nested in the
+    checkpoint under `language_model.`, against transformers' own text-only forward; the vision
+    tower's tensors are skipped. Both spellings of the nesting map to the same parameters."""
+    from serving.executor.models.gemma3 import Gemma3TextOfMultimodal
+
+    path = build_tiny_model("gemma3_mm", tmp_path / "gemma3-mm")
+    args = ModelArgs.from_dir(path)
+    assert args.architecture == "Gemma3ForConditionalGeneration" and args.head_dim == 64 and args.qk_norm
+    _check_paged_logits(path, block_size=4, lengths=[5, 23, 37], chunk=9, decode_steps=6)
+    rename = Gemma3TextOfMultimodal.checkpoint_name
+    assert rename("language_model.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert rename("model.language_model.norm.weight") == "model.norm.weight"
+    assert rename("language_model.lm_head.weight") == "lm_head.weight"
+    assert rename("vision_tower.vision_model.embeddings.patch_embedding.weight") is None
+    assert rename("model.multi_modal_projector.mm_input_projection_weight") is None
+
+
 def test_smollm2_logits_match_transformers(smollm2_path):  # noqa: F811
     _check_paged_logits(smollm2_path, block_size=8, lengths=[19, 45], chunk=16, decode_steps=4)
 

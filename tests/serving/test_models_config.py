@@ -73,6 +73,33 @@ def test_arch_defaults():
     assert qwen3.attention_multiplier is None and qwen3.no_rope_layers == () and qwen3.logits_scaling == 1.0
 
 
+def test_gemma3_configs_of_both_transformers_versions():
+    """Gemma 3 (google/gemma-3-1b-it's numbers): 4.x keys (rope_local_base_freq, sliding_window_pattern,
+    rope_scaling for the full layers) and 5.x ones (rope_parameters by layer type, layer_types) agree."""
+    v4 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+          "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 8, "num_attention_heads": 4,
+          "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 512,
+          "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "hidden_activation": "gelu_pytorch_tanh",
+          "final_logit_softcapping": None, "attn_logit_softcapping": None, "max_position_embeddings": 32768}
+    a4 = ModelArgs.from_dict(v4)
+    assert a4.sliding_layers == (0, 1, 2, 3, 4, 6, 7) and a4.sliding_window == 512
+    assert (a4.rope.theta, a4.rope.scaling_type, a4.rope.factor) == (1000000.0, "linear", 8.0)
+    assert (a4.rope_local.theta, a4.rope_local.scaling_type) == (10000.0, "default")
+    assert a4.attention_multiplier == 256**-0.5 and a4.hidden_act == "gelu_pytorch_tanh"
+    assert a4.final_logit_softcapping is None and a4.q_size == 1024
+    v5 = {k: v for k, v in v4.items() if k not in ("sliding_window_pattern", "rope_theta", "rope_local_base_freq",
+                                                    "rope_scaling")}
+    v5["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(8)]
+    v5["rope_parameters"] = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert ModelArgs.from_dict(v5) == a4
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        ModelArgs.from_dict({**v4, "attn_logit_softcapping": 50.0})
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelArgs.from_dict({**v4, "use_bidirectional_attention": True})
+
+
 @pytest.mark.parametrize(
     "rope_parameters",
     [

@@ -7,7 +7,8 @@ greedy tokens. The checkpoints cover separate q/k/v with biases and 2 KV heads (
 head replicated over the ranks with tied embeddings, an odd vocab and o_proj / MLP biases (a
 row-parallel bias must be added once) (Llama), Phi-3's fused
 qkv_proj / gate_up_proj with a replicated KV head and an odd untied vocab, Qwen3's per-head q/k
-norms (replicated) with heads wider than hidden / heads, KV heads shared by
+norms (replicated) with heads wider than hidden / heads, Gemma 3 (a sliding layer, GeGLU, Gemma norms,
+a logit cap), KV heads shared by
 pairs of ranks (TP=4), and the real SmolLM2-135M (tied; 9 heads, so TP=3: TP=2 is rejected).
 """
 
@@ -42,6 +43,7 @@ TP_MODELS: dict[str, tuple[str, dict[str, object]]] = {
     "phi3_fused_kv1_odd_vocab": ("phi3", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64,
                                               vocab_size=1003)),
     "qwen3_qk_norm_wide_heads": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)),
+    "gemma3_sliding_geglu": ("gemma3", dict(vocab_size=1024)),
 }
 
 

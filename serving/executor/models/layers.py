@@ -299,8 +299,9 @@ class PagedAttention(nn.Module):
     `num_heads` / `num_kv_heads` are the model's; the layer keeps this rank's share in the
     attributes of the same names (`parallel.attention_shard`). `k_cache` / `v_cache` are views
     into the runner's single KV allocation, set with `bind_kv_cache`; shape
-    [num_blocks, block_size, self.num_kv_heads, head_dim]. With `qk_norm_eps` (Qwen3) each head of
-    q and k is RMS-normalised over head_dim before RoPE (`q_norm` / `k_norm`, replicated on every rank);
+    [num_blocks, block_size, self.num_kv_heads, head_dim]. With `qk_norm_eps` (Qwen3, Gemma 3) each head
+    of q and k is RMS-normalised over head_dim before RoPE (`q_norm` / `k_norm`, of `qk_norm_class`,
+    replicated on every rank);
     `use_rope=False` (SmolLM3's NoPE layers) stores K/V unrotated; `scale` replaces head_dim ** -0.5
     as the softmax scale (Granite's attention_multiplier); `sliding_window` W: each query attends to
     the W positions ending at its own (Mistral, Qwen2 with use_sliding_window, ...).
@@ -318,6 +319,7 @@ class PagedAttention(nn.Module):
         quant: QuantConfig | None = None,
         prefix: str = "self_attn",
         qk_norm_eps: float | None = None,
+        qk_norm_class: type[nn.Module] | None = None,
         use_rope: bool = True,
         scale: float | None = None,
         sliding_window: int | None = None,
@@ -340,7 +342,8 @@ class PagedAttention(nn.Module):
                                         quant_method=linear_method(quant, f"{prefix}.o_proj"), name=f"{prefix}.o_proj")
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
-            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps), RMSNorm(head_dim, qk_norm_eps)
+            norm = qk_norm_class or RMSNorm
+            self.q_norm, self.k_norm = norm(head_dim, qk_norm_eps), norm(head_dim, qk_norm_eps)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.cos_sin_cache = torch.empty(0)  # shared, set by the model
@@ -415,11 +418,14 @@ class PagedAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate|up packed as gate_up_proj (this rank's columns)."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate|up packed as gate_up_proj (this rank's columns);
+    `activation="gelu_pytorch_tanh"`: GeGLU, gelu (tanh approximation) in place of silu (Gemma)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard = SINGLE,
-                 quant: QuantConfig | None = None, prefix: str = "mlp") -> None:
+                 quant: QuantConfig | None = None, prefix: str = "mlp", activation: str = "silu") -> None:
         super().__init__()
+        assert activation in ("silu", "gelu_pytorch_tanh"), activation
+        self.activation = activation
         part = even_part(intermediate_size, shard)
         gate_up = linear_method(quant, f"{prefix}.gate_proj", f"{prefix}.up_proj")
         self.gate_up_proj = PackedColumnParallelLinear(hidden_size, {"0": part, "1": part}, bias, gate_up,
@@ -429,4 +435,8 @@ class GatedMLP(nn.Module):
                                            name=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.activation == "silu":
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

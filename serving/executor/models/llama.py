@@ -45,7 +45,8 @@ class LlamaDecoderLayer(nn.Module):
             qk_norm_eps=args.rms_norm_eps if args.qk_norm else None, use_rope=use_rope,
             scale=args.attention_multiplier, sliding_window=sliding_window,
         )
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp")
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
+                            activation=args.hidden_act)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -109,6 +110,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The causal LM: `forward(input_ids, positions) -> hidden`, `compute_logits(hidden) -> fp32`."""
 
+    model_class: type[nn.Module] = LlamaModel  # the decoder inside (`model.*`); Gemma 3 swaps its own
+
     # HF checkpoint name piece -> (our packed param piece, shard id)
     packed_modules_mapping: dict[str, tuple[str, str]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -125,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp_shard = shard = shard or tp_shard()
         self.quant = quant
         validate_tensor_parallel(args, shard.world_size)
-        self.model = LlamaModel(args, max_position or args.max_position_embeddings, shard, quant, context_len)
+        self.model = self.model_class(args, max_position or args.max_position_embeddings, shard, quant, context_len)
         if args.tie_word_embeddings:
             self.lm_head = None
         else:

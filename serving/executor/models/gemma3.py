@@ -1,0 +1,147 @@
+"""Gemma 3 text decoder (`Gemma3ForCausalLM`, model_type `gemma3_text`) with HF parameter names.
+
+It differs from the Llama family in ways `ModelArgs` carries and this module applies:
+- RMSNorm scales by `1 + weight`, in float32 before the cast (`GemmaRMSNorm`);
+- four norms a layer: after attention and after the MLP as well as before each;
+- per-head q/k norms before RoPE (Gemma norms), the softmax scale `query_pre_attn_scalar ** -0.5`;
+- GeGLU MLP (`gelu_pytorch_tanh`), embeddings scaled by sqrt(hidden_size) rounded to the model dtype;
+- sliding-window layers (5 of 6) with their own RoPE base, full layers with the global RoPE;
+- an optional tanh cap on the logits (`final_logit_softcapping`).
+The rest (paged attention, tensor parallelism, quantized linears, the weight loaders) is
+`LlamaForCausalLM`'s, which this subclasses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from serving.executor.models.layers import GatedMLP, PagedAttention, VocabParallelEmbedding, default_weight_loader
+from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.parallel import TPShard
+from serving.model_config import ModelArgs
+from serving.quantization import QuantConfig
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), computed in float32 and cast back (Gemma's order, not Llama's);
+    with `residual`, x = x + residual first (in the model dtype) and (normed, x) is returned."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, x)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """norm -> attention -> norm (+res) norm -> GeGLU MLP -> norm; the residual is carried fused."""
+
+    def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        eps = args.rms_norm_eps
+        self.self_attn = PagedAttention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
+            scale=args.attention_multiplier, sliding_window=sliding_window, qk_norm_eps=eps, qk_norm_class=GemmaRMSNorm,
+        )
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
+                            activation=args.hidden_act)
+        self.input_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(args.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        attn = self.self_attn(positions, hidden)
+        hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embedding, decoder layers (two RoPE caches: sliding and full layers), final norm."""
+
+    def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
+                 context_len: int | None = None) -> None:
+        super().__init__()
+        assert args.rope_local is not None, "Gemma 3 configs give the sliding layers' RoPE"
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
+        sliding = set(args.sliding_layers or ()) if args.sliding_window else set()
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(args, shard, quant, f"model.layers.{i}", args.sliding_window if i in sliding else None)
+            for i in range(args.num_hidden_layers))
+        self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
+        device = self.norm.weight.device
+        # sqrt(hidden_size), rounded to the model dtype as transformers rounds it
+        self.register_buffer("embed_scale", torch.tensor(args.hidden_size**0.5, device=device), persistent=False)
+        full = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=device, context_len=context_len)
+        local = build_cos_sin_cache(args.rope_local, args.head_dim, max_position, device=device,
+                                    context_len=context_len)
+        self.register_buffer("cos_sin_cache", full, persistent=False)
+        self.register_buffer("cos_sin_cache_local", local, persistent=False)
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.cos_sin_cache = self.cos_sin_cache_local if i in sliding else self.cos_sin_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * self.embed_scale.to(hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """`LlamaForCausalLM` with `Gemma3Model` inside and the logits' optional tanh cap."""
+
+    model_class = Gemma3Model
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, out)
+        cap = self.args.final_logit_softcapping
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+
+# A multimodal checkpoint's text decoder under its two spellings (transformers 4.5x saves
+# `language_model.model.*`, 5.x `model.language_model.*`), and what the text decoder does not use.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+class Gemma3TextOfMultimodal(Gemma3ForCausalLM):
+    """`Gemma3ForConditionalGeneration` (gemma-3-4b/12b/27b) served as text: its language model's
+    weights, the vision tower's skipped (requests with images are refused where they are read).
+    Its logits are uncapped: transformers applies `final_logit_softcapping` in Gemma3ForCausalLM
+    only, not here (Gemma 3's released configs set none)."""
+
+    compute_logits = LlamaForCausalLM.compute_logits
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """The parameter a checkpoint tensor fills, or None for one this model does not hold."""
+        if name.startswith(_VISION_PREFIXES):
+            return None
+        for theirs, ours in _TEXT_PREFIXES:
+            if name.startswith(theirs):
+                return ours + name[len(theirs):]
+        return name
