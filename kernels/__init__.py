@@ -61,13 +61,14 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, H, D]: written and returned instead of a new tensor
     window: int = 0,  # > 0: a sliding window, each query sees its last `window` positions
+    softcap: float = 0.0,  # > 0: scores capped as c * tanh(s / c) before the softmax
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
     if use_triton(query):
         impl = _mod("paged_decode_attention").paged_decode_attention
     else:
         impl = reference.paged_decode_attention
-    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window)
+    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window, softcap=softcap)
 
 
 def prefill_attention(
@@ -81,11 +82,12 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, H, D]: written and returned instead of a new tensor
     window: int = 0,  # > 0: a sliding window, each query sees the last `window` positions up to its own
+    softcap: float = 0.0,  # > 0: scores capped as c * tanh(s / c) before the softmax
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix + itself."""
     impl = _mod("prefill_attention").prefill_attention if use_triton(query) else reference.prefill_attention
     return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out,
-                window=window)
+                window=window, softcap=softcap)
 
 
 def mixed_attention(
@@ -98,10 +100,12 @@ def mixed_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]: written and returned instead of a new tensor
     window: int = 0,  # > 0: a sliding window, each query sees the last `window` positions up to its own
+    softcap: float = 0.0,  # > 0: scores capped as c * tanh(s / c) before the softmax
 ) -> torch.Tensor:
     """Decode rows and prompt chunks in one launch whose grid depends only on T and S (graph-safe)."""
     impl = _mod("mixed_attention").mixed_attention if use_triton(query) else reference.mixed_attention
-    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out, window=window)
+    return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out, window=window,
+                softcap=softcap)
 
 
 def rms_norm(

@@ -81,6 +81,7 @@ def _mixed_attention_kernel(
     stride_c_head,
     stride_bt_seq,
     window,
+    softcap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -90,6 +91,7 @@ def _mixed_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,8 +138,8 @@ def _mixed_attention_kernel(
     end_n = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_Q)
     out = causal_paged_attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_seq,
                               kv_head, end_n, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
-                              context_len + m_block * BLOCK_Q, window,
-                              HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, SLIDING)
+                              context_len + m_block * BLOCK_Q, window, softcap,
+                              HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, SLIDING, SOFTCAP)
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
@@ -155,9 +157,10 @@ def mixed_attention_impl(
     num_warps: int = 4,
     num_stages: int = 2,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`mixed_attention` with the tile sizes and launch shape exposed (tests and the bench pin them)."""
-    assert window >= 0, window
+    assert window >= 0 and softcap >= 0, (window, softcap)
     num_tokens, num_heads, head_dim = query.shape
     page_size, num_kv_heads, num_seqs = check_varlen_inputs(query, k_cache, v_cache, block_tables, query_start_loc,
                                                             seq_lens)
@@ -193,6 +196,7 @@ def mixed_attention_impl(
         k_cache.stride(2),
         block_tables.stride(0),
         window,
+        softcap * _LOG2E,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -202,6 +206,7 @@ def mixed_attention_impl(
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -218,14 +223,15 @@ def mixed_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows (one for a decode, a chunk for a prompt)
-    over its cached prefix and itself (with `window` W > 0, its last W positions only); see the
-    module docstring for the fixed grid.
+    over its cached prefix and itself (with `window` W > 0, its last W positions only; `softcap`
+    c > 0: scores capped as c * tanh(s / c)); see the module docstring for the fixed grid.
 
     Query j of sequence s sits at position `seq_lens[s] - q_len_s + j`. All K/V are read from
     the paged cache, so the caller writes this step's K/V first. Rows from `query_start_loc[S]`
     to T are not written (zeros in a new `out`). Returns `out` `[T, H, D]`.
     """
     return mixed_attention_impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out,
-                                window=window)
+                                window=window, softcap=softcap)

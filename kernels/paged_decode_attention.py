@@ -7,7 +7,8 @@ over its slice of the context (a `tl.dot` on a head tile padded to 16 rows), wri
 output and its log-sum-exp. Stage 2 merges the splits; with one split (large batches), stage 1
 writes the output itself and stage 2 is not launched. Every launch parameter is derived from
 tensor shapes, never from tensor values, so the op can be captured in a CUDA graph. With a sliding
-window W (`window` > 0) the splits cover a sequence's last W positions only.
+window W (`window` > 0) the splits cover a sequence's last W positions only; with a soft cap c
+(`softcap` > 0, Gemma 2) each score s becomes c * tanh(s / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import aligned
+from kernels.prefill_attention import soft_cap
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -55,6 +57,7 @@ def _paged_decode_stage1_kernel(
     stride_bt_seq,
     num_splits,
     window,
+    softcap,  # the score cap times log2(e) (SOFTCAP only)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -63,6 +66,7 @@ def _paged_decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,6 +109,8 @@ def _paged_decode_stage1_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -186,10 +192,11 @@ def paged_decode_attention_impl(
     num_stages: int = 2,
     out: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`paged_decode_attention` with the tile, split count and launch shape exposed (tests and
     bench/decode_attention_sweep.py pin them)."""
-    assert window >= 0, window
+    assert window >= 0 and softcap >= 0, (window, softcap)
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, page_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape
@@ -237,6 +244,7 @@ def paged_decode_attention_impl(
         block_tables.stride(0),
         num_splits,
         window,
+        softcap * _LOG2E,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -245,6 +253,7 @@ def paged_decode_attention_impl(
         BLOCK_N=block_n,
         DOT_PRECISION=precision,
         SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -278,9 +287,10 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context (with `window` W > 0,
-    its last W positions) -> [num_seqs, H, D].
+    its last W positions; with `softcap` c > 0, scores capped as c * tanh(s / c)) -> [num_seqs, H, D].
 
     Shapes: query [S, H, D] (unit stride over D); caches [NB, BS, KVH, D] with H % KVH == 0;
     block_tables [>=S, max_blocks]; seq_lens [>=S]. A row with seq_len 0 (graph padding)
@@ -288,4 +298,5 @@ def paged_decode_attention(
     `out` ([S, H, D], query's dtype, unit stride over D; rows may be strided): written in
     place of a fresh tensor (a step's eager attention writes its layer's buffer directly).
     """
-    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window)
+    return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window,
+                                       softcap=softcap)

@@ -6,7 +6,8 @@ and prefix-cache hits are the same case) and block tables. Out: `[num_tokens, H,
 One program per (query tile, sequence, query head) runs an online softmax over K/V tiles
 gathered token by token through the block table, stopping at the tile's causal frontier. With a
 sliding window W (`window` > 0), a query at position p sees positions p - W + 1 .. p only, and the
-K/V tiles wholly before the tile's first window are not read.
+K/V tiles wholly before the tile's first window are not read. With a soft cap c (`softcap` > 0,
+Gemma 2) each score s becomes c * tanh(s / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ import triton.language as tl
 from kernels.launch import aligned
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def soft_cap(qk, cap):
+    """cap * tanh(qk / cap), elementwise (both in the same units: here log2-scaled scores)."""
+    return cap - 2.0 * cap / (tl.exp(2.0 * qk / cap) + 1.0)
 
 
 @triton.jit
@@ -35,6 +42,7 @@ def causal_paged_attend(
     stride_c_head,
     first_pos,  # the position of the tile's first query row (SLIDING only)
     window,  # the sliding window W (SLIDING only)
+    softcap,  # the score cap times log2(e) (SOFTCAP only)
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -42,6 +50,7 @@ def causal_paged_attend(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax of each row over the paged K/V of one KV head at positions <= its own
     (`prefill_attention` and `mixed_attention` share it) -> the attention output, float32.
@@ -62,6 +71,8 @@ def causal_paged_attend(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap)
         # NOTE: without a window, position 0 is visible to every row (q_pos >= 0), so each row's max
         # is finite after tile 0; with one, a row may see nothing in a tile and has no finite max yet.
         allowed = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -106,6 +117,7 @@ def _prefill_attention_kernel(
     stride_c_head,
     stride_bt_seq,
     window,
+    softcap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -114,6 +126,7 @@ def _prefill_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -143,8 +156,8 @@ def _prefill_attention_kernel(
     end_n = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
     out = causal_paged_attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt_seq,
                               kv_head, end_n, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
-                              context_len + m_block * BLOCK_M, window,
-                              HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, SLIDING)
+                              context_len + m_block * BLOCK_M, window, softcap,
+                              HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, SLIDING, SOFTCAP)
     tl.store(
         out_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -183,9 +196,10 @@ def prefill_attention_impl(
     block_n: int | None = None,
     out: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`prefill_attention` with the tile sizes exposed (tests pin them)."""
-    assert window >= 0, window
+    assert window >= 0 and softcap >= 0, (window, softcap)
     num_tokens, num_heads, head_dim = query.shape
     page_size, num_kv_heads, num_seqs = check_varlen_inputs(query, k_cache, v_cache, block_tables, query_start_loc,
                                                             seq_lens)
@@ -219,6 +233,7 @@ def prefill_attention_impl(
         k_cache.stride(2),
         block_tables.stride(0),
         window,
+        softcap * _LOG2E,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -227,6 +242,7 @@ def prefill_attention_impl(
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=4,
         num_stages=2,
     )
@@ -244,15 +260,17 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix + itself.
 
     Query j of sequence s sits at position `seq_lens[s] - q_len_s + j` and sees K/V positions up
-    to and including it (with `window` W > 0, only the last W of them). All K/V are read from the
+    to and including it (with `window` W > 0, only the last W of them; with `softcap` c > 0, each
+    scaled score s is c * tanh(s / c)). All K/V are read from the
     paged cache, so the caller writes this step's K/V first. Shapes: query [T, H, D] (unit stride
     over D); caches [NB, BS, KVH, D]; query_start_loc [S + 1]; seq_lens [S]. Returns [T, H, D].
     """
     return prefill_attention_impl(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out=out,
-        window=window,
+        window=window, softcap=softcap,
     )

@@ -41,6 +41,17 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) ->
     return g.view(num_seqs, num_blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+               softcap: float) -> torch.Tensor:
+    """softmax(q k^T * scale [capped: c * tanh(s / c)], where allowed) v: SDPA without a cap."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -50,6 +61,7 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, H, D] of query's dtype: written and returned
     window: int = 0,  # > 0: each query sees the last `window` positions only
+    softcap: float = 0.0,  # > 0: scores capped as c * tanh(s / c) (Gemma 2)
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
     num_seqs, num_heads, head_dim = query.shape
@@ -68,7 +80,7 @@ def paged_decode_attention(
     valid = pos[None, :] < lens  # [S, L]: key l is in sequence s
     if window:
         valid &= pos[None, :] >= lens - window
-    res = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    res = _attention(q, k, v, valid[:, None, None, :], scale, softcap)
     res = res.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
     return res if out is None else out.copy_(res)
 
@@ -84,6 +96,7 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, H, D] of query's dtype: written and returned
     window: int = 0,  # > 0: each query sees the last `window` positions up to its own only
+    softcap: float = 0.0,  # > 0: scores capped as c * tanh(s / c) (Gemma 2)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix + itself.
 
@@ -113,7 +126,7 @@ def prefill_attention(
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
         if window:  # and keys later than its position - window
             allowed &= ~torch.ones_like(allowed).tril(kv_len - q_len - window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)[0]
+        o = _attention(q, k, v, allowed, scale, softcap)[0]
         out[q0:q1] = o.transpose(0, 1).to(query.dtype)
     return out
 
@@ -128,6 +141,7 @@ def mixed_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]: written and returned
     window: int = 0,  # > 0: each query sees the last `window` positions up to its own only
+    softcap: float = 0.0,  # > 0: scores capped as c * tanh(s / c) (Gemma 2)
 ) -> torch.Tensor:
     """Attention of a step of decodes and prompt chunks laid out for a fixed grid (unused sequence
     slots have no query rows); rows past `query_start_loc[S]` are not written (zeros in a new `out`), and
@@ -143,7 +157,7 @@ def mixed_attention(
             continue
         qsl = torch.tensor([0, q1 - q0], dtype=query_start_loc.dtype, device=query.device)
         prefill_attention(query[q0:q1], k_cache, v_cache, block_tables[s : s + 1], qsl, seq_lens[s : s + 1],
-                          q1 - q0, scale, out=out[q0:q1], window=window)
+                          q1 - q0, scale, out=out[q0:q1], window=window, softcap=softcap)
     return out
 
 

@@ -22,6 +22,7 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "phi3": (1e-5, False),
     "smollm3": (1e-6, False),
     "granite": (1e-6, False),
+    "gemma2": (1e-6, False),
     "gemma3_text": (1e-6, False),
 }
 # model_type -> its architecture, for configs that name no `architectures`
@@ -33,19 +34,31 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 # Architectures whose attention RMS-normalises each head of q and k (over head_dim) before RoPE.
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
-# Gemma 3's configs leave out what transformers' Gemma3TextConfig defaults (the multimodal ones' text
-# configs name little more than their sizes): those defaults.
-_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
-    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10000.0, "bos_token_id": 2, "eos_token_id": 1,
+# Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
+# configs name little more than their sizes): those defaults, by model_type.
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10000.0, "bos_token_id": 2, "eos_token_id": 1,
+    },
+    "gemma2": {
+        "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "rope_theta": 10000.0,
+        "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": 1,
+    },
 }
+# The keys whose explicit null still means transformers' default there (elsewhere null is a value)
+_NULL_IS_DEFAULT = ("head_dim", "sliding_window_pattern", "rope_theta", "rope_local_base_freq", "hidden_activation")
 
 
 @dataclass(frozen=True)
@@ -105,10 +118,11 @@ class ModelArgs:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None  # the softmax scale; None: head_dim ** -0.5
     logits_scaling: float = 1.0
-    # Gemma 3: the MLP's activation, the sliding layers' own RoPE, the logits' tanh cap
+    # Gemma: the MLP's activation, the sliding layers' own RoPE (3), the tanh caps of logits and scores (2)
     hidden_act: str = "silu"
     rope_local: RopeArgs | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -139,9 +153,9 @@ class ModelArgs:
                     d[key] = outer[key]
         if "text_config" in d and "hidden_size" not in d:
             raise ValueError("multimodal configs (text_config) are not supported")
-        if d.get("model_type") == "gemma3_text":
-            d = {**_GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k not in (
-                "head_dim", "sliding_window_pattern", "rope_theta", "rope_local_base_freq")}}
+        if d.get("model_type") in _GEMMA_DEFAULTS:
+            d = {**_GEMMA_DEFAULTS[d["model_type"]],
+                 **{k: v for k, v in d.items() if v is not None or k not in _NULL_IS_DEFAULT}}
         model_type = str(d.get("model_type", ""))
         arch = archs[0] if archs else _default_arch(model_type)
         eps_default, qkv_bias_default = _ARCH_DEFAULTS.get(model_type, (1e-6, False))
@@ -153,8 +167,6 @@ class ModelArgs:
         if act not in ("silu", "swish", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act {act!r} is not supported (silu: SwiGLU; gelu_pytorch_tanh: GeGLU)")
         gemma3 = model_type == "gemma3_text"
-        if d.get("attn_logit_softcapping") is not None:
-            raise ValueError("attn_logit_softcapping (Gemma 2) is not supported")
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported: open-lmi generates")
         attention_bias = bool(d.get("attention_bias", False))
@@ -193,12 +205,15 @@ class ModelArgs:
             embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(d.get("residual_multiplier", 1.0)),
             attention_multiplier=(float(d.get("attention_multiplier", 1.0)) if model_type == "granite" else
-                                  float(d.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma3 else None),
+                                  float(d["query_pre_attn_scalar"]) ** -0.5 if model_type in _GEMMA_DEFAULTS
+                                  else None),
             logits_scaling=float(d.get("logits_scaling", 1.0)),
             hidden_act="silu" if act == "swish" else act,
             rope_local=_rope_args(d, "sliding_attention") if gemma3 else None,
             final_logit_softcapping=(None if d.get("final_logit_softcapping") is None
                                      else float(d["final_logit_softcapping"])),
+            attn_logit_softcapping=(None if d.get("attn_logit_softcapping") is None
+                                    else float(d["attn_logit_softcapping"])),
         )
 
 
@@ -215,6 +230,8 @@ def _sliding_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tupl
     if model_type == "gemma3_text":  # 4.x configs: every `sliding_window_pattern`-th layer is global
         pattern = int(d.get("sliding_window_pattern", 6))
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
+    if model_type == "gemma2":  # 4.x configs: the even layers slide
+        return tuple(range(0, num_layers, 2))
     return None
 
 

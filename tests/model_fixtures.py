@@ -24,17 +24,19 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma3")
+TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2",
+                                "gemma3")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
-HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma3": 64}
+HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma2": 64,
+             "gemma3": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 
 
 def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                               Qwen3Config, SmolLM3Config)
 
     common = dict(
@@ -85,6 +87,12 @@ def tiny_config(arch: str):
             hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256,
             tie_word_embeddings=True, embedding_multiplier=4.0, residual_multiplier=0.5,
             attention_multiplier=0.1, logits_scaling=2.0, **common,
+        )
+    if arch == "gemma2":  # a sliding layer (window 8) then a full one; scores capped at 3, logits at 30
+        return Gemma2Config(
+            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+            sliding_window=8, query_pre_attn_scalar=48, attn_logit_softcapping=3.0, final_logit_softcapping=30.0,
+            **common,
         )
     if arch == "gemma3":  # a sliding layer (window 8, its own RoPE base) then a full one; a logit cap
         return Gemma3TextConfig(
@@ -149,7 +157,7 @@ def build_tiny_model(
         config.head_dim = HEAD_DIMS[arch]
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    if arch not in ("qwen3", "gemma3", "gemma3_mm"):
+    if arch not in ("qwen3", "gemma2", "gemma3", "gemma3_mm"):
         assert config.hidden_size == config.num_attention_heads * config.head_dim
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -89,15 +89,16 @@ def test_a_query_without_context_gets_zeros(device, impl):
     torch.testing.assert_close(got, want, **tol(torch.float32))
 
 
-@pytest.mark.parametrize("window", [1, 6, 33])
-def test_mixed_sliding_window_matches_reference(device, window):
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (6, 0.0), (33, 0.0), (0, 3.0), (6, 3.0)])
+def test_mixed_sliding_window_matches_reference(device, window, softcap):
     chunks, group, head_dim, dtype = [(7, 1), (40, 1), (0, 29), (25, 18)], 4, 64, torch.float32
     seq_lens = [c + q for c, q in chunks]
     k, v, tables, lens = make_paged_cache(seq_lens + [1], 2, head_dim, 8, dtype, device)
     lens[len(chunks):] = 0
     qsl, n, total = _layout(chunks, 3, 1, device)
     q = torch.randn(total, 2 * group, head_dim).to(dtype).to(device)
-    got = mixed_attention_impl(q, k, v, tables, qsl, lens, 0.125, block_m=16, block_n=16, window=window)
-    want = reference.prefill_attention(q[:n], k, v, tables, qsl, lens, 29, 0.125, window=window)
+    got = mixed_attention_impl(q, k, v, tables, qsl, lens, 0.125, block_m=16, block_n=16, window=window,
+                               softcap=softcap)
+    want = reference.prefill_attention(q[:n], k, v, tables, qsl, lens, 29, 0.125, window=window, softcap=softcap)
     assert not torch.isnan(got[:n]).any()
     torch.testing.assert_close(got[:n], want, **tol(dtype))

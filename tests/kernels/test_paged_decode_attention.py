@@ -74,13 +74,14 @@ def test_decode_writes_a_given_out_in_place(device, impl):
     assert torch.isnan(buf[3:]).all()
 
 
-@pytest.mark.parametrize("window", [1, 10, 16, 100])
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (10, 0.0), (16, 0.0), (100, 0.0), (0, 3.0), (10, 3.0)])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_decode_sliding_window_matches_reference(device, window, num_splits):
+def test_decode_sliding_window_matches_reference(device, window, softcap, num_splits):
     """The splits share each sequence's last `window` positions (stage 2 merges the same split)."""
     seq_lens, head_dim, dtype = [1, 9, 40, 77], 64, torch.float32
     k, v, tables, lens = make_paged_cache(seq_lens, 2, head_dim, 8, dtype, device)
     q = torch.randn(len(seq_lens), 4, head_dim).to(dtype).to(device)
-    out = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits, window=window)
-    ref = reference.paged_decode_attention(q, k, v, tables, lens, 0.125, window=window)
+    out = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits, window=window,
+                                      softcap=softcap)
+    ref = reference.paged_decode_attention(q, k, v, tables, lens, 0.125, window=window, softcap=softcap)
     torch.testing.assert_close(out, ref, **tol(dtype))

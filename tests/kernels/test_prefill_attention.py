@@ -55,8 +55,8 @@ def test_prefill_writes_a_given_out_in_place(device, impl):
     assert torch.isnan(buf[:3]).all()
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 40])
-def test_prefill_sliding_window_matches_reference(device, window):
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (5, 0.0), (16, 0.0), (40, 0.0), (0, 3.0), (5, 3.0)])
+def test_prefill_sliding_window_matches_reference(device, window, softcap):
     """Rows whose window starts tiles after position 0 (tiles before it are skipped; a row may see
     nothing in a tile its tile-mates need)."""
     chunks, group, head_dim, dtype = [(0, 37), (30, 20), (3, 1), (50, 1)], 2, 64, torch.float32
@@ -67,7 +67,8 @@ def test_prefill_sliding_window_matches_reference(device, window):
         starts.append(starts[-1] + n)
     qsl = torch.tensor(starts, dtype=torch.int32, device=device)
     q = torch.randn(starts[-1], 2 * group, head_dim).to(dtype).to(device)
-    out = prefill_attention_impl(q, k, v, tables, qsl, lens, 37, 0.125, block_m=16, block_n=16, window=window)
-    ref = reference.prefill_attention(q, k, v, tables, qsl, lens, 37, 0.125, window=window)
+    out = prefill_attention_impl(q, k, v, tables, qsl, lens, 37, 0.125, block_m=16, block_n=16, window=window,
+                                 softcap=softcap)
+    ref = reference.prefill_attention(q, k, v, tables, qsl, lens, 37, 0.125, window=window, softcap=softcap)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, ref, **tol(dtype))

@@ -99,7 +99,7 @@ def test_gemma3_multimodal_checkpoint_served_as_text(tmp_path):
     """Gemma3ForConditionalGeneration (gemma-3-4b and larger): its text decoder, nested in the
     checkpoint under `language_model.`, against transformers' own text-only forward; the vision
     tower's tensors are skipped. Both spellings of the nesting map to the same parameters."""
-    from serving.executor.models.gemma3 import Gemma3TextOfMultimodal
+    from serving.executor.models.gemma import Gemma3TextOfMultimodal
 
     path = build_tiny_model("gemma3_mm", tmp_path / "gemma3-mm")
     args = ModelArgs.from_dir(path)

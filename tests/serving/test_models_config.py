@@ -94,8 +94,14 @@ def test_gemma3_configs_of_both_transformers_versions():
     v5["rope_parameters"] = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     assert ModelArgs.from_dict(v5) == a4
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        ModelArgs.from_dict({**v4, "attn_logit_softcapping": 50.0})
+    # Gemma 2 (gemma-2-9b's numbers, a 4.x config): the even layers slide, both caps, one RoPE.
+    g2 = ModelArgs.from_dict({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584,
+                              "intermediate_size": 14336, "num_hidden_layers": 4, "num_attention_heads": 16,
+                              "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
+                              "sliding_window": 4096, "final_logit_softcapping": 30.0,
+                              "attn_logit_softcapping": 50.0, "vocab_size": 256000})
+    assert g2.sliding_layers == (0, 2) and (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (50.0, 30.0)
+    assert g2.rope_local is None and g2.rope.theta == 10000.0 and not g2.qk_norm and g2.hidden_act == "gelu_pytorch_tanh"
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         ModelArgs.from_dict({**v4, "use_bidirectional_attention": True})
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from serving.executor.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOfMultimodal
+from serving.executor.models.gemma import Gemma3TextOfMultimodal, GemmaForCausalLM
 from serving.executor.models.llama import LlamaForCausalLM
 from serving.executor.parallel import TPShard
 from serving.model_config import SUPPORTED_ARCHITECTURES, ModelArgs, UnsupportedModelError
@@ -30,7 +30,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,
     "Phi3ForCausalLM": LlamaForCausalLM,
 }

@@ -304,7 +304,8 @@ class PagedAttention(nn.Module):
     replicated on every rank);
     `use_rope=False` (SmolLM3's NoPE layers) stores K/V unrotated; `scale` replaces head_dim ** -0.5
     as the softmax scale (Granite's attention_multiplier); `sliding_window` W: each query attends to
-    the W positions ending at its own (Mistral, Qwen2 with use_sliding_window, ...).
+    the W positions ending at its own (Mistral, Qwen2 with use_sliding_window, Gemma); `softcap` c:
+    scores capped as c * tanh(s / c) before the softmax (Gemma 2).
     """
 
     def __init__(
@@ -323,6 +324,7 @@ class PagedAttention(nn.Module):
         use_rope: bool = True,
         scale: float | None = None,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         heads = attention_shard(num_heads, num_kv_heads, shard)
@@ -331,6 +333,7 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.use_rope = use_rope
         self.window = sliding_window or 0  # > 0: each query sees its last `window` positions
+        self.softcap = softcap or 0.0  # > 0: scores capped as c * tanh(s / c) (Gemma 2)
         kv_part = OutputPart(num_kv_heads * head_dim, heads.kv_head_start * head_dim, self.kv_size)
         parts = {"q": OutputPart(num_heads * head_dim, heads.q_head_start * head_dim, self.q_size),
                  "k": kv_part, "v": kv_part}
@@ -393,26 +396,26 @@ class PagedAttention(nn.Module):
             out = out.view(num_tokens, self.num_heads, self.head_dim)
         if meta.mixed:
             kernels.mixed_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                                    meta.seq_lens, self.scale, out=out, window=self.window)
+                                    meta.seq_lens, self.scale, out=out, window=self.window, softcap=self.softcap)
         elif meta.num_prefills == 0:
             kernels.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,
-                window=self.window,
+                window=self.window, softcap=self.softcap,
             )
         elif nd == 0:
             kernels.prefill_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                meta.seq_lens, meta.max_query_len, self.scale, out=out, window=self.window,
+                meta.seq_lens, meta.max_query_len, self.scale, out=out, window=self.window, softcap=self.softcap,
             )
         else:
             kernels.paged_decode_attention(
                 q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
-                out=out[:nd], window=self.window,
+                out=out[:nd], window=self.window, softcap=self.softcap,
             )
             block_tables, query_start_loc, seq_lens = meta.prefill_part()  # rows right after the decodes
             kernels.prefill_attention(
                 q[nd:], self.k_cache, self.v_cache, block_tables, query_start_loc, seq_lens,
-                meta.max_query_len, self.scale, out=out[nd:], window=self.window,
+                meta.max_query_len, self.scale, out=out[nd:], window=self.window, softcap=self.softcap,
             )
         return out.view(num_tokens, self.q_size)
 

@@ -1,11 +1,13 @@
-"""Gemma 3 text decoder (`Gemma3ForCausalLM`, model_type `gemma3_text`) with HF parameter names.
+"""Gemma 2 and Gemma 3 text decoders (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`) with HF parameter names.
 
-It differs from the Llama family in ways `ModelArgs` carries and this module applies:
+They differ from the Llama family in ways `ModelArgs` carries and this module applies:
 - RMSNorm scales by `1 + weight`, in float32 before the cast (`GemmaRMSNorm`);
 - four norms a layer: after attention and after the MLP as well as before each;
-- per-head q/k norms before RoPE (Gemma norms), the softmax scale `query_pre_attn_scalar ** -0.5`;
-- GeGLU MLP (`gelu_pytorch_tanh`), embeddings scaled by sqrt(hidden_size) rounded to the model dtype;
-- sliding-window layers (5 of 6) with their own RoPE base, full layers with the global RoPE;
+- the softmax scale `query_pre_attn_scalar ** -0.5`; GeGLU MLP (`gelu_pytorch_tanh`); embeddings
+  scaled by sqrt(hidden_size) rounded to the model dtype;
+- sliding-window layers (Gemma 2: every other one; Gemma 3: 5 of 6, with their own RoPE base);
+- Gemma 2: attention scores capped as c * tanh(s / c) (`attn_logit_softcapping`, in the kernels);
+- Gemma 3: per-head q/k norms before RoPE (Gemma norms);
 - an optional tanh cap on the logits (`final_logit_softcapping`).
 The rest (paged attention, tensor parallelism, quantized linears, the weight loaders) is
 `LlamaForCausalLM`'s, which this subclasses.
@@ -43,7 +45,7 @@ class GemmaRMSNorm(nn.Module):
         return out if residual is None else (out, x)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     """norm -> attention -> norm (+res) norm -> GeGLU MLP -> norm; the residual is carried fused."""
 
     def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
@@ -53,7 +55,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = PagedAttention(
             args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
             qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
-            scale=args.attention_multiplier, sliding_window=sliding_window, qk_norm_eps=eps, qk_norm_class=GemmaRMSNorm,
+            scale=args.attention_multiplier, sliding_window=sliding_window, softcap=args.attn_logit_softcapping,
+            qk_norm_eps=eps if args.qk_norm else None, qk_norm_class=GemmaRMSNorm,
         )
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
                             activation=args.hidden_act)
@@ -74,29 +77,30 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma3Model(nn.Module):
-    """Scaled embedding, decoder layers (two RoPE caches: sliding and full layers), final norm."""
+class GemmaModel(nn.Module):
+    """Scaled embedding, decoder layers (Gemma 3: two RoPE caches, sliding and full layers), final norm."""
 
     def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
                  context_len: int | None = None) -> None:
         super().__init__()
-        assert args.rope_local is not None, "Gemma 3 configs give the sliding layers' RoPE"
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
         sliding = set(args.sliding_layers or ()) if args.sliding_window else set()
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(args, shard, quant, f"model.layers.{i}", args.sliding_window if i in sliding else None)
+            GemmaDecoderLayer(args, shard, quant, f"model.layers.{i}", args.sliding_window if i in sliding else None)
             for i in range(args.num_hidden_layers))
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         device = self.norm.weight.device
         # sqrt(hidden_size), rounded to the model dtype as transformers rounds it
         self.register_buffer("embed_scale", torch.tensor(args.hidden_size**0.5, device=device), persistent=False)
         full = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=device, context_len=context_len)
-        local = build_cos_sin_cache(args.rope_local, args.head_dim, max_position, device=device,
-                                    context_len=context_len)
         self.register_buffer("cos_sin_cache", full, persistent=False)
-        self.register_buffer("cos_sin_cache_local", local, persistent=False)
+        local = full
+        if args.rope_local is not None:  # Gemma 3: the sliding layers' own RoPE
+            local = build_cos_sin_cache(args.rope_local, args.head_dim, max_position, device=device,
+                                        context_len=context_len)
+            self.register_buffer("cos_sin_cache_local", local, persistent=False)
         for i, layer in enumerate(self.layers):
-            layer.self_attn.cos_sin_cache = self.cos_sin_cache_local if i in sliding else self.cos_sin_cache
+            layer.self_attn.cos_sin_cache = local if i in sliding else self.cos_sin_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -108,10 +112,10 @@ class Gemma3Model(nn.Module):
         return hidden
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    """`LlamaForCausalLM` with `Gemma3Model` inside and the logits' optional tanh cap."""
+class GemmaForCausalLM(LlamaForCausalLM):
+    """`LlamaForCausalLM` with `GemmaModel` inside and the logits' optional tanh cap (Gemma 2 and 3)."""
 
-    model_class = Gemma3Model
+    model_class = GemmaModel
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         logits = super().compute_logits(hidden, out)
@@ -128,7 +132,7 @@ _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.",
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-class Gemma3TextOfMultimodal(Gemma3ForCausalLM):
+class Gemma3TextOfMultimodal(GemmaForCausalLM):
     """`Gemma3ForConditionalGeneration` (gemma-3-4b/12b/27b) served as text: its language model's
     weights, the vision tower's skipped (requests with images are refused where they are read).
     Its logits are uncapped: transformers applies `final_logit_softcapping` in Gemma3ForCausalLM
