@@ -113,10 +113,12 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+    unit_offset: bool = False,  # Gemma: scale by 1 + weight in float32, cast once
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm; with `residual`, first x = x + residual and return (normed, x)."""
+    """RMSNorm; with `residual`, first x = x + residual and return (normed, x). `unit_offset`: the
+    weight is stored as w - 1 (Gemma), the row scaled by 1 + w in float32 and cast once."""
     impl = _mod("rms_norm").rms_norm if use_triton(x) else reference.rms_norm
-    return impl(x, weight, eps, residual)
+    return impl(x, weight, eps, residual, unit_offset)
 
 
 def rotary_embedding(

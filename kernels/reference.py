@@ -166,6 +166,7 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+    unit_offset: bool = False,  # Gemma: scale by 1 + weight in float32, cast once
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm; with `residual`, first x = x + residual and return (normed, x)."""
     if residual is not None:
@@ -173,7 +174,10 @@ def rms_norm(
         residual_out = x
     xf = x.float()
     var = xf.pow(2).mean(dim=-1, keepdim=True)
-    out = (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
+    if unit_offset:
+        out = (xf * torch.rsqrt(var + eps) * (1.0 + weight.float())).to(x.dtype)
+    else:
+        out = (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
     if residual is not None:
         return out, residual_out
     return out

@@ -3,6 +3,8 @@
 In: `x[num_tokens, hidden]`, `weight[hidden]` (and `residual[num_tokens, hidden]`). Out: the
 normed rows (and the new residual `x + residual`), one program per row, fp32 statistics.
 Rounding follows the reference: the sum is rounded to the input dtype before it is normed.
+`unit_offset` (Gemma): the weight is stored as w - 1, the row is scaled by 1 + w in float32 and
+cast once at the end (Llama rounds the normed row before the weight multiplies it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -38,7 +41,10 @@ def _rms_norm_kernel(
     var = tl.sum(x * x, 0) / N
     rstd = 1.0 / tl.sqrt(var + eps)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    if UNIT_OFFSET:
+        y = x * rstd * (1.0 + w)
+    else:
+        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -47,6 +53,7 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+    unit_offset: bool = False,  # Gemma: scale by 1 + weight in float32, cast once
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm; with `residual`, first x = x + residual and return (normed, x).
 
@@ -76,6 +83,7 @@ def rms_norm(
             N=hidden,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            UNIT_OFFSET=unit_offset,
             num_warps=min(16, max(1, block // 256)),
         )
     if residual is not None:

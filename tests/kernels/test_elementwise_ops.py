@@ -14,13 +14,14 @@ from kernels.rotary import rotary_embedding
 
 @pytest.mark.parametrize("dtype, hidden", [(torch.float32, 64), (torch.float16, 80)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(device, dtype, hidden, with_residual):
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm(device, dtype, hidden, with_residual, unit_offset):
     x = torch.randn(5, hidden).to(dtype).to(device)
     w = (1 + 0.1 * torch.randn(hidden)).to(dtype).to(device)
     res = torch.randn(5, hidden).to(dtype).to(device) if with_residual else None
     x_before = x.clone()
-    out = rms_norm(x, w, 1e-5, res)
-    ref = reference.rms_norm(x, w, 1e-5, res)
+    out = rms_norm(x, w, 1e-5, res, unit_offset)
+    ref = reference.rms_norm(x, w, 1e-5, res, unit_offset)
     assert torch.equal(x, x_before)
     if with_residual:
         torch.testing.assert_close(out[0], ref[0], **tol(dtype))
@@ -66,3 +67,14 @@ def test_package_ops_stay_dispatchers_after_launcher_imports():
 
     for name in ("paged_decode_attention", "prefill_attention", "rms_norm"):
         assert callable(getattr(kernels, name)), name
+
+
+def test_rms_norm_unit_offset_is_gemmas_norm():
+    """Gemma's RMSNorm (transformers' order: float32 throughout, scaled by 1 + w, one cast)."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 96).to(torch.bfloat16)
+    w = (0.3 * torch.randn(96)).to(torch.bfloat16)
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(torch.bfloat16)
+    assert torch.equal(reference.rms_norm(x, w, 1e-6, unit_offset=True), want)
+    assert not torch.equal(reference.rms_norm(x, w + 1, 1e-6), want)  # Llama's rounding order differs

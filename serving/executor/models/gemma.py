@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kernels
 from serving.executor.models.layers import GatedMLP, PagedAttention, VocabParallelEmbedding, default_weight_loader
 from serving.executor.models.llama import LlamaForCausalLM
 from serving.executor.models.rotary import build_cos_sin_cache
@@ -28,7 +29,8 @@ from serving.quantization import QuantConfig
 
 class GemmaRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), computed in float32 and cast back (Gemma's order, not Llama's);
-    with `residual`, x = x + residual first (in the model dtype) and (normed, x) is returned."""
+    with `residual`, x = x + residual first (in the model dtype) and (normed, x) is returned
+    (`kernels.rms_norm` with `unit_offset`)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -38,11 +40,7 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-        xf = x.float()
-        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, x)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
 
 
 class GemmaDecoderLayer(nn.Module):
