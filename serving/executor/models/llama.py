@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The causal LM: `forward(input_ids, positions) -> hidden`, `compute_logits(hidden) -> fp32`."""
 
-    model_class: type[nn.Module] = LlamaModel  # the decoder inside (`model.*`); Gemma 3 swaps its own
+    model_class: type[nn.Module] = LlamaModel  # the decoder inside (`model.*`); Gemma swaps in its own
 
     # HF checkpoint name piece -> (our packed param piece, shard id)
     packed_modules_mapping: dict[str, tuple[str, str]] = {
