@@ -43,11 +43,11 @@ def _release(llm) -> None:
 
 
 def check_fp32_greedy(model_dir: str, device: str, new_tokens: int = 24, **engine: int) -> None:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from serving import LLM, SamplingParams
 
-    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     expected = []
     for p in _prompts():
         ids = torch.tensor([p], device=device)
@@ -91,6 +91,25 @@ def test_fp32_greedy_tokens_match_transformers(tmp_path):
 
 def test_bf16_prompt_logprobs_close_to_transformers_fp32(tmp_path):
     check_bf16_prompt_logprobs(_checkpoint(tmp_path), "cuda")
+
+
+# The other architectures' device paths: q/k norms (Qwen3), NoPE layers (SmolLM3), multipliers (Granite),
+# capped scores and sliding layers in every attention kernel (Gemma 2, Mistral), Gemma norms in the
+# Triton RMSNorm and 256-wide heads (Gemma 3). The tiny models of tests/model_fixtures.py, no tokenizer.
+OTHER_ARCHS = {
+    "qwen3": {}, "smollm3": {}, "granite": {}, "gemma2": {}, "gemma3-256": {"head_dim": 256},
+    "mistral-sliding": {"sliding_window": 8},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_ARCHS))
+def test_fp32_greedy_other_architectures(tmp_path, name):
+    from model_fixtures import build_tiny_model
+
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    path = build_tiny_model(name.split("-")[0], tmp_path / name, tokenizer_dir=empty, overrides=OTHER_ARCHS[name])
+    check_fp32_greedy(str(path), "cuda", max_num_batched_tokens=32)
 
 
 def test_fp32_greedy_with_prompt_chunks_beside_decodes(tmp_path):
