@@ -151,6 +151,8 @@ class ModelArgs:
             for key in ("eos_token_id", "bos_token_id", "dtype", "torch_dtype"):
                 if d.get(key) is None and outer.get(key) is not None:
                     d[key] = outer[key]
+            if "tie_word_embeddings" in outer:  # the composite model's own setting wins (transformers 5.x)
+                d["tie_word_embeddings"] = outer["tie_word_embeddings"]
         if "text_config" in d and "hidden_size" not in d:
             raise ValueError("multimodal configs (text_config) are not supported")
         if d.get("model_type") in _GEMMA_DEFAULTS:
@@ -318,7 +320,8 @@ def _rope_args(d: dict[str, Any], layer_type: str = "full_attention") -> RopeArg
 
 # The architectures the executor implements (serving/executor/models checks it agrees).
 # Multimodal architectures served as their text decoder: architecture -> the text config's model_type
-_TEXT_OF_MULTIMODAL: dict[str, str] = {"Gemma3ForConditionalGeneration": "gemma3_text"}
+_TEXT_OF_MULTIMODAL: dict[str, str] = {"Gemma3ForConditionalGeneration": "gemma3_text",
+                                        "Mistral3ForConditionalGeneration": "mistral"}
 SUPPORTED_ARCHITECTURES = (*_ARCH_OF_MODEL_TYPE.values(), *_TEXT_OF_MULTIMODAL)
 
 

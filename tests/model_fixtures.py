@@ -113,6 +113,15 @@ def tiny_config(arch: str):
         return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
                             image_token_index=49000, boi_token_index=48998, eoi_token_index=48999,
                             initializer_range=0.08)
+    if arch == "mistral3_mm":  # Mistral3ForConditionalGeneration: the tiny mistral beside a Pixtral vision tower
+        from transformers import Mistral3Config, PixtralVisionConfig
+
+        text = tiny_config("mistral")
+        text.head_dim = HEAD_DIMS["mistral"]
+        vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=28, patch_size=14, head_dim=16)
+        return Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=49000,
+                              spatial_merge_size=1, tie_word_embeddings=False)
     if arch == "phi3":
         return Phi3Config(
             hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=384,
@@ -157,10 +166,15 @@ def build_tiny_model(
         config.head_dim = HEAD_DIMS[arch]
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    if arch not in ("qwen3", "gemma2", "gemma3", "gemma3_mm"):
+    if arch not in ("qwen3", "gemma2", "gemma3", "gemma3_mm", "mistral3_mm"):
         assert config.hidden_size == config.num_attention_heads * config.head_dim
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if arch == "mistral3_mm":  # not an AutoModelForCausalLM in transformers
+        from transformers import Mistral3ForConditionalGeneration
+
+        model = Mistral3ForConditionalGeneration(config).to(torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -20,14 +20,14 @@ from serving.model_config import ModelArgs
 ATOL = 2e-4
 
 
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+def _hf(path, hf_class=None):
+    if hf_class is None:
+        from transformers import AutoModelForCausalLM as hf_class
+    return hf_class.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def _check_paged_logits(path, block_size: int, lengths: list[int], chunk: int, decode_steps: int,
-                        max_model_len: int | None = None) -> None:
+                        max_model_len: int | None = None, hf_class=None) -> None:
     runner = ModelRunner(EngineConfig(model=str(path), block_size=block_size, kv_cache_memory_gb=0.02, device="cpu",
                                       max_model_len=max_model_len))
     driver = PagedDriver(runner)
@@ -53,7 +53,7 @@ def _check_paged_logits(path, block_size: int, lengths: list[int], chunk: int, d
             work.append((last, 1))
         for sid, lg in driver.logits(work).items():
             rows[sid].append(lg)
-    hf = _hf(path)
+    hf = _hf(path, hf_class)
     with torch.no_grad():
         for s in seqs:
             ours = torch.cat(rows[s.seq_id])  # [num_computed, vocab]
@@ -111,6 +111,19 @@ def test_gemma3_multimodal_checkpoint_served_as_text(tmp_path):
     assert rename("language_model.lm_head.weight") == "lm_head.weight"
     assert rename("vision_tower.vision_model.embeddings.patch_embedding.weight") is None
     assert rename("model.multi_modal_projector.mm_input_projection_weight") is None
+
+
+def test_mistral3_multimodal_checkpoint_served_as_text(tmp_path):
+    """Mistral3ForConditionalGeneration (Mistral Small 3.1 / 3.2): its Mistral text decoder, untied
+    LM head under `language_model.lm_head`, against transformers' text-only forward."""
+    from transformers import Mistral3ForConditionalGeneration
+
+    path = build_tiny_model("mistral3_mm", tmp_path / "mistral3-mm")
+    args = ModelArgs.from_dir(path)
+    assert args.architecture == "Mistral3ForConditionalGeneration" and args.head_dim == 80
+    assert not args.tie_word_embeddings and not args.qk_norm
+    _check_paged_logits(path, block_size=4, lengths=[5, 23, 37], chunk=9, decode_steps=6,
+                        hf_class=Mistral3ForConditionalGeneration)
 
 
 def test_smollm2_logits_match_transformers(smollm2_path):  # noqa: F811

@@ -19,6 +19,7 @@ from torch import nn
 
 from serving.executor.models.gemma import Gemma3TextOfMultimodal, GemmaForCausalLM
 from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.parallel import TPShard
 from serving.model_config import SUPPORTED_ARCHITECTURES, ModelArgs, UnsupportedModelError
 from serving.quantization import QuantConfig
@@ -33,6 +34,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,
+    "Mistral3ForConditionalGeneration": LlamaTextOfMultimodal,
     "Phi3ForCausalLM": LlamaForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES), "serving/model_config.py lists what we run"

@@ -21,6 +21,7 @@ from torch import nn
 import kernels
 from serving.executor.models.layers import GatedMLP, PagedAttention, VocabParallelEmbedding, default_weight_loader
 from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.multimodal_text import text_checkpoint_name
 from serving.executor.models.rotary import build_cos_sin_cache
 from serving.executor.parallel import TPShard
 from serving.model_config import ModelArgs
@@ -123,13 +124,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits
 
 
-# A multimodal checkpoint's text decoder under its two spellings (transformers 4.5x saves
-# `language_model.model.*`, 5.x `model.language_model.*`), and what the text decoder does not use.
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
 class Gemma3TextOfMultimodal(GemmaForCausalLM):
     """`Gemma3ForConditionalGeneration` (gemma-3-4b/12b/27b) served as text: its language model's
     weights, the vision tower's skipped (requests with images are refused where they are read).
@@ -137,13 +131,4 @@ class Gemma3TextOfMultimodal(GemmaForCausalLM):
     only, not here (Gemma 3's released configs set none)."""
 
     compute_logits = LlamaForCausalLM.compute_logits
-
-    @staticmethod
-    def checkpoint_name(name: str) -> str | None:
-        """The parameter a checkpoint tensor fills, or None for one this model does not hold."""
-        if name.startswith(_VISION_PREFIXES):
-            return None
-        for theirs, ours in _TEXT_PREFIXES:
-            if name.startswith(theirs):
-                return ours + name[len(theirs):]
-        return name
+    checkpoint_name = staticmethod(text_checkpoint_name)
