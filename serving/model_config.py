@@ -102,7 +102,7 @@ class ModelArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
-    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     mlp_bias: bool
     rope: RopeArgs
     sliding_window: int | None  # the window of the layers in `sliding_layers` (all of them by default)
@@ -123,6 +123,12 @@ class ModelArgs:
     rope_local: RopeArgs | None = None
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None where it attends to the whole context."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -174,10 +180,8 @@ class ModelArgs:
         attention_bias = bool(d.get("attention_bias", False))
         qkv_bias = qkv_bias_default or attention_bias
         sliding = d.get("sliding_window")
-        if "use_sliding_window" in d and not d["use_sliding_window"]:
+        if ("use_sliding_window" in d or model_type in ("qwen2", "qwen3")) and not d.get("use_sliding_window"):
             sliding = None  # Qwen2/3 and SmolLM3 configs carry a window that is off unless use_sliding_window
-        elif model_type in ("qwen2", "qwen3"):
-            sliding = sliding if d.get("use_sliding_window") else None
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -263,10 +267,8 @@ def _rope_args(d: dict[str, Any], layer_type: str = "full_attention") -> RopeArg
     params = dict(d.get("rope_parameters") or {})
     if isinstance(params.get(layer_type), dict):  # per layer type (Gemma 3, 5.x)
         params = dict(params[layer_type])
-    elif d.get("model_type") == "gemma3_text":
-        if layer_type == "sliding_attention":
-            return RopeArgs(theta=float(d.get("rope_local_base_freq", 10000.0)), scaling_type="default")
-        params.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+    elif d.get("model_type") == "gemma3_text" and layer_type == "sliding_attention":
+        return RopeArgs(theta=float(d["rope_local_base_freq"]), scaling_type="default")
     scaling = d.get("rope_scaling") or {}
     merged = {**scaling, **params}  # 5.x dicts win where both exist
     theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from serving.executor.models.layers import GatedMLP, PagedAttention, VocabParallelEmbedding, default_weight_loader
+from serving.executor.models.layers import GatedMLP, PagedAttention, RMSNorm, VocabParallelEmbedding
 from serving.executor.models.llama import LlamaForCausalLM
 from serving.executor.models.multimodal_text import text_checkpoint_name
 from serving.executor.models.rotary import build_cos_sin_cache
@@ -28,20 +27,11 @@ from serving.model_config import ModelArgs
 from serving.quantization import QuantConfig
 
 
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), computed in float32 and cast back (Gemma's order, not Llama's);
-    with `residual`, x = x + residual first (in the model dtype) and (normed, x) is returned
-    (`kernels.rms_norm` with `unit_offset`)."""
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + weight), computed in float32 and cast back (Gemma's order, not Llama's)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
+        super().__init__(hidden_size, eps, unit_offset=True)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -66,11 +56,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         attn = self.self_attn(positions, hidden)
         hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
@@ -83,10 +69,8 @@ class GemmaModel(nn.Module):
                  context_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
-        sliding = set(args.sliding_layers or ()) if args.sliding_window else set()
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(args, shard, quant, f"model.layers.{i}", args.sliding_window if i in sliding else None)
-            for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(GemmaDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
+                                    for i in range(args.num_hidden_layers))
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         device = self.norm.weight.device
         # sqrt(hidden_size), rounded to the model dtype as transformers rounds it
@@ -98,8 +82,8 @@ class GemmaModel(nn.Module):
             local = build_cos_sin_cache(args.rope_local, args.head_dim, max_position, device=device,
                                         context_len=context_len)
             self.register_buffer("cos_sin_cache_local", local, persistent=False)
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.cos_sin_cache = local if i in sliding else self.cos_sin_cache
+        for layer in self.layers:
+            layer.self_attn.cos_sin_cache = local if layer.self_attn.window else self.cos_sin_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

@@ -279,18 +279,27 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with optional fused residual add (kernels.rms_norm); replicated."""
+    """RMSNorm with optional fused residual add (kernels.rms_norm); replicated. `unit_offset`:
+    Gemma's norm (the weight stored as w - 1, applied in float32 before the cast)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = _param(hidden_size)
         self.weight.weight_loader = default_weight_loader
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, self.unit_offset)
+
+    def add_and_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's input norm with the residual stream carried fused: (normed, residual). The first
+        block has no residual yet: its input becomes it."""
+        if residual is None:
+            return self(hidden), hidden
+        return self(hidden, residual)
 
 
 class PagedAttention(nn.Module):

@@ -60,11 +60,7 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """norm -> qkv -> RoPE -> K/V into the cache: (q, residual)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         return self.self_attn.project(positions, hidden), residual
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +79,9 @@ class LlamaModel(nn.Module):
                  context_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
-        sliding = args.sliding_layers
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(args, shard, quant, f"model.layers.{i}", use_rope=i not in args.no_rope_layers,
-                              sliding_window=args.sliding_window if sliding is None or i in sliding else None)
+                              sliding_window=args.layer_window(i))
             for i in range(args.num_hidden_layers))
         self.embedding_multiplier = args.embedding_multiplier
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
