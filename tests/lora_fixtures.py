@@ -6,9 +6,9 @@ starts B at zero, which would leave the outputs unchanged) so an adapter that is
 mis-scaled or applied to the wrong rows changes the greedy tokens. `lora_alpha` differs from the
 rank so the alpha / r scaling is exercised.
 
-Use from a test module (tests/ is on sys.path through tests/conftest.py):
+`lora_adapters` is registered once for all of tests/ by tests/conftest.py; `peft_greedy` is imported:
 
-    from lora_fixtures import lora_adapters, peft_greedy  # noqa: F401  (session fixture)
+    from lora_fixtures import peft_greedy
 
     def test_x(lora_adapters):
         base, adapters = lora_adapters("llama")  # base model dir, {name: adapter dir}

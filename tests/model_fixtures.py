@@ -6,9 +6,7 @@ Each dir is written by transformers itself (`save_pretrained`, >= 2 safetensors 
 (49152) matches real text. Weights are random but deterministic; norm weights and biases are
 perturbed away from HF's 1/0 init so a swapped or skipped tensor shows up in the logits.
 
-Use from a test module (tests/ is on sys.path through tests/conftest.py):
-
-    from model_fixtures import tiny_models  # noqa: F401  (session fixture)
+`tiny_models` and `smollm2_path` are registered once for all of tests/ by tests/conftest.py:
 
     def test_x(tiny_models):
         path = tiny_models("llama")  # built once per session, cached

@@ -17,7 +17,7 @@ import time
 import pytest
 import requests
 from lmi_server import LMIServer
-from lora_fixtures import lora_adapters, peft_greedy  # noqa: F401 - lora_adapters is a fixture
+from lora_fixtures import peft_greedy
 
 pytestmark = pytest.mark.slow
 HEADER = "X-Amzn-SageMaker-Custom-Attributes"

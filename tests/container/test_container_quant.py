@@ -9,6 +9,7 @@ start: /ping answers 500 with the message naming the field. The four servers sta
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 
 import pytest
@@ -42,7 +43,8 @@ def checkpoints(tmp_path_factory):
     config["quantization_config"]["bits"] = 3
     (bad / "config.json").write_text(json.dumps(config))
     out["bad"] = bad
-    return out
+    yield out
+    shutil.rmtree(root, ignore_errors=True)  # ~700 MB of checkpoints: give the disk back
 
 
 @pytest.fixture(scope="module")

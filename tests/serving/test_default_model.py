@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-from model_fixtures import smollm2_path  # noqa: F401  (fixture)
 
 from serving import default_model
 from serving.model_files import ModelNotFoundError, resolve_model_dir

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from hf_oracle import hf_greedy
 from identity_prompts import LONG_CONTEXT
-from model_fixtures import TINY_ARCHS, tiny_models  # noqa: F401  (session fixture)
+from model_fixtures import TINY_ARCHS
 
 from serving.llm import LLM
 from serving.sampling_params import SamplingParams

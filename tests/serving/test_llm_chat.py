@@ -7,7 +7,6 @@ one conversation and a batch of conversations, greedy and seeded sampling, the t
 from __future__ import annotations
 
 import pytest
-from model_fixtures import tiny_models  # noqa: F401  (session fixture)
 
 from serving.llm import LLM
 from serving.sampling_params import SamplingParams

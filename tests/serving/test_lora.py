@@ -14,7 +14,7 @@ import shutil
 import threading
 
 import pytest
-from lora_fixtures import lora_adapters, peft_greedy  # noqa: F401  (session fixture)
+from lora_fixtures import peft_greedy
 
 from serving.llm import LLM
 from serving.lora_request import LoRARequest, UnknownAdapterError

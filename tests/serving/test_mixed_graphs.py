@@ -11,8 +11,7 @@ runner; a prompt chunk of 8 beside decodes makes the mixed steps these graphs ex
 from __future__ import annotations
 
 import torch
-from lora_fixtures import lora_adapters, peft_greedy  # noqa: F401  (fixture)
-from model_fixtures import tiny_models  # noqa: F401  (fixture)
+from lora_fixtures import peft_greedy
 from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig

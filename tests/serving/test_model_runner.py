@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import tiny_models  # noqa: F401  (fixture)
 from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import TINY_ARCHS, build_tiny_model, smollm2_path, tiny_models  # noqa: F401  (fixtures)
+from model_fixtures import TINY_ARCHS, build_tiny_model
 from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig

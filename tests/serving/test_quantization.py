@@ -10,6 +10,7 @@ dequantised weights in fp32: greedy tokens must be identical.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -312,7 +313,8 @@ def quant_models(tmp_path_factory):
             built[name] = write_quantized(base, root / name, MODEL_FORMATS[name])
         return built[name]
 
-    return get
+    yield get
+    shutil.rmtree(root, ignore_errors=True)  # ~1 GB of checkpoints and fp32 oracles: give the disk back
 
 
 @pytest.mark.parametrize("name", list(MODEL_FORMATS))

@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
-from model_fixtures import tiny_models  # noqa: F401  (fixture)
 from test_tp_engine import _alive
 
 from serving.engine.engine_loop import EngineDeadError, EngineLoop

@@ -14,12 +14,13 @@ pairs of ranks (TP=4), and the real SmolLM2-135M (tied; 9 heads, so TP=3: TP=2 i
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from model_fixtures import build_tiny_model, smollm2_path  # noqa: F401  (fixture)
+from model_fixtures import build_tiny_model
 from tp_driver import greedy_logits, tp_worker
 
 from serving.executor import parallel
@@ -59,7 +60,8 @@ def tp_models(tmp_path_factory: pytest.TempPathFactory):
             built[name] = build_tiny_model(arch, root / name, overrides=overrides, max_shard_size="1MB")
         return built[name]
 
-    return get
+    yield get
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _args(**kw: object) -> ModelArgs:

@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from model_fixtures import build_tiny_model, smollm2_path  # noqa: F401  (fixture)
+from model_fixtures import build_tiny_model
 
 from serving.executor.executor import WorkerFailedError
 from serving.llm import LLM

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from model_fixtures import tiny_models  # noqa: F401  (session fixture)
 
 from serving import LLM, SamplingParams
 from serving.engine.warmup import warm_up
