@@ -69,40 +69,50 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     tie_word_embeddings: bool = False
-    num_experts: int = 1
+    num_experts: int = 1  # MLPs a layer (MoE: experts, each `intermediate_size` wide)
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
         cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the LM under text_config
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1)
+        # Qwen-MoE configs give the experts' width apart (their `intermediate_size` is a dense layer's)
+        expert_width = cfg.get("moe_intermediate_size") if num_experts > 1 else None
         return cls(
             num_layers=int(cfg["num_hidden_layers"]),
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
+            intermediate_size=int(expert_width or cfg.get("intermediate_size") or 4 * hidden),
             vocab_size=int(cfg.get("vocab_size", 32000)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1),
+            num_experts=num_experts,
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
         )
+
+    def mlp_width(self) -> int:
+        """The summed intermediate width of a layer's MLPs (every expert, and a shared one)."""
+        return self.intermediate_size * self.num_experts + self.shared_intermediate_size
 
     def linear_params(self) -> int:
         """Weights of the decoder layers' linear projections (what GPTQ / AWQ / FP8 quantize)."""
         q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
         k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        return self.num_layers * (q_o + k_v + 3 * self.hidden_size * self.intermediate_size * self.num_experts)
+        return self.num_layers * (q_o + k_v + 3 * self.hidden_size * self.mlp_width())
 
     def num_params(self) -> int:
         """Parameter count of a LLaMA-style decoder (gated MLP, RMSNorm, no biases)."""
         q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
         k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        mlp = 3 * self.hidden_size * self.intermediate_size * self.num_experts
+        mlp = 3 * self.hidden_size * self.mlp_width()
+        router = self.hidden_size * self.num_experts if self.num_experts > 1 else 0
         norms = 2 * self.hidden_size
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * (q_o + k_v + mlp + norms) + embed + lm_head + self.hidden_size
+        return self.num_layers * (q_o + k_v + mlp + router + norms) + embed + lm_head + self.hidden_size
 
 
 QUANTIZATIONS = ("gptq", "awq", "fp8")
@@ -123,7 +133,7 @@ def quantized_weight_bytes(shape: ModelShape, quantization: str, dtype: str = "f
     rest = (shape.num_params() - linear) * DTYPE_BYTES[dtype]
     h = shape.hidden_size
     out_cols = shape.num_layers * (shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim + h
-                                   + shape.num_experts * (2 * shape.intermediate_size + h))
+                                   + 2 * shape.mlp_width() + h * (shape.num_experts + bool(shape.shared_intermediate_size)))
     if quantization == "fp8":
         return linear + 4 * out_cols + rest
     if bits not in (4, 8) or (quantization == "awq" and bits != 4):

@@ -24,6 +24,9 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "granite": (1e-6, False),
     "gemma2": (1e-6, False),
     "gemma3_text": (1e-6, False),
+    "mixtral": (1e-5, False),
+    "qwen2_moe": (1e-6, True),
+    "qwen3_moe": (1e-6, False),
 }
 # model_type -> its architecture, for configs that name no `architectures`
 _ARCH_OF_MODEL_TYPE: dict[str, str] = {
@@ -36,9 +39,14 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # Architectures whose attention RMS-normalises each head of q and k (over head_dim) before RoPE.
-_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
+_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                            "Gemma3ForConditionalGeneration"})
+_QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
 # configs name little more than their sizes): those defaults, by model_type.
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -123,6 +131,16 @@ class ModelArgs:
     rope_local: RopeArgs | None = None
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    # Mixture of experts (Mixtral, Qwen2/3-MoE): the layers in `moe_layers` route each token to
+    # `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size` (the
+    # others keep a dense MLP of `intermediate_size`); Qwen2-MoE adds a gated shared expert.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True  # the chosen experts' probabilities renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0
+    moe_combine_fp32: bool = False  # Mixtral weighs expert outputs in float32, Qwen in the model dtype
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None where it attends to the whole context."""
@@ -178,9 +196,9 @@ class ModelArgs:
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported: open-lmi generates")
         attention_bias = bool(d.get("attention_bias", False))
-        qkv_bias = qkv_bias_default or attention_bias
+        qkv_bias = bool(d.get("qkv_bias", qkv_bias_default)) or attention_bias  # `qkv_bias`: Qwen2-MoE's switch
         sliding = d.get("sliding_window")
-        if ("use_sliding_window" in d or model_type in ("qwen2", "qwen3")) and not d.get("use_sliding_window"):
+        if ("use_sliding_window" in d or model_type in _QWEN_TYPES) and not d.get("use_sliding_window"):
             sliding = None  # Qwen2/3 and SmolLM3 configs carry a window that is off unless use_sliding_window
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -220,6 +238,7 @@ class ModelArgs:
                                      else float(d["final_logit_softcapping"])),
             attn_logit_softcapping=(None if d.get("attn_logit_softcapping") is None
                                     else float(d["attn_logit_softcapping"])),
+            **_moe_args(d, model_type, int(d["num_hidden_layers"])),
         )
 
 
@@ -231,7 +250,7 @@ def _sliding_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tupl
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if model_type in ("qwen2", "qwen3") and d.get("max_window_layers") is not None:
+    if model_type in _QWEN_TYPES and d.get("max_window_layers") is not None:
         return tuple(range(int(d["max_window_layers"]), num_layers))
     if model_type == "gemma3_text":  # 4.x configs: every `sliding_window_pattern`-th layer is global
         pattern = int(d.get("sliding_window_pattern", 6))
@@ -239,6 +258,32 @@ def _sliding_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tupl
     if model_type == "gemma2":  # 4.x configs: the even layers slide
         return tuple(range(0, num_layers, 2))
     return None
+
+
+def _moe_args(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelArgs` (none for a dense model).
+
+    Mixtral: every layer, experts as wide as `intermediate_size`, top-k always renormalised.
+    Qwen2/3-MoE: the layers (i + 1) % decoder_sparse_step == 0 not in `mlp_only_layers`, experts of
+    `moe_intermediate_size`, `norm_topk_prob` as configured (transformers' default: false)."""
+    # transformers 5 writes either spelling of the expert count (an attribute map), hub configs their own
+    num_experts = int(d.get("num_experts") or d.get("num_local_experts") or (8 if model_type == "mixtral" else 0))
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe") or not num_experts:
+        return {}
+    top_k = int(d.get("num_experts_per_tok") or (2 if model_type == "mixtral" else 0))
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts} (the number of experts)")
+    if model_type == "mixtral":
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=int(d["intermediate_size"]),
+                    moe_layers=tuple(range(num_layers)), norm_topk_prob=True, moe_combine_fp32=True)
+    step = int(d.get("decoder_sparse_step") or 1)
+    dense = set(d.get("mlp_only_layers") or ())
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0)
+                if model_type == "qwen2_moe" else 0)
 
 
 def _no_rope_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:

@@ -6,12 +6,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
+import pytest
 
 # Session fixtures, registered here once for all of tests/: a module that imported them itself would get
 # its own copy, and each copy writes its own tiny checkpoints (hundreds of MB a copy on a CI disk).
-from lora_fixtures import lora_adapters  # noqa: E402, F401
-from model_fixtures import smollm2_path, tiny_models  # noqa: E402, F401
+from lora_fixtures import lora_adapters
+from model_fixtures import smollm2_path, tiny_models
 
 
 def _has_cuda() -> bool:

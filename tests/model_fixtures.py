@@ -1,5 +1,5 @@
-"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Qwen3/Phi-3/SmolLM3/Granite/Gemma 3, and Gemma 3's
-multimodal checkpoint) for identity tests vs transformers.
+"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Qwen3/Phi-3/SmolLM3/Granite/Gemma 2 and 3, the
+mixture-of-experts Mixtral/Qwen2-MoE/Qwen3-MoE, and two multimodal checkpoints) for identity tests vs transformers.
 
 Each dir is written by transformers itself (`save_pretrained`, >= 2 safetensors shards plus
 `model.safetensors.index.json`) and carries the default model's tokenizer, so the vocab
@@ -23,19 +23,31 @@ import pytest
 import torch
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2",
-                                "gemma3")
+                                "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
 HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma2": 64,
-             "gemma3": 64}
+             "gemma3": 64, "mixtral": 64, "qwen2_moe": 64, "qwen3_moe": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 
 
 def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config, SmolLM3Config)
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+        SmolLM3Config,
+    )
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -101,6 +113,23 @@ def tiny_config(arch: str):
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
             **common,
         )
+    if arch == "mixtral":  # 4 experts, 2 a token, every layer
+        return MixtralConfig(
+            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=96, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False, **common,
+        )
+    if arch == "qwen2_moe":  # layer 0: 4 experts (2 a token, not renormalised) + the gated shared expert; layer 1 dense
+        return Qwen2MoeConfig(
+            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=192, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96, mlp_only_layers=[1],
+            norm_topk_prob=False, use_sliding_window=False, tie_word_embeddings=False, **common,
+        )
+    if arch == "qwen3_moe":  # 8 experts, 3 a token, renormalised; q/k norms, heads wider than hidden / heads
+        return Qwen3MoeConfig(
+            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192, num_experts=8,
+            num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True, use_sliding_window=False,
+            tie_word_embeddings=True, **common,
+        )
     if arch == "gemma3_mm":  # Gemma3ForConditionalGeneration: the tiny gemma3 text model beside a vision tower
         from transformers import Gemma3Config, SiglipVisionConfig
 
@@ -164,7 +193,7 @@ def build_tiny_model(
         config.head_dim = HEAD_DIMS[arch]
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    if arch not in ("qwen3", "gemma2", "gemma3", "gemma3_mm", "mistral3_mm"):
+    if arch not in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma3_mm", "mistral3_mm"):
         assert config.hidden_size == config.num_attention_heads * config.head_dim
     torch.manual_seed(seed)
     if arch == "mistral3_mm":  # not an AutoModelForCausalLM in transformers

@@ -148,6 +148,9 @@ class LoRAManager:
     """Slots, host cache and per-step slot staging for one worker (see the module docstring)."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, args: ModelArgs, max_num_tokens: int) -> None:
+        if args.num_experts:
+            raise ValueError(f"LoRA adapters on a mixture-of-experts model ({args.architecture}) are not supported: "
+                             "serve it without option.enable_lora")
         self.num_slots = config.max_loras
         self.max_rank = config.max_lora_rank
         self.max_host = config.num_cpu_loras

@@ -185,8 +185,9 @@ def validate_tensor_parallel(args: ModelArgs, tp: int) -> None:
     if tp < 1:
         raise ValueError(f"tensor parallel degree must be >= 1, got {tp}")
     _check_heads(args.num_attention_heads, args.num_key_value_heads, tp)
-    if args.intermediate_size % tp:
-        raise ValueError(f"tensor parallel degree {tp} does not divide intermediate_size ({args.intermediate_size})")
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(args, name) % tp:
+            raise ValueError(f"tensor parallel degree {tp} does not divide {name} ({getattr(args, name)})")
 
 
 def _check_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:

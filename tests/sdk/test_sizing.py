@@ -99,3 +99,19 @@ def test_cli_quantized(tmp_path) -> None:
            "--batch", "1", "--seq-len", "4096", "--json"]
     report = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     assert report["dtype"] == "gptq+bf16" and 5.7e9 < report["weight_bytes"] < 5.9e9
+
+
+@pytest.mark.parametrize("cfg, published", [
+    # Mixtral-8x7B: 8 experts as wide as intermediate_size, every layer
+    (dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+          num_hidden_layers=32, vocab_size=32000), 46.7e9),
+    # Qwen3-30B-A3B: 128 experts of moe_intermediate_size (its intermediate_size is a dense layer's)
+    (dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+          moe_intermediate_size=768, num_experts=128, num_hidden_layers=48, vocab_size=151936), 30.5e9),
+    # Qwen1.5-MoE-A2.7B: 60 experts and a shared expert
+    (dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, intermediate_size=5632,
+          moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60, num_hidden_layers=24,
+          vocab_size=151936), 14.3e9),
+], ids=["mixtral_8x7b", "qwen3_30b_a3b", "qwen1.5_moe_a2.7b"])
+def test_mixture_of_experts_parameter_counts(cfg, published) -> None:
+    assert ModelShape.from_config(cfg).num_params() == pytest.approx(published, rel=0.01)

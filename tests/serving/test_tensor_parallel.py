@@ -8,7 +8,8 @@ head replicated over the ranks with tied embeddings, an odd vocab and o_proj / M
 row-parallel bias must be added once) (Llama), Phi-3's fused
 qkv_proj / gate_up_proj with a replicated KV head and an odd untied vocab, Qwen3's per-head q/k
 norms (replicated) with heads wider than hidden / heads, Gemma 3 (a sliding layer, GeGLU, Gemma norms,
-a logit cap), Gemma 2 (capped attention scores), KV heads shared by
+a logit cap), Gemma 2 (capped attention scores), Mixtral and Qwen2-MoE (experts split by their
+intermediate dim, one all-reduce per MoE block with the shared expert; a dense layer beside), KV heads shared by
 pairs of ranks (TP=4), and the real SmolLM2-135M (tied; 9 heads, so TP=3: TP=2 is rejected).
 """
 
@@ -46,6 +47,9 @@ TP_MODELS: dict[str, tuple[str, dict[str, object]]] = {
     "qwen3_qk_norm_wide_heads": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)),
     "gemma3_sliding_geglu": ("gemma3", dict(vocab_size=1024)),
     "gemma2_capped_scores": ("gemma2", dict(vocab_size=1024)),
+    # experts split by their intermediate dim, one all-reduce a block (the shared expert's included)
+    "mixtral_experts": ("mixtral", dict(vocab_size=1024)),
+    "qwen2_moe_shared_expert_dense_layer": ("qwen2_moe", dict(vocab_size=1024)),
 }
 
 

@@ -1,7 +1,7 @@
 """Architecture registry: HF `architectures[0]` -> our model class, and `build_model`.
 
-Every supported architecture is a Llama-family decoder; the differences are options in
-`ModelArgs`. An unknown architecture, or a config that points at remote code (`auto_map`),
+Every supported architecture is a Llama-family decoder (some with mixture-of-experts MLPs);
+the differences are options in `ModelArgs`. An unknown architecture, or a config that points at remote code (`auto_map`),
 raises `UnsupportedModelError` naming what was found and what is supported.
 
 Tensor parallel: `build_model` builds this process's slice of the model. The shard is the
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from serving.executor.models.gemma import Gemma3TextOfMultimodal, GemmaForCausalLM
-from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.parallel import TPShard
 from serving.model_config import SUPPORTED_ARCHITECTURES, ModelArgs, UnsupportedModelError
@@ -36,6 +36,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,
     "Mistral3ForConditionalGeneration": LlamaTextOfMultimodal,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES), "serving/model_config.py lists what we run"
 

@@ -198,17 +198,19 @@ class RowParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, shard: TPShard = SINGLE,
                  in_part: tuple[int, int] | None = None, quant_method: LinearMethod | None = None,
-                 name: str = "") -> None:
+                 name: str = "", reduce: bool = True) -> None:
         """`in_part` = (start, size) of this rank's input columns when not an even split (o_proj
-        under an uneven head split)."""
+        under an uneven head split). `reduce=False`: return this rank's partial sum; the caller
+        all-reduces it with others (the experts of an MoE block: one all-reduce for all of them)."""
         in_start, size = in_part if in_part is not None else shard.split(in_features)
         spec = LinearSpec(in_features, in_start, size, {"": OutputPart(out_features, 0, out_features)},
                           {"": (0, out_features)}, name)
         super().__init__(size, out_features, bias, quant_method, spec)
         self.in_start, self.full_in_features = in_start, in_features
-        self.reduce = shard.world_size > 1
+        assert reduce or not bias or shard.world_size == 1, "a partial sum with a bias would add it on every rank"
+        self.reduce = reduce and shard.world_size > 1
         self.bias_rank = shard.rank == 0
-        _mark_sharded(self.reduce, getattr(self, "weight", None))
+        _mark_sharded(shard.world_size > 1, getattr(self, "weight", None))
 
     def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
         if param.dim() == 1:  # the bias: replicated
@@ -431,10 +433,12 @@ class PagedAttention(nn.Module):
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate|up packed as gate_up_proj (this rank's columns);
-    `activation="gelu_pytorch_tanh"`: GeGLU, gelu (tanh approximation) in place of silu (Gemma)."""
+    `activation="gelu_pytorch_tanh"`: GeGLU, gelu (tanh approximation) in place of silu (Gemma).
+    `reduce=False`: under tensor parallelism, this rank's partial output (an MoE expert's)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard = SINGLE,
-                 quant: QuantConfig | None = None, prefix: str = "mlp", activation: str = "silu") -> None:
+                 quant: QuantConfig | None = None, prefix: str = "mlp", activation: str = "silu",
+                 reduce: bool = True) -> None:
         super().__init__()
         assert activation in ("silu", "gelu_pytorch_tanh"), activation
         self.activation = activation
@@ -444,7 +448,7 @@ class GatedMLP(nn.Module):
                                                        f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, shard,
                                            quant_method=linear_method(quant, f"{prefix}.down_proj"),
-                                           name=f"{prefix}.down_proj")
+                                           name=f"{prefix}.down_proj", reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -1,8 +1,9 @@
-"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite) with HF parameter names.
+"""Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, and the
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE) with HF parameter names.
 
 The architectures differ only in options read from `ModelArgs` (q/k/v bias for Qwen2, per-head
 q/k RMSNorm for Qwen3, layers without RoPE for SmolLM3, Granite's multipliers, head_dim, rope
-scaling) and in how the checkpoint names packed projections, which
+scaling, an MoE block in place of the MLP) and in how the checkpoint names packed projections, which
 `packed_modules_mapping` covers (Phi-3 checkpoints are already fused). Forward takes flat
 token rows `[num_tokens]` plus the ambient `AttentionMetadata`; `compute_logits` is applied by
 the runner only to the rows it samples.
@@ -26,8 +27,14 @@ from serving.executor.models.layers import (
     RMSNorm,
     VocabParallelEmbedding,
 )
+from serving.executor.models.moe import SparseMoeBlock, mixtral_checkpoint_name
 from serving.executor.models.rotary import build_cos_sin_cache
-from serving.executor.parallel import TPShard, kv_heads_per_rank, tp_shard, validate_tensor_parallel
+from serving.executor.parallel import (
+    TPShard,
+    kv_heads_per_rank,
+    tp_shard,
+    validate_tensor_parallel,
+)
 from serving.model_config import ModelArgs
 from serving.quantization import QuantConfig
 
@@ -36,7 +43,7 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x -> norm -> attention -> (+res) norm -> MLP, residual carried fused."""
 
     def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None = None, prefix: str = "",
-                 use_rope: bool = True, sliding_window: int | None = None) -> None:
+                 use_rope: bool = True, sliding_window: int | None = None, moe: bool = False) -> None:
         super().__init__()
         self.residual_multiplier = args.residual_multiplier
         self.self_attn = PagedAttention(
@@ -45,8 +52,9 @@ class LlamaDecoderLayer(nn.Module):
             qk_norm_eps=args.rms_norm_eps if args.qk_norm else None, use_rope=use_rope,
             scale=args.attention_multiplier, sliding_window=sliding_window,
         )
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
-                            activation=args.hidden_act)
+        self.mlp = (SparseMoeBlock(args, shard, quant, f"{prefix}.mlp") if moe else
+                    GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
+                             activation=args.hidden_act))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -81,7 +89,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(args, shard, quant, f"model.layers.{i}", use_rope=i not in args.no_rope_layers,
-                              sliding_window=args.layer_window(i))
+                              sliding_window=args.layer_window(i), moe=i in args.moe_layers)
             for i in range(args.num_hidden_layers))
         self.embedding_multiplier = args.embedding_multiplier
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -146,3 +154,10 @@ class LlamaForCausalLM(nn.Module):
         if self.args.logits_scaling != 1.0:  # Granite divides the logits
             logits.div_(self.args.logits_scaling)
         return logits
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: Mistral's attention and an MoE block in every layer, under its own checkpoint names
+    (`block_sparse_moe`, experts' w1 / w3 / w2)."""
+
+    checkpoint_name = staticmethod(mixtral_checkpoint_name)

@@ -1,0 +1,109 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) with HF parameter names.
+
+A router (`gate`, replicated) scores each token against every expert; the token goes to its
+`top_k` experts, each a SwiGLU `GatedMLP`, and their outputs are summed, weighted by the
+softmax probabilities of the chosen experts (renormalised over them when `norm_topk_prob`).
+Qwen2-MoE adds a shared expert that every token passes through, scaled by
+sigmoid(`shared_expert_gate`(x)).
+
+Tensor parallel: every expert (and the shared one) splits its intermediate dim over the ranks,
+as a dense MLP does, but their down projections skip their own all-reduce: the block sums its
+experts' partial outputs on each rank and all-reduces once.
+
+Two ways to run the experts, with the same result:
+- grouped (eager steps): tokens sorted by expert, each expert runs on its own rows only (the
+  count per expert is read on the host);
+- dense (inside a CUDA graph capture, where no host read may happen): every expert runs on all
+  rows and rows it was not chosen for weigh 0. It costs num_experts / top_k times the FLOPs, not
+  more weight reads, so it suits decode steps, the ones captured.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.executor import parallel
+from serving.executor.models.layers import GatedMLP, Linear
+from serving.executor.parallel import TPShard
+from serving.model_config import ModelArgs
+from serving.quantization import QuantConfig
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE MLP of one decoder layer: `forward(x [T, hidden]) -> [T, hidden]` (all-reduced)."""
+
+    def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None = None, prefix: str = "mlp") -> None:
+        super().__init__()
+        assert args.num_experts > 0 and 0 < args.num_experts_per_tok <= args.num_experts, args
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.combine_fp32 = args.moe_combine_fp32
+        self.reduce = shard.world_size > 1
+        self.gate = Linear(args.hidden_size, args.num_experts)  # the router: replicated, never quantized
+        self.experts = nn.ModuleList(
+            GatedMLP(args.hidden_size, args.moe_intermediate_size, False, shard, quant, f"{prefix}.experts.{e}",
+                     activation=args.hidden_act, reduce=False)
+            for e in range(args.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if args.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(args.hidden_size, args.shared_expert_intermediate_size, False, shard, quant,
+                                          f"{prefix}.shared_expert", activation=args.hidden_act, reduce=False)
+            self.shared_expert_gate = Linear(args.hidden_size, 1)
+        self.force_dense = False  # tests: the graph path on any device
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k], expert ids [T, top_k]): softmax in float32 over all experts, top-k,
+        renormalised over the k when `norm_topk_prob`; float32 (Mixtral) or the model dtype (Qwen)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.combine_fp32 else weights.to(x.dtype)), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        dense = self.force_dense or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        out = self._dense(x, weights, ids) if dense else self._grouped(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return parallel.all_reduce(out) if self.reduce else out
+
+    def _weighted(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # Mixtral multiplies the expert output by float32 weights and rounds the product once
+        return (y.float() * w).to(y.dtype) if self.combine_fp32 else y * w
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat = ids.flatten()  # [T * top_k]: choice j of token t at t * top_k + j
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the host read graphs avoid
+        tokens = order // self.top_k
+        flat_weights = weights.flatten()
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                rows, picks = tokens[start:start + n], order[start:start + n]
+                out.index_add_(0, rows, self._weighted(expert(x[rows]), flat_weights[picks, None]))
+            start += n
+        return out
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        per_expert = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
+        per_expert.scatter_(1, ids, weights)  # [T, E]: 0 where the expert was not chosen
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out += self._weighted(expert(x), per_expert[:, e:e + 1])
+        return out
+
+
+def mixtral_checkpoint_name(name: str) -> str:
+    """Mixtral's checkpoint names in ours: `block_sparse_moe` is the layer's `mlp`; each expert's
+    w1 / w3 / w2 are its gate / up / down projections."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    for hf, ours in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+        name = name.replace(hf, ours)
+    return name
