@@ -1,6 +1,7 @@
-"""The mixture-of-experts block on its own: its two ways of running the experts (grouped rows in
-eager steps; every expert on every row, weighted 0 where not chosen, in CUDA graphs) against a
-per-token sum written from the definition, and what an MoE config turns into.
+"""The mixture-of-experts block on its own: its three ways of running the experts (each pick with
+its own expert's gathered weights; rows grouped by expert; every expert on every row, weighted 0
+where not chosen) against a per-token sum written from the definition, and what an MoE config
+turns into.
 
 The whole models (Mixtral, Qwen2-MoE, Qwen3-MoE) are checked against transformers' logits in
 test_models.py, through the engine in test_engine_tiny_archs.py and at TP=2 in
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from serving.executor.models import _default_dtype
 from serving.executor.models.moe import SparseMoeBlock, mixtral_checkpoint_name
 from serving.executor.parallel import TPShard, validate_tensor_parallel
 from serving.model_config import ModelArgs
@@ -45,31 +47,48 @@ def _per_token(block: SparseMoeBlock, x: torch.Tensor, norm: bool) -> torch.Tens
     return torch.stack(out)
 
 
+PATHS = ("picked", "grouped", "dense")
+
+
 @pytest.mark.parametrize("over", [dict(), dict(norm_topk_prob=True, shared_expert_intermediate_size=24),
                                   dict(num_experts_per_tok=6)], ids=["topk", "normalised_shared", "all_experts"])
-def test_grouped_and_dense_equal_the_per_token_sum(over):
+@pytest.mark.parametrize("tokens", [2, 37])
+def test_every_path_equals_the_per_token_sum(over, tokens):
     block = _block(**over)
-    x = torch.randn(37, 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = _per_token(block, x, block.norm_topk_prob)
-        grouped = block(x)
-        block.force_dense = True
-        dense = block(x)
-    torch.testing.assert_close(grouped, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(dense, want, atol=1e-5, rtol=1e-5)
-    # every expert was chosen for some token, so every expert's rows were compared
-    _, ids = block.route(x)
-    assert len(set(ids.flatten().tolist())) == 6
+        for path in PATHS:
+            block.force_path = path
+            torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5, msg=path)
+    if tokens == 37:  # every expert was chosen for some token, so every expert's rows were compared
+        _, ids = block.route(x)
+        assert len(set(ids.flatten().tolist())) == 6
 
 
-def test_bf16_grouped_equals_dense_exactly():
-    """The graph path must not change a served token: in bf16 too, unchosen experts add exact zeros."""
-    block = _block().to(torch.bfloat16)
+def test_the_path_follows_the_picks_and_reads_the_loaded_weights():
+    block = _block()
+    assert block.path(torch.zeros(2, 32)) == "picked"  # 4 picks < 6 experts: only chosen experts are read
+    assert block.path(torch.zeros(3, 32)) == "grouped"  # 6 picks: eager steps group rows by expert
+    # the stacked tensors are the experts' own weights (views), so loading and dummy fills reach them
+    assert torch.equal(block.w13[4], block.experts[4].gate_up_proj.weight)
+    assert block.w2[1].data_ptr() == block.experts[1].down_proj.weight.data_ptr()
+
+
+@pytest.mark.parametrize("mixtral", [False, True], ids=["qwen_model_dtype_weights", "mixtral_fp32_weights"])
+def test_bf16_paths_equal_exactly(mixtral):
+    """The graph paths must not change a served token: in bf16 too, the picks are added in the same order
+    (here on the CPU; a GPU's GEMM kernels may round differently by shape)."""
+    over = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 6} if mixtral else {}
+    with _default_dtype(torch.bfloat16):
+        block = _block(**over)
     x = torch.randn(20, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
-        grouped = block(x)
-        block.force_dense = True
-        assert torch.equal(block(x), grouped)
+        results = {}
+        for path in PATHS:
+            block.force_path = path
+            results[path] = block(x)
+    assert torch.equal(results["picked"], results["grouped"]) and torch.equal(results["dense"], results["grouped"])
 
 
 def test_moe_layers_and_defaults_from_configs():
