@@ -45,7 +45,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
 }
 # Architectures whose attention RMS-normalises each head of q and k (over head_dim) before RoPE.
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                            "Gemma3ForConditionalGeneration"})
+                            "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
 # configs name little more than their sizes): those defaults, by model_type.
@@ -167,7 +167,10 @@ class ModelArgs:
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
         """Normalise a config.json dict; raises ValueError for what we cannot run."""
         archs = d.get("architectures") or []
-        if archs and archs[0] in _TEXT_OF_MULTIMODAL and isinstance(d.get("text_config"), dict):
+        if archs and archs[0] in _TEXT_OF_MULTIMODAL and not isinstance(d.get("text_config"), dict):
+            # the text model's fields at the top (Qwen2/2.5-VL as transformers 4.x saved them)
+            d = {**d, "model_type": _TEXT_OF_MULTIMODAL[archs[0]]}
+        elif archs and archs[0] in _TEXT_OF_MULTIMODAL:
             # served as its text decoder only (image inputs are refused where requests are read)
             outer = d
             d = {**outer["text_config"], "architectures": archs,
@@ -322,6 +325,8 @@ def _rope_args(d: dict[str, Any], layer_type: str = "full_attention") -> RopeArg
     orig = merged.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
     if rope_type == "su":  # LongRoPE's early name (Phi-3 configs of 2024)
         rope_type = "longrope"
+    if rope_type == "mrope":  # Qwen-VL's 3-D RoPE (4.x name): with text only, its 3 positions are one
+        rope_type = "default"
     if rope_type not in ("default", "llama3", "linear", "dynamic", "yarn", "longrope"):
         raise ValueError(
             f"rope scaling type {rope_type!r} is not supported "
@@ -367,7 +372,11 @@ def _rope_args(d: dict[str, Any], layer_type: str = "full_attention") -> RopeArg
 
 # The architectures the executor implements (serving/executor/models checks it agrees).
 # Multimodal architectures served as their text decoder: architecture -> the text config's model_type
+# (Qwen-VL's multimodal RoPE gives a text token the same position on its 3 axes: plain RoPE.)
 _TEXT_OF_MULTIMODAL: dict[str, str] = {"Gemma3ForConditionalGeneration": "gemma3_text",
+                                        "Qwen2VLForConditionalGeneration": "qwen2",
+                                        "Qwen2_5_VLForConditionalGeneration": "qwen2",
+                                        "Qwen3VLForConditionalGeneration": "qwen3",
                                         "Mistral3ForConditionalGeneration": "mistral"}
 SUPPORTED_ARCHITECTURES = (*_ARCH_OF_MODEL_TYPE.values(), *_TEXT_OF_MULTIMODAL)
 

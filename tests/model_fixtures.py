@@ -30,6 +30,10 @@ HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, 
              "gemma3": 64, "mixtral": 64, "qwen2_moe": 64, "qwen3_moe": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+# The multimodal tiny archs transformers' AutoModelForCausalLM does not build: their class
+MULTIMODAL_CLASSES = {"mistral3_mm": "Mistral3ForConditionalGeneration",
+                      "qwen2_5_vl_mm": "Qwen2_5_VLForConditionalGeneration",
+                      "qwen3_vl_mm": "Qwen3VLForConditionalGeneration"}
 
 
 def tiny_config(arch: str):
@@ -149,6 +153,20 @@ def tiny_config(arch: str):
                                      image_size=28, patch_size=14, head_dim=16)
         return Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=49000,
                               spatial_merge_size=1, tie_word_embeddings=False)
+    if arch in ("qwen2_5_vl_mm", "qwen3_vl_mm"):  # Qwen2.5-VL / Qwen3-VL: the tiny qwen2 / qwen3 beside a vision tower
+        import transformers
+
+        qwen3 = arch == "qwen3_vl_mm"
+        text = tiny_config("qwen3" if qwen3 else "qwen2").to_dict()
+        text["head_dim"] = HEAD_DIMS["qwen3" if qwen3 else "qwen2"]
+        half = text["head_dim"] // 2  # multimodal RoPE: rotary pairs split over (time, height, width)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+                                   **({"mrope_interleaved": True} if qwen3 else {})}
+        cls = transformers.Qwen3VLConfig if qwen3 else transformers.Qwen2_5_VLConfig
+        vision = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=text["hidden_size"], intermediate_size=64)
+        return cls(text_config=text, vision_config=vision, image_token_id=49000, video_token_id=49001,
+                   vision_start_token_id=48998, vision_end_token_id=48999, tie_word_embeddings=qwen3)
     if arch == "phi3":
         return Phi3Config(
             hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=384,
@@ -193,13 +211,13 @@ def build_tiny_model(
         config.head_dim = HEAD_DIMS[arch]
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    if arch not in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma3_mm", "mistral3_mm"):
+    if arch not in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma3_mm", "mistral3_mm", "qwen2_5_vl_mm", "qwen3_vl_mm"):
         assert config.hidden_size == config.num_attention_heads * config.head_dim
     torch.manual_seed(seed)
-    if arch == "mistral3_mm":  # not an AutoModelForCausalLM in transformers
-        from transformers import Mistral3ForConditionalGeneration
+    if arch in MULTIMODAL_CLASSES:  # not AutoModelForCausalLMs in transformers
+        import transformers
 
-        model = Mistral3ForConditionalGeneration(config).to(torch.float32).eval()
+        model = getattr(transformers, MULTIMODAL_CLASSES[arch])(config).to(torch.float32).eval()
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)

@@ -126,6 +126,32 @@ def test_mistral3_multimodal_checkpoint_served_as_text(tmp_path):
                         hf_class=Mistral3ForConditionalGeneration)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl_mm", "qwen3_vl_mm"])
+def test_qwen_vl_checkpoints_served_as_text(tmp_path, arch):
+    """Qwen2.5-VL (its config's text fields as 5.x nests them, tensors at `model.*`, the vision tower at
+    `visual.*`) and Qwen3-VL (`model.language_model.*`, `model.visual.*`, q/k norms, tied) against
+    transformers' text-only forward: their multimodal RoPE with text alone is plain RoPE."""
+    import json
+
+    import transformers
+    from model_fixtures import MULTIMODAL_CLASSES
+
+    path = build_tiny_model(arch, tmp_path / arch)
+    args = ModelArgs.from_dir(path)
+    assert args.qkv_bias == (arch == "qwen2_5_vl_mm") and args.qk_norm == (arch == "qwen3_vl_mm")
+    assert args.rope.scaling_type == "default"
+    hf_class = getattr(transformers, MULTIMODAL_CLASSES[arch])
+    _check_paged_logits(path, block_size=4, lengths=[5, 23, 37], chunk=9, decode_steps=6, hf_class=hf_class)
+    # The 4.x spelling of the same Qwen2.5-VL: text fields at the top, rope_scaling of type "mrope"
+    if arch == "qwen2_5_vl_mm":
+        config = json.loads((path / "config.json").read_text())
+        text = config.pop("text_config")
+        rope = text.pop("rope_parameters")
+        flat = {**text, **config, "model_type": "qwen2_5_vl",
+                "rope_theta": rope["rope_theta"], "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+        assert ModelArgs.from_dict(flat) == args
+
+
 def test_smollm2_logits_match_transformers(smollm2_path):  # noqa: F811
     _check_paged_logits(smollm2_path, block_size=8, lengths=[19, 45], chunk=16, decode_steps=4)
 

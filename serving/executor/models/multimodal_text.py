@@ -1,6 +1,6 @@
 """Multimodal checkpoints served as their text decoder: where their language model's tensors sit.
 
-A vision-language checkpoint (Gemma 3 4B and larger, Mistral Small 3.x) nests its language model:
+A vision-language checkpoint (Gemma 3 4B and larger, Mistral Small 3.x, Qwen2/2.5/3-VL) nests its language model:
 transformers 4.5x saved it as `language_model.model.*` (+ `language_model.lm_head.*`), 5.x as
 `model.language_model.*`; the vision tower and the projector sit beside it. `text_checkpoint_name`
 maps the language model's tensors onto a text-only model's parameter names and drops the rest
@@ -14,7 +14,8 @@ from serving.executor.models.llama import LlamaForCausalLM
 
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                    "visual.", "model.visual.")  # the last two: Qwen-VL's
 
 
 def text_checkpoint_name(name: str) -> str | None:
@@ -28,6 +29,8 @@ def text_checkpoint_name(name: str) -> str | None:
 
 
 class LlamaTextOfMultimodal(LlamaForCausalLM):
-    """`Mistral3ForConditionalGeneration` (Mistral Small 3.1 / 3.2) served as its Mistral text decoder."""
+    """`Mistral3ForConditionalGeneration` (Mistral Small 3.1 / 3.2) served as its Mistral text decoder,
+    `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration` as Qwen2 and
+    `Qwen3VLForConditionalGeneration` as Qwen3 (text only: no image reaches DeepStack's layers)."""
 
     checkpoint_name = staticmethod(text_checkpoint_name)
