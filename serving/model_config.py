@@ -22,6 +22,7 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "phi3": (1e-5, False),
     "smollm3": (1e-6, False),
     "granite": (1e-6, False),
+    "gemma": (1e-6, False),
     "gemma2": (1e-6, False),
     "gemma3_text": (1e-6, False),
     "mixtral": (1e-5, False),
@@ -37,6 +38,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -193,6 +195,8 @@ class ModelArgs:
         kv_heads = int(d.get("num_key_value_heads") or heads)
         head_dim = d.get("head_dim") or hidden // heads
         act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if act == "gelu" and model_type == "gemma":  # Gemma 1's released configs: meant as the tanh approximation
+            act = "gelu_pytorch_tanh"
         if act not in ("silu", "swish", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act {act!r} is not supported (silu: SwiGLU; gelu_pytorch_tanh: GeGLU)")
         gemma3 = model_type == "gemma3_text"
@@ -217,7 +221,7 @@ class ModelArgs:
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", eps_default)),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type == "gemma")),  # Gemma 1's omit it
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2",
-                                "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+                                "gemma3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
 HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma2": 64,
-             "gemma3": 64, "mixtral": 64, "qwen2_moe": 64, "qwen3_moe": 64}
+             "gemma3": 64, "gemma": 64, "mixtral": 64, "qwen2_moe": 64, "qwen3_moe": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 # The multimodal tiny archs transformers' AutoModelForCausalLM does not build: their class
@@ -39,6 +39,7 @@ MULTIMODAL_CLASSES = {"mistral3_mm": "Mistral3ForConditionalGeneration",
 def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
     from transformers import (
+        GemmaConfig,
         Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
@@ -115,6 +116,11 @@ def tiny_config(arch: str):
             final_logit_softcapping=30.0,
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+            **common,
+        )
+    if arch == "gemma":  # Gemma 1: one KV head (as gemma-2b), head_dim apart from hidden / heads, legacy "gelu"
+        return GemmaConfig(
+            hidden_size=128, num_attention_heads=4, num_key_value_heads=1, intermediate_size=256, hidden_act="gelu",
             **common,
         )
     if arch == "mixtral":  # 4 experts, 2 a token, every layer
@@ -211,7 +217,7 @@ def build_tiny_model(
         config.head_dim = HEAD_DIMS[arch]
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    if arch not in ("qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma3_mm", "mistral3_mm", "qwen2_5_vl_mm", "qwen3_vl_mm"):
+    if arch not in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3", "gemma3_mm", "mistral3_mm", "qwen2_5_vl_mm", "qwen3_vl_mm"):
         assert config.hidden_size == config.num_attention_heads * config.head_dim
     torch.manual_seed(seed)
     if arch in MULTIMODAL_CLASSES:  # not AutoModelForCausalLMs in transformers

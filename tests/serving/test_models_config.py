@@ -71,6 +71,13 @@ def test_arch_defaults():
     assert (granite.embedding_multiplier, granite.residual_multiplier, granite.attention_multiplier,
             granite.logits_scaling) == (12.0, 0.22, 0.0078125, 16.0)
     assert qwen3.attention_multiplier is None and qwen3.no_rope_layers == () and qwen3.logits_scaling == 1.0
+    # Gemma 1 (gemma-7b's config.json): "gelu" means the tanh approximation, tied without saying so,
+    # the plain head_dim ** -0.5 scale (no query_pre_attn_scalar)
+    gemma = ModelArgs.from_dict({**BASE, "architectures": ["GemmaForCausalLM"], "model_type": "gemma",
+                                 "hidden_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 16,
+                                 "head_dim": 256, "hidden_act": "gelu"})
+    assert (gemma.hidden_act, gemma.tie_word_embeddings, gemma.attention_multiplier, gemma.q_size) == (
+        "gelu_pytorch_tanh", True, None, 4096)
 
 
 def test_gemma3_configs_of_both_transformers_versions():

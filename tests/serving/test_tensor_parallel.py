@@ -47,6 +47,7 @@ TP_MODELS: dict[str, tuple[str, dict[str, object]]] = {
     "qwen3_qk_norm_wide_heads": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)),
     "gemma3_sliding_geglu": ("gemma3", dict(vocab_size=1024)),
     "gemma2_capped_scores": ("gemma2", dict(vocab_size=1024)),
+    "gemma1_kv1_replicated": ("gemma", dict(vocab_size=1024)),
     # experts split by their intermediate dim, one all-reduce a block (the shared expert's included)
     "mixtral_experts": ("mixtral", dict(vocab_size=1024)),
     "qwen2_moe_shared_expert_dense_layer": ("qwen2_moe", dict(vocab_size=1024)),

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from serving.executor.models.gemma import Gemma3TextOfMultimodal, GemmaForCausalLM
+from serving.executor.models.gemma import Gemma1ForCausalLM, Gemma3TextOfMultimodal, GemmaForCausalLM
 from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.parallel import TPShard
@@ -31,6 +31,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
+    "GemmaForCausalLM": Gemma1ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,

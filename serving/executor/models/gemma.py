@@ -1,9 +1,11 @@
-"""Gemma 2 and Gemma 3 text decoders (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`) with HF parameter names.
+"""Gemma 1, 2 and 3 text decoders (`GemmaForCausalLM`, `Gemma2ForCausalLM`, `Gemma3ForCausalLM`) with HF
+parameter names.
 
 They differ from the Llama family in ways `ModelArgs` carries and this module applies:
 - RMSNorm scales by `1 + weight`, in float32 before the cast (`GemmaRMSNorm`);
-- four norms a layer: after attention and after the MLP as well as before each;
-- the softmax scale `query_pre_attn_scalar ** -0.5`; GeGLU MLP (`gelu_pytorch_tanh`); embeddings
+- Gemma 2 and 3: four norms a layer, after attention and after the MLP as well as before each
+  (Gemma 1: Llama's two);
+- Gemma 2 and 3: the softmax scale `query_pre_attn_scalar ** -0.5`; GeGLU MLP (`gelu_pytorch_tanh`); embeddings
   scaled by sqrt(hidden_size) rounded to the model dtype;
 - sliding-window layers (Gemma 2: every other one; Gemma 3: 5 of 6, with their own RoPE base);
 - Gemma 2: attention scores capped as c * tanh(s / c) (`attn_logit_softcapping`, in the kernels);
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from serving.executor.models.layers import GatedMLP, PagedAttention, RMSNorm, VocabParallelEmbedding
-from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from serving.executor.models.multimodal_text import text_checkpoint_name
 from serving.executor.models.rotary import build_cos_sin_cache
 from serving.executor.parallel import TPShard
@@ -62,14 +64,26 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
+class Gemma1DecoderLayer(LlamaDecoderLayer):
+    """Gemma 1: Llama's pre-norm block (GeGLU MLP) with Gemma's norms."""
+
+    def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
+                 sliding_window: int | None) -> None:
+        super().__init__(args, shard, quant, prefix, sliding_window=sliding_window)
+        self.input_layernorm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
 class GemmaModel(nn.Module):
     """Scaled embedding, decoder layers (Gemma 3: two RoPE caches, sliding and full layers), final norm."""
+
+    decoder_layer: type[nn.Module] = GemmaDecoderLayer
 
     def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
                  context_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
+        self.layers = nn.ModuleList(self.decoder_layer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
                                     for i in range(args.num_hidden_layers))
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         device = self.norm.weight.device
@@ -106,6 +120,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if cap is not None:
             logits.div_(cap).tanh_().mul_(cap)
         return logits
+
+
+class Gemma1Model(GemmaModel):
+    decoder_layer = Gemma1DecoderLayer
+
+
+class Gemma1ForCausalLM(GemmaForCausalLM):
+    """`GemmaForCausalLM` (gemma-2b / 7b, CodeGemma): Gemma's scaled embedding and norms, Llama's block."""
+
+    model_class = Gemma1Model
 
 
 class Gemma3TextOfMultimodal(GemmaForCausalLM):
