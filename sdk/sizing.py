@@ -57,6 +57,10 @@ PHI3_MINI_4K: dict[str, Any] = {
 }
 
 
+# model_types whose MLP is fc_in -> activation -> fc_out (two matrices, not three)
+_PLAIN_MLP_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt", "bloom", "mpt")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The few config.json numbers that decide memory."""
@@ -71,6 +75,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     num_experts: int = 1  # MLPs a layer (MoE: experts, each `intermediate_size` wide)
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert
+    mlp_matrices: int = 3  # gate, up, down; 2 for a plain MLP (StarCoder2, Phi-2, GPT-2 ...)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -91,6 +96,7 @@ class ModelShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             num_experts=num_experts,
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            mlp_matrices=2 if cfg.get("model_type") in _PLAIN_MLP_TYPES else 3,
         )
 
     def mlp_width(self) -> int:
@@ -101,13 +107,13 @@ class ModelShape:
         """Weights of the decoder layers' linear projections (what GPTQ / AWQ / FP8 quantize)."""
         q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
         k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        return self.num_layers * (q_o + k_v + 3 * self.hidden_size * self.mlp_width())
+        return self.num_layers * (q_o + k_v + self.mlp_matrices * self.hidden_size * self.mlp_width())
 
     def num_params(self) -> int:
         """Parameter count of a LLaMA-style decoder (gated MLP, RMSNorm, no biases)."""
         q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
         k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        mlp = 3 * self.hidden_size * self.mlp_width()
+        mlp = self.mlp_matrices * self.hidden_size * self.mlp_width()
         router = self.hidden_size * self.num_experts if self.num_experts > 1 else 0
         norms = 2 * self.hidden_size
         embed = self.vocab_size * self.hidden_size
@@ -133,7 +139,8 @@ def quantized_weight_bytes(shape: ModelShape, quantization: str, dtype: str = "f
     rest = (shape.num_params() - linear) * DTYPE_BYTES[dtype]
     h = shape.hidden_size
     out_cols = shape.num_layers * (shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim + h
-                                   + 2 * shape.mlp_width() + h * (shape.num_experts + bool(shape.shared_intermediate_size)))
+                                   + (shape.mlp_matrices - 1) * shape.mlp_width()
+                                   + h * (shape.num_experts + bool(shape.shared_intermediate_size)))
     if quantization == "fp8":
         return linear + 4 * out_cols + rest
     if bits not in (4, 8) or (quantization == "awq" and bits != 4):

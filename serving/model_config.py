@@ -25,6 +25,8 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "gemma": (1e-6, False),
     "gemma2": (1e-6, False),
     "gemma3_text": (1e-6, False),
+    "starcoder2": (1e-5, False),  # their biases: `attention_bias` below
+    "phi": (1e-5, False),
     "mixtral": (1e-5, False),
     "qwen2_moe": (1e-6, True),
     "qwen3_moe": (1e-6, False),
@@ -41,6 +43,8 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
+    "phi": "PhiForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -49,6 +53,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                             "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
+_LAYER_NORM_TYPES = ("starcoder2", "phi")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
 # configs name little more than their sizes): those defaults, by model_type.
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -143,6 +148,11 @@ class ModelArgs:
     norm_topk_prob: bool = True  # the chosen experts' probabilities renormalised to sum to 1
     shared_expert_intermediate_size: int = 0
     moe_combine_fp32: bool = False  # Mixtral weighs expert outputs in float32, Qwen in the model dtype
+    # LayerNorm decoders (StarCoder2, Phi): LayerNorm with bias and a plain gelu MLP; Phi adds attention
+    # and MLP (of one normed input) to the residual together and biases its LM head
+    layer_norm: bool = False
+    parallel_residual: bool = False
+    lm_head_bias: bool = False
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None where it attends to the whole context."""
@@ -197,12 +207,20 @@ class ModelArgs:
         act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
         if act == "gelu" and model_type == "gemma":  # Gemma 1's released configs: meant as the tanh approximation
             act = "gelu_pytorch_tanh"
-        if act not in ("silu", "swish", "gelu_pytorch_tanh"):
+        layer_norm = model_type in _LAYER_NORM_TYPES
+        if layer_norm and act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+            raise ValueError(f"hidden_act {act!r} is not supported for {model_type} (gelu, gelu_new, "
+                             "gelu_pytorch_tanh, gelu_fast)")
+        if not layer_norm and act not in ("silu", "swish", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act {act!r} is not supported (silu: SwiGLU; gelu_pytorch_tanh: GeGLU)")
+        if d.get("qk_layernorm"):
+            raise ValueError("qk_layernorm (LayerNorm on q and k) is not supported")
         gemma3 = model_type == "gemma3_text"
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported: open-lmi generates")
-        attention_bias = bool(d.get("attention_bias", False))
+        attention_bias = bool(d.get("attention_bias", model_type in _LAYER_NORM_TYPES))
+        if model_type == "starcoder2":  # one switch for every bias
+            attention_bias = bool(d.get("use_bias", True))
         qkv_bias = bool(d.get("qkv_bias", qkv_bias_default)) or attention_bias  # `qkv_bias`: Qwen2-MoE's switch
         sliding = d.get("sliding_window")
         if ("use_sliding_window" in d or model_type in _QWEN_TYPES) and not d.get("use_sliding_window"):
@@ -219,13 +237,14 @@ class ModelArgs:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", eps_default)),
+            rms_norm_eps=float(d.get("rms_norm_eps", d.get("norm_epsilon", d.get("layer_norm_eps", eps_default)))),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type == "gemma")),  # Gemma 1's omit it
+            # transformers' default where a config omits it: Gemma 1's and StarCoder2's are tied
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma", "starcoder2"))),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
-            mlp_bias=bool(d.get("mlp_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)) or (layer_norm and attention_bias),
             rope=_rope_args(d, "full_attention"),
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
@@ -246,6 +265,9 @@ class ModelArgs:
             attn_logit_softcapping=(None if d.get("attn_logit_softcapping") is None
                                     else float(d["attn_logit_softcapping"])),
             **_moe_args(d, model_type, int(d["num_hidden_layers"])),
+            layer_norm=layer_norm,
+            parallel_residual=model_type == "phi",
+            lm_head_bias=model_type == "phi",
         )
 
 

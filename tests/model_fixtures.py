@@ -23,11 +23,11 @@ import pytest
 import torch
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2",
-                                "gemma3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe")
+                                "gemma3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "starcoder2", "phi")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
 HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma2": 64,
-             "gemma3": 64, "gemma": 64, "mixtral": 64, "qwen2_moe": 64, "qwen3_moe": 64}
+             "gemma3": 64, "gemma": 64, "mixtral": 64, "starcoder2": 64, "phi": 80, "qwen2_moe": 64, "qwen3_moe": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 # The multimodal tiny archs transformers' AutoModelForCausalLM does not build: their class
@@ -40,6 +40,8 @@ def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
     from transformers import (
         GemmaConfig,
+        PhiConfig,
+        Starcoder2Config,
         Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
@@ -122,6 +124,17 @@ def tiny_config(arch: str):
         return GemmaConfig(
             hidden_size=128, num_attention_heads=4, num_key_value_heads=1, intermediate_size=256, hidden_act="gelu",
             **common,
+        )
+    if arch == "starcoder2":  # LayerNorm, plain gelu MLP, biases everywhere, a sliding window of 16
+        return Starcoder2Config(
+            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256, sliding_window=16,
+            tie_word_embeddings=True, **{k: v for k, v in common.items() if k != "rms_norm_eps"}, norm_epsilon=1e-5,
+        )
+    if arch == "phi":  # Phi-2's layout: one LayerNorm feeding attention and MLP in parallel, 32 of 80 dims rotary, LM head bias
+        return PhiConfig(
+            hidden_size=160, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
+            partial_rotary_factor=0.4, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
+            **{k: v for k, v in common.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5,
         )
     if arch == "mixtral":  # 4 experts, 2 a token, every layer
         return MixtralConfig(

@@ -112,6 +112,9 @@ def test_cli_quantized(tmp_path) -> None:
     (dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, intermediate_size=5632,
           moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60, num_hidden_layers=24,
           vocab_size=151936), 14.3e9),
-], ids=["mixtral_8x7b", "qwen3_30b_a3b", "qwen1.5_moe_a2.7b"])
-def test_mixture_of_experts_parameter_counts(cfg, published) -> None:
+    # StarCoder2-15B (the hub lists 16B): a plain MLP (c_fc, c_proj), 2 matrices not 3 (3 would give 22B)
+    (dict(model_type="starcoder2", hidden_size=6144, num_attention_heads=48, num_key_value_heads=4,
+          intermediate_size=24576, num_hidden_layers=40, vocab_size=49152, tie_word_embeddings=False), 16.0e9),
+], ids=["mixtral_8x7b", "qwen3_30b_a3b", "qwen1.5_moe_a2.7b", "starcoder2_15b"])
+def test_parameter_counts_of_other_layouts(cfg, published) -> None:
     assert ModelShape.from_config(cfg).num_params() == pytest.approx(published, rel=0.01)

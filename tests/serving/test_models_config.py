@@ -78,6 +78,24 @@ def test_arch_defaults():
                                  "head_dim": 256, "hidden_act": "gelu"})
     assert (gemma.hidden_act, gemma.tie_word_embeddings, gemma.attention_multiplier, gemma.q_size) == (
         "gelu_pytorch_tanh", True, None, 4096)
+    # StarCoder2: `use_bias` switches every bias, `norm_epsilon`; Phi: biases, parallel block, LM head bias
+    no_eps = {k: v for k, v in BASE.items() if k != "rms_norm_eps"}
+    sc2 = {**no_eps, "architectures": ["Starcoder2ForCausalLM"], "model_type": "starcoder2", "norm_epsilon": 2e-5,
+           "hidden_act": "gelu_pytorch_tanh", "sliding_window": 4096}
+    a = ModelArgs.from_dict(sc2)
+    assert (a.layer_norm, a.qkv_bias, a.o_bias, a.mlp_bias, a.rms_norm_eps, a.tie_word_embeddings, a.sliding_window) == (
+        True, True, True, True, 2e-5, True, 4096)
+    a = ModelArgs.from_dict({**sc2, "use_bias": False})
+    assert not (a.qkv_bias or a.o_bias or a.mlp_bias)
+    phi = {**no_eps, "architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_act": "gelu_new",
+           "partial_rotary_factor": 0.4, "layer_norm_eps": 3e-5}
+    a = ModelArgs.from_dict(phi)
+    assert (a.parallel_residual, a.lm_head_bias, a.qkv_bias, a.mlp_bias, a.rope.partial_rotary_factor, a.rms_norm_eps,
+            a.tie_word_embeddings) == (True, True, True, True, 0.4, 3e-5, False)
+    with pytest.raises(ValueError, match="qk_layernorm"):
+        ModelArgs.from_dict({**phi, "qk_layernorm": True})
+    with pytest.raises(ValueError, match="hidden_act 'relu' is not supported for phi"):
+        ModelArgs.from_dict({**phi, "hidden_act": "relu"})
 
 
 def test_gemma3_configs_of_both_transformers_versions():

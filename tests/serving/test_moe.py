@@ -124,8 +124,10 @@ def test_mixtral_checkpoint_names():
     assert mixtral_checkpoint_name("model.layers.3.self_attn.q_proj.weight") == "model.layers.3.self_attn.q_proj.weight"
 
 
-def test_lora_on_an_moe_model_is_a_clear_error(tiny_models):
+@pytest.mark.parametrize("arch, kind", [("mixtral", "a mixture-of-experts model"),
+                                        ("starcoder2", "a model with a plain \\(ungated\\) MLP")])
+def test_lora_where_the_mlp_is_not_gated_is_a_clear_error(tiny_models, arch, kind):
     from serving.llm import LLM
 
-    with pytest.raises(ValueError, match="LoRA adapters on a mixture-of-experts model"):
-        LLM(str(tiny_models("mixtral")), enable_lora=True, device="cpu", kv_cache_memory_gb=0.01)
+    with pytest.raises(ValueError, match=f"LoRA adapters on {kind}"):
+        LLM(str(tiny_models(arch)), enable_lora=True, device="cpu", kv_cache_memory_gb=0.01)

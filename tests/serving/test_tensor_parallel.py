@@ -48,6 +48,10 @@ TP_MODELS: dict[str, tuple[str, dict[str, object]]] = {
     "gemma3_sliding_geglu": ("gemma3", dict(vocab_size=1024)),
     "gemma2_capped_scores": ("gemma2", dict(vocab_size=1024)),
     "gemma1_kv1_replicated": ("gemma", dict(vocab_size=1024)),
+    # LayerNorm decoders: fc_in / fc_out with biases (a row-parallel bias added once), Phi's LM head bias
+    # over an odd vocab split unevenly
+    "starcoder2_plain_mlp_biases": ("starcoder2", dict(vocab_size=1024)),
+    "phi_parallel_residual_head_bias": ("phi", dict(vocab_size=1001)),
     # experts split by their intermediate dim, one all-reduce a block (the shared expert's included)
     "mixtral_experts": ("mixtral", dict(vocab_size=1024)),
     "qwen2_moe_shared_expert_dense_layer": ("qwen2_moe", dict(vocab_size=1024)),

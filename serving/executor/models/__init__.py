@@ -1,7 +1,7 @@
 """Architecture registry: HF `architectures[0]` -> our model class, and `build_model`.
 
-Every supported architecture is a Llama-family decoder (some with mixture-of-experts MLPs);
-the differences are options in `ModelArgs`. An unknown architecture, or a config that points at remote code (`auto_map`),
+Every supported architecture is a Llama-family decoder (some with mixture-of-experts MLPs, some
+with LayerNorm and a plain MLP); the differences are options in `ModelArgs`. An unknown architecture, or a config that points at remote code (`auto_map`),
 raises `UnsupportedModelError` naming what was found and what is supported.
 
 Tensor parallel: `build_model` builds this process's slice of the model. The shard is the
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from serving.executor.models.gemma import Gemma1ForCausalLM, Gemma3TextOfMultimodal, GemmaForCausalLM
+from serving.executor.models.layernorm_decoder import LayerNormForCausalLM
 from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.parallel import TPShard
@@ -40,6 +41,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2_5_VLForConditionalGeneration": LlamaTextOfMultimodal,
     "Qwen3VLForConditionalGeneration": LlamaTextOfMultimodal,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "Starcoder2ForCausalLM": LayerNormForCausalLM,
+    "PhiForCausalLM": LayerNormForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,

@@ -274,7 +274,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The untied LM head (HF `lm_head`): `forward(hidden)` is `compute_logits(hidden)`."""
+    """The untied LM head (HF `lm_head`): `forward(hidden)` is `compute_logits(hidden)`. `bias`: a
+    full-vocab bias (Phi's), replicated, added to the gathered logits."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, shard: TPShard = SINGLE, bias: bool = False) -> None:
+        super().__init__(vocab_size, hidden_size, shard)
+        self.bias = _param(vocab_size) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, out)
+        return logits if self.bias is None else logits.add_(self.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden)

@@ -133,9 +133,10 @@ class LlamaForCausalLM(nn.Module):
         validate_tensor_parallel(args, shard.world_size)
         self.model = self.model_class(args, max_position or args.max_position_embeddings, shard, quant, context_len)
         if args.tie_word_embeddings:
+            assert not args.lm_head_bias, "a tied LM head with a bias of its own"
             self.lm_head = None
         else:
-            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, shard)
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, shard, bias=args.lm_head_bias)
         # What each rank's KV cache holds per layer: [num_blocks, block_size, this, head_dim].
         self.num_kv_heads_per_rank = kv_heads_per_rank(args, shard.world_size, shard.rank)
 

@@ -1,0 +1,136 @@
+"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2) with HF-like parameter names.
+
+Where they differ from the Llama family:
+- LayerNorm with a bias (not RMSNorm), computed by `F.layer_norm` as transformers computes it;
+- a plain MLP, fc_out(act(fc_in(x))) with biases, in place of the gated one;
+- Phi: attention and MLP read the same normed input and are added to the residual together
+  (`parallel_residual`), rotary embedding on part of each head, an LM head with a bias.
+Attention (paged KV, RoPE, sliding windows), tensor parallelism (fc_in column-parallel, fc_out
+row-parallel, LayerNorm replicated) and quantized linears are the shared layers'.
+
+Checkpoint names map onto ours (`layernorm_checkpoint_name`): StarCoder2's `mlp.c_fc` / `mlp.c_proj`
+and Phi's `mlp.fc1` / `mlp.fc2` are `mlp.fc_in` / `mlp.fc_out`; Phi's `self_attn.dense` is `o_proj`
+and its `model.final_layernorm` is `model.norm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.executor.models.layers import (
+    ColumnParallelLinear,
+    PagedAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _param,
+    default_weight_loader,
+)
+from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.parallel import TPShard
+from serving.executor.quant import linear_method
+from serving.model_config import ModelArgs
+from serving.quantization import QuantConfig
+
+# activation name in HF configs -> F.gelu's `approximate`
+_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+_RENAMES = ((".mlp.c_fc.", ".mlp.fc_in."), (".mlp.c_proj.", ".mlp.fc_out."), (".mlp.fc1.", ".mlp.fc_in."),
+            (".mlp.fc2.", ".mlp.fc_out."), (".self_attn.dense.", ".self_attn.o_proj."),
+            ("model.final_layernorm.", "model.norm."))
+
+
+def layernorm_checkpoint_name(name: str) -> str:
+    for theirs, ours in _RENAMES:
+        if theirs in name:
+            return name.replace(theirs, ours)
+    return name
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim with weight and bias; replicated on every rank."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(hidden_size)
+        self.bias = _param(hidden_size)
+        self.weight.weight_loader = self.bias.weight_loader = default_weight_loader
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class PlainMLP(nn.Module):
+    """fc_out(gelu(fc_in(x))): fc_in holds this rank's columns, fc_out sums over the ranks."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard,
+                 quant: QuantConfig | None, prefix: str, activation: str) -> None:
+        super().__init__()
+        assert activation in _GELU, activation
+        self.approximate = _GELU[activation]
+        self.fc_in = ColumnParallelLinear(hidden_size, intermediate_size, bias, shard,
+                                          quant_method=linear_method(quant, f"{prefix}.fc_in"), name=f"{prefix}.fc_in")
+        self.fc_out = RowParallelLinear(intermediate_size, hidden_size, bias, shard,
+                                        quant_method=linear_method(quant, f"{prefix}.fc_out"), name=f"{prefix}.fc_out")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x), approximate=self.approximate))
+
+
+class LayerNormDecoderLayer(nn.Module):
+    """x + attn(ln1(x)), then + mlp(ln2(.)); with `parallel_residual` (Phi): x + attn(ln(x)) + mlp(ln(x))."""
+
+    def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.self_attn = PagedAttention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
+            sliding_window=sliding_window,
+        )
+        self.mlp = PlainMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
+                            args.hidden_act)
+        self.input_layernorm = LayerNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = None if args.parallel_residual else LayerNorm(args.hidden_size,
+                                                                                      args.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        attn = self.self_attn(positions, normed)
+        if self.post_attention_layernorm is None:  # in transformers' order of the two additions
+            return attn + self.mlp(normed) + hidden
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LayerNormModel(nn.Module):
+    """Embedding, decoder layers and the final LayerNorm (`model.*`)."""
+
+    def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
+                 context_len: int | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
+        self.layers = nn.ModuleList(
+            LayerNormDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
+            for i in range(args.num_hidden_layers))
+        self.norm = LayerNorm(args.hidden_size, args.rms_norm_eps)
+        cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device,
+                                    context_len=context_len)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        for layer in self.layers:
+            layer.self_attn.cos_sin_cache = self.cos_sin_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class LayerNormForCausalLM(LlamaForCausalLM):
+    """`Starcoder2ForCausalLM`, `PhiForCausalLM`: `LlamaForCausalLM`'s head and loading around `LayerNormModel`."""
+
+    model_class = LayerNormModel
+    checkpoint_name = staticmethod(layernorm_checkpoint_name)
