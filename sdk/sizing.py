@@ -57,6 +57,8 @@ PHI3_MINI_4K: dict[str, Any] = {
 }
 
 
+_GPT2_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+               "n_inner": "intermediate_size"}
 # model_types whose MLP is fc_in -> activation -> fc_out (two matrices, not three)
 _PLAIN_MLP_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt", "bloom", "mpt")
 
@@ -80,6 +82,8 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
         cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the LM under text_config
+        # GPT-2's own names for the same numbers
+        cfg = {**{ours: cfg[theirs] for theirs, ours in _GPT2_NAMES.items() if theirs in cfg}, **cfg}
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1)

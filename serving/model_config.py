@@ -27,6 +27,7 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "gemma3_text": (1e-6, False),
     "starcoder2": (1e-5, False),  # their biases: `attention_bias` below
     "phi": (1e-5, False),
+    "gpt2": (1e-5, False),
     "mixtral": (1e-5, False),
     "qwen2_moe": (1e-6, True),
     "qwen3_moe": (1e-6, False),
@@ -45,6 +46,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "phi": "PhiForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -53,7 +55,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                             "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
-_LAYER_NORM_TYPES = ("starcoder2", "phi")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
+_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
 # configs name little more than their sizes): those defaults, by model_type.
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -153,6 +155,7 @@ class ModelArgs:
     layer_norm: bool = False
     parallel_residual: bool = False
     lm_head_bias: bool = False
+    learned_positions: bool = False  # GPT-2: position embeddings added to the token embeddings, no RoPE
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None where it attends to the whole context."""
@@ -192,6 +195,8 @@ class ModelArgs:
                     d[key] = outer[key]
             if "tie_word_embeddings" in outer:  # the composite model's own setting wins (transformers 5.x)
                 d["tie_word_embeddings"] = outer["tie_word_embeddings"]
+        if d.get("model_type") == "gpt2":
+            d = _gpt2_fields(d)
         if "text_config" in d and "hidden_size" not in d:
             raise ValueError("multimodal configs (text_config) are not supported")
         if d.get("model_type") in _GEMMA_DEFAULTS:
@@ -240,7 +245,7 @@ class ModelArgs:
             rms_norm_eps=float(d.get("rms_norm_eps", d.get("norm_epsilon", d.get("layer_norm_eps", eps_default)))),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             # transformers' default where a config omits it: Gemma 1's and StarCoder2's are tied
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma", "starcoder2"))),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma", "starcoder2", "gpt2"))),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
@@ -268,6 +273,7 @@ class ModelArgs:
             layer_norm=layer_norm,
             parallel_residual=model_type == "phi",
             lm_head_bias=model_type == "phi",
+            learned_positions=model_type == "gpt2",
         )
 
 
@@ -287,6 +293,21 @@ def _sliding_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tupl
     if model_type == "gemma2":  # 4.x configs: the even layers slide
         return tuple(range(0, num_layers, 2))
     return None
+
+
+def _gpt2_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-2 config's own names (n_embd, n_layer, n_head, n_positions, n_inner, ...) as the other
+    configs spell them; what GPT-2 can switch that we do not run is refused."""
+    if not d.get("scale_attn_weights", True) or d.get("scale_attn_by_inverse_layer_idx"):
+        raise ValueError("GPT-2 without scale_attn_weights, or with scale_attn_by_inverse_layer_idx, is not supported")
+    if d.get("add_cross_attention"):
+        raise ValueError("GPT-2 with add_cross_attention (an encoder-decoder) is not supported")
+    hidden = int(d.get("n_embd") or d["hidden_size"])
+    return {**d, "hidden_size": hidden, "num_hidden_layers": d.get("n_layer", d.get("num_hidden_layers")),
+            "num_attention_heads": d.get("n_head", d.get("num_attention_heads")),
+            "max_position_embeddings": d.get("n_positions", d.get("max_position_embeddings", 1024)),
+            "intermediate_size": d.get("n_inner") or 4 * hidden, "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5),
+            "hidden_act": d.get("activation_function", "gelu_new")}
 
 
 def _moe_args(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:

@@ -23,11 +23,12 @@ import pytest
 import torch
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2",
-                                "gemma3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "starcoder2", "phi")
+                                "gemma3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "starcoder2", "phi",
+                                "gpt2")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
 HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma2": 64,
-             "gemma3": 64, "gemma": 64, "mixtral": 64, "starcoder2": 64, "phi": 80, "qwen2_moe": 64, "qwen3_moe": 64}
+             "gemma3": 64, "gemma": 64, "mixtral": 64, "starcoder2": 64, "phi": 80, "gpt2": 64, "qwen2_moe": 64, "qwen3_moe": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 # The multimodal tiny archs transformers' AutoModelForCausalLM does not build: their class
@@ -40,6 +41,7 @@ def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
     from transformers import (
         GemmaConfig,
+        GPT2Config,
         PhiConfig,
         Starcoder2Config,
         Gemma2Config,
@@ -135,6 +137,11 @@ def tiny_config(arch: str):
             hidden_size=160, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
             partial_rotary_factor=0.4, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
             **{k: v for k, v in common.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5,
+        )
+    if arch == "gpt2":  # learned positions, Conv1D weights, fused c_attn, biases, tied
+        return GPT2Config(
+            vocab_size=VOCAB_SIZE, n_embd=128, n_layer=2, n_head=2, n_positions=2048, bos_token_id=1, eos_token_id=2,
+            pad_token_id=2, initializer_range=0.08, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         )
     if arch == "mixtral":  # 4 experts, 2 a token, every layer
         return MixtralConfig(
@@ -242,7 +249,7 @@ def build_tiny_model(
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith("norm.weight") or "layernorm" in name or ".ln_" in name and name.endswith(".weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))

@@ -1,5 +1,7 @@
 """Weight loading: safetensors checkpoints (single or sharded) -> our model's parameters.
 
+A model may rename checkpoint tensors (`checkpoint_name`: nested or differently named modules; None
+skips a tensor) and re-lay them out (`checkpoint_tensor`: GPT-2's transposed Conv1D weights).
 HF names map to ours one-to-one except packed projections, which go through each parameter's
 `weight_loader` with a shard id (q_proj -> qkv_proj["q"], gate_proj -> gate_up_proj["0"], ...;
 the model's `packed_modules_mapping`). Every parameter (every shard of a packed one) must be
@@ -85,6 +87,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "lm_head", None) is None
     rename = getattr(model, "checkpoint_name", None)  # a model whose checkpoint nests or adds modules
+    transform = getattr(model, "checkpoint_tensor", None)  # a model whose checkpoint lays a tensor out otherwise
     filled: dict[str, set[str | None]] = {}
     unexpected: list[str] = []
     with torch.no_grad():
@@ -102,6 +105,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             if param is None:
                 unexpected.append(name)
                 continue
+            if transform is not None:
+                loaded = transform(target, loaded)
             try:
                 param.weight_loader(param, loaded, shard)
             except ValueError as e:

@@ -115,6 +115,9 @@ def test_cli_quantized(tmp_path) -> None:
     # StarCoder2-15B (the hub lists 16B): a plain MLP (c_fc, c_proj), 2 matrices not 3 (3 would give 22B)
     (dict(model_type="starcoder2", hidden_size=6144, num_attention_heads=48, num_key_value_heads=4,
           intermediate_size=24576, num_hidden_layers=40, vocab_size=49152, tie_word_embeddings=False), 16.0e9),
-], ids=["mixtral_8x7b", "qwen3_30b_a3b", "qwen1.5_moe_a2.7b", "starcoder2_15b"])
+    # GPT-2 (124M) in its own config names, tied, n_inner null (4 x n_embd), biases left out of the count
+    (dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_inner=None, vocab_size=50257,
+          tie_word_embeddings=True), 124.4e6 - 1024 * 768),
+], ids=["mixtral_8x7b", "qwen3_30b_a3b", "qwen1.5_moe_a2.7b", "starcoder2_15b", "gpt2"])
 def test_parameter_counts_of_other_layouts(cfg, published) -> None:
     assert ModelShape.from_config(cfg).num_params() == pytest.approx(published, rel=0.01)

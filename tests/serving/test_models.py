@@ -152,6 +152,30 @@ def test_qwen_vl_checkpoints_served_as_text(tmp_path, arch):
         assert ModelArgs.from_dict(flat) == args
 
 
+def test_gpt2_checkpoint_names_of_both_layouts():
+    """GPT2LMHeadModel's `transformer.*` names and the original checkpoints' bare ones (with their saved
+    causal-mask buffers) map to the same parameters."""
+    from serving.executor.models.layernorm_decoder import gpt2_checkpoint_name as name
+
+    for prefix in ("", "transformer."):
+        assert name(f"{prefix}h.11.attn.c_attn.weight") == "model.layers.11.self_attn.qkv_proj.weight"
+        assert name(f"{prefix}h.0.attn.c_proj.bias") == "model.layers.0.self_attn.o_proj.bias"
+        assert name(f"{prefix}h.0.mlp.c_proj.weight") == "model.layers.0.mlp.fc_out.weight"
+        assert name(f"{prefix}h.0.ln_2.bias") == "model.layers.0.post_attention_layernorm.bias"
+        assert name(f"{prefix}wpe.weight") == "model.embed_positions.weight"
+        assert name(f"{prefix}ln_f.weight") == "model.norm.weight"
+        assert name(f"{prefix}h.3.attn.bias") is None and name(f"{prefix}h.3.attn.masked_bias") is None
+    assert name("lm_head.weight") == "lm_head.weight"
+    with pytest.raises(ValueError, match="add_cross_attention"):
+        ModelArgs.from_dict({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 1,
+                             "n_head": 2, "vocab_size": 100, "add_cross_attention": True})
+    args = ModelArgs.from_dict({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768,
+                                "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257})
+    assert (args.hidden_size, args.intermediate_size, args.max_position_embeddings, args.head_dim, args.hidden_act,
+            args.tie_word_embeddings, args.learned_positions, args.qkv_bias, args.mlp_bias) == (
+        768, 3072, 1024, 64, "gelu_new", True, True, True, True)
+
+
 def test_smollm2_logits_match_transformers(smollm2_path):  # noqa: F811
     _check_paged_logits(smollm2_path, block_size=8, lengths=[19, 45], chunk=16, decode_steps=4)
 

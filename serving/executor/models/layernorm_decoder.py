@@ -1,16 +1,19 @@
-"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2) with HF-like parameter names.
+"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2) with HF-like parameter names.
 
 Where they differ from the Llama family:
 - LayerNorm with a bias (not RMSNorm), computed by `F.layer_norm` as transformers computes it;
 - a plain MLP, fc_out(act(fc_in(x))) with biases, in place of the gated one;
 - Phi: attention and MLP read the same normed input and are added to the residual together
-  (`parallel_residual`), rotary embedding on part of each head, an LM head with a bias.
+  (`parallel_residual`), rotary embedding on part of each head, an LM head with a bias;
+- GPT-2: learned absolute position embeddings added to the token embeddings, no RoPE.
 Attention (paged KV, RoPE, sliding windows), tensor parallelism (fc_in column-parallel, fc_out
 row-parallel, LayerNorm replicated) and quantized linears are the shared layers'.
 
 Checkpoint names map onto ours (`layernorm_checkpoint_name`): StarCoder2's `mlp.c_fc` / `mlp.c_proj`
 and Phi's `mlp.fc1` / `mlp.fc2` are `mlp.fc_in` / `mlp.fc_out`; Phi's `self_attn.dense` is `o_proj`
-and its `model.final_layernorm` is `model.norm`.
+and its `model.final_layernorm` is `model.norm`. GPT-2's (`gpt2_checkpoint_name`, with or without
+the `transformer.` prefix) are renamed whole, and its Conv1D weights, stored [in, out], are
+transposed as they load (`checkpoint_tensor`).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from torch import nn
 
 from serving.executor.models.layers import (
     ColumnParallelLinear,
+    Loaded,
     PagedAttention,
     RowParallelLinear,
     VocabParallelEmbedding,
     _param,
     default_weight_loader,
+    read_checkpoint,
 )
 from serving.executor.models.llama import LlamaForCausalLM
 from serving.executor.models.rotary import build_cos_sin_cache
@@ -46,6 +51,30 @@ def layernorm_checkpoint_name(name: str) -> str:
         if theirs in name:
             return name.replace(theirs, ours)
     return name
+
+
+_GPT2_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_attn": "self_attn.qkv_proj",
+               "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.fc_in", "mlp.c_proj": "mlp.fc_out"}
+_GPT2_TOP = {"wte": "model.embed_tokens", "wpe": "model.embed_positions", "ln_f": "model.norm"}
+_GPT2_CONV1D = (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight", ".mlp.fc_in.weight", ".mlp.fc_out.weight")
+
+
+def gpt2_checkpoint_name(name: str) -> str | None:
+    """GPT-2's tensor names (`transformer.h.3.attn.c_attn.weight`, or without `transformer.` as the
+    original checkpoints have them) in ours; None for the saved causal-mask buffers."""
+    if name.startswith("lm_head."):
+        return name
+    base = name.removeprefix("transformer.")
+    module, _, leaf = base.rpartition(".")
+    if module in _GPT2_TOP:
+        return f"{_GPT2_TOP[module]}.{leaf}"
+    parts = module.split(".", 2)  # h, N, the layer's module
+    if len(parts) == 3 and parts[0] == "h":
+        if parts[2] == "attn" and leaf in ("bias", "masked_bias"):
+            return None  # the causal mask, a buffer
+        if parts[2] in _GPT2_LAYER:
+            return f"model.layers.{parts[1]}.{_GPT2_LAYER[parts[2]]}.{leaf}"
+    return name  # unknown: the loader names it as unexpected
 
 
 class LayerNorm(nn.Module):
@@ -88,7 +117,7 @@ class LayerNormDecoderLayer(nn.Module):
         self.self_attn = PagedAttention(
             args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
             qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, use_rope=not args.learned_positions,
         )
         self.mlp = PlainMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
                             args.hidden_act)
@@ -106,12 +135,15 @@ class LayerNormDecoderLayer(nn.Module):
 
 
 class LayerNormModel(nn.Module):
-    """Embedding, decoder layers and the final LayerNorm (`model.*`)."""
+    """Embedding (+ learned positions: GPT-2), decoder layers and the final LayerNorm (`model.*`)."""
 
     def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
                  context_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
+        self.embed_positions = None
+        if args.learned_positions:  # replicated: [max_position_embeddings, hidden]
+            self.embed_positions = VocabParallelEmbedding(args.max_position_embeddings, args.hidden_size)
         self.layers = nn.ModuleList(
             LayerNormDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
             for i in range(args.num_hidden_layers))
@@ -124,6 +156,8 @@ class LayerNormModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(positions)
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)
@@ -134,3 +168,14 @@ class LayerNormForCausalLM(LlamaForCausalLM):
 
     model_class = LayerNormModel
     checkpoint_name = staticmethod(layernorm_checkpoint_name)
+
+
+class GPT2ForCausalLM(LayerNormForCausalLM):
+    """`GPT2LMHeadModel`: learned positions, GPT-2's names, Conv1D weights transposed as they load."""
+
+    checkpoint_name = staticmethod(gpt2_checkpoint_name)
+
+    @staticmethod
+    def checkpoint_tensor(name: str, loaded: Loaded) -> Loaded:
+        """Our parameter `name`'s tensor as our layer holds it: Conv1D weights are stored [in, out]."""
+        return read_checkpoint(loaded).t() if name.endswith(_GPT2_CONV1D) else loaded
