@@ -28,6 +28,7 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "starcoder2": (1e-5, False),  # their biases: `attention_bias` below
     "phi": (1e-5, False),
     "gpt2": (1e-5, False),
+    "gpt_neox": (1e-5, False),
     "mixtral": (1e-5, False),
     "qwen2_moe": (1e-6, True),
     "qwen3_moe": (1e-6, False),
@@ -47,6 +48,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "starcoder2": "Starcoder2ForCausalLM",
     "phi": "PhiForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "gpt_neox": "GPTNeoXForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -55,7 +57,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                             "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
-_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
+_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
 # configs name little more than their sizes): those defaults, by model_type.
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -156,6 +158,7 @@ class ModelArgs:
     parallel_residual: bool = False
     lm_head_bias: bool = False
     learned_positions: bool = False  # GPT-2: position embeddings added to the token embeddings, no RoPE
+    parallel_mlp_norm: bool = False  # GPT-NeoX's parallel block: the MLP reads a LayerNorm of its own
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None where it attends to the whole context."""
@@ -197,6 +200,9 @@ class ModelArgs:
                 d["tie_word_embeddings"] = outer["tie_word_embeddings"]
         if d.get("model_type") == "gpt2":
             d = _gpt2_fields(d)
+        if d.get("model_type") == "gpt_neox":  # 4.x names of its RoPE settings
+            d = {"rope_theta": d.get("rotary_emb_base", 10000.0), "partial_rotary_factor": d.get("rotary_pct", 0.25),
+                 **d}
         if "text_config" in d and "hidden_size" not in d:
             raise ValueError("multimodal configs (text_config) are not supported")
         if d.get("model_type") in _GEMMA_DEFAULTS:
@@ -271,7 +277,8 @@ class ModelArgs:
                                     else float(d["attn_logit_softcapping"])),
             **_moe_args(d, model_type, int(d["num_hidden_layers"])),
             layer_norm=layer_norm,
-            parallel_residual=model_type == "phi",
+            parallel_residual=model_type == "phi" or (model_type == "gpt_neox" and d.get("use_parallel_residual", True)),
+            parallel_mlp_norm=model_type == "gpt_neox",
             lm_head_bias=model_type == "phi",
             learned_positions=model_type == "gpt2",
         )

@@ -152,6 +152,20 @@ def test_qwen_vl_checkpoints_served_as_text(tmp_path, arch):
         assert ModelArgs.from_dict(flat) == args
 
 
+@pytest.mark.parametrize("arch, overrides", [
+    ("gpt_neox", dict(use_parallel_residual=False)),  # GPT-NeoX's sequential block
+    ("starcoder2", dict(use_bias=False)),  # StarCoder2 without any bias
+])
+def test_layernorm_decoder_switches_match_transformers(tmp_path, arch, overrides):
+    path = build_tiny_model(arch, tmp_path / arch, overrides=overrides)
+    args = ModelArgs.from_dir(path)
+    if arch == "gpt_neox":
+        assert not args.parallel_residual and args.qkv_bias
+    else:
+        assert not (args.qkv_bias or args.o_bias or args.mlp_bias)
+    _check_paged_logits(path, block_size=4, lengths=[5, 23], chunk=9, decode_steps=4)
+
+
 def test_gpt2_checkpoint_names_of_both_layouts():
     """GPT2LMHeadModel's `transformer.*` names and the original checkpoints' bare ones (with their saved
     causal-mask buffers) map to the same parameters."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from serving.executor.models.gemma import Gemma1ForCausalLM, Gemma3TextOfMultimodal, GemmaForCausalLM
-from serving.executor.models.layernorm_decoder import GPT2ForCausalLM, LayerNormForCausalLM
+from serving.executor.models.layernorm_decoder import GPT2ForCausalLM, GPTNeoXForCausalLM, LayerNormForCausalLM
 from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.parallel import TPShard
@@ -44,6 +44,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Starcoder2ForCausalLM": LayerNormForCausalLM,
     "PhiForCausalLM": LayerNormForCausalLM,
     "GPT2LMHeadModel": GPT2ForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,

@@ -1,11 +1,13 @@
-"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2) with HF-like parameter names.
+"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2, GPT-NeoX) with HF-like parameter names.
 
 Where they differ from the Llama family:
 - LayerNorm with a bias (not RMSNorm), computed by `F.layer_norm` as transformers computes it;
 - a plain MLP, fc_out(act(fc_in(x))) with biases, in place of the gated one;
 - Phi: attention and MLP read the same normed input and are added to the residual together
   (`parallel_residual`), rotary embedding on part of each head, an LM head with a bias;
-- GPT-2: learned absolute position embeddings added to the token embeddings, no RoPE.
+- GPT-2: learned absolute position embeddings added to the token embeddings, no RoPE;
+- GPT-NeoX (Pythia): a parallel block whose MLP reads its own LayerNorm, a quarter of each head
+  rotary, q/k/v fused per head in its checkpoint.
 Attention (paged KV, RoPE, sliding windows), tensor parallelism (fc_in column-parallel, fc_out
 row-parallel, LayerNorm replicated) and quantized linears are the shared layers'.
 
@@ -13,7 +15,8 @@ Checkpoint names map onto ours (`layernorm_checkpoint_name`): StarCoder2's `mlp.
 and Phi's `mlp.fc1` / `mlp.fc2` are `mlp.fc_in` / `mlp.fc_out`; Phi's `self_attn.dense` is `o_proj`
 and its `model.final_layernorm` is `model.norm`. GPT-2's (`gpt2_checkpoint_name`, with or without
 the `transformer.` prefix) are renamed whole, and its Conv1D weights, stored [in, out], are
-transposed as they load (`checkpoint_tensor`).
+transposed as they load (`checkpoint_tensor`); so are GPT-NeoX's, whose fused q/k/v rows, stored
+head by head, are reordered to q | k | v.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ class PlainMLP(nn.Module):
 
 
 class LayerNormDecoderLayer(nn.Module):
-    """x + attn(ln1(x)), then + mlp(ln2(.)); with `parallel_residual` (Phi): x + attn(ln(x)) + mlp(ln(x))."""
+    """x + attn(ln1(x)), then + mlp(ln2(.)); with `parallel_residual`: x + attn(ln1(x)) + mlp(ln1(x))
+    (Phi), or + mlp(ln2(x)) where the MLP has a norm of its own (GPT-NeoX)."""
 
     def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
                  sliding_window: int | None) -> None:
@@ -122,14 +126,17 @@ class LayerNormDecoderLayer(nn.Module):
         self.mlp = PlainMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
                             args.hidden_act)
         self.input_layernorm = LayerNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = None if args.parallel_residual else LayerNorm(args.hidden_size,
-                                                                                      args.rms_norm_eps)
+        self.parallel = args.parallel_residual
+        self.post_attention_layernorm = (LayerNorm(args.hidden_size, args.rms_norm_eps)
+                                         if not self.parallel or args.parallel_mlp_norm else None)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         normed = self.input_layernorm(hidden)
         attn = self.self_attn(positions, normed)
-        if self.post_attention_layernorm is None:  # in transformers' order of the two additions
-            return attn + self.mlp(normed) + hidden
+        if self.parallel:  # each in transformers' order of the two additions
+            if self.post_attention_layernorm is None:
+                return attn + self.mlp(normed) + hidden
+            return self.mlp(self.post_attention_layernorm(hidden)) + attn + hidden
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -179,3 +186,42 @@ class GPT2ForCausalLM(LayerNormForCausalLM):
     def checkpoint_tensor(name: str, loaded: Loaded) -> Loaded:
         """Our parameter `name`'s tensor as our layer holds it: Conv1D weights are stored [in, out]."""
         return read_checkpoint(loaded).t() if name.endswith(_GPT2_CONV1D) else loaded
+
+
+_NEOX_LAYER = {"attention.query_key_value": "self_attn.qkv_proj", "attention.dense": "self_attn.o_proj",
+               "mlp.dense_h_to_4h": "mlp.fc_in", "mlp.dense_4h_to_h": "mlp.fc_out",
+               "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
+
+
+def gpt_neox_checkpoint_name(name: str) -> str | None:
+    """GPT-NeoX's names (`gpt_neox.layers.3.attention.query_key_value.weight`, `embed_out.weight`) in
+    ours; None for the buffers some checkpoints carry (causal mask, rotary inv_freq)."""
+    if name.startswith("embed_out."):
+        return "lm_head." + name.removeprefix("embed_out.")
+    base = name.removeprefix("gpt_neox.")
+    if base.startswith("embed_in."):
+        return "model.embed_tokens." + base.removeprefix("embed_in.")
+    if base.startswith("final_layer_norm."):
+        return "model.norm." + base.removeprefix("final_layer_norm.")
+    module, _, leaf = base.rpartition(".")
+    parts = module.split(".", 2)  # layers, N, the layer's module
+    if len(parts) == 3 and parts[0] == "layers":
+        if parts[2] in ("attention", "attention.rotary_emb") and leaf in ("bias", "masked_bias", "inv_freq"):
+            return None
+        if parts[2] in _NEOX_LAYER:
+            return f"model.layers.{parts[1]}.{_NEOX_LAYER[parts[2]]}.{leaf}"
+    return name
+
+
+class GPTNeoXForCausalLM(LayerNormForCausalLM):
+    """`GPTNeoXForCausalLM` (Pythia, GPT-NeoX-20B): its names, and its fused q/k/v rows, stored head by
+    head ([heads, 3, head_dim]), reordered to our q | k | v as they load."""
+
+    checkpoint_name = staticmethod(gpt_neox_checkpoint_name)
+
+    def checkpoint_tensor(self, name: str, loaded: Loaded) -> Loaded:
+        if not name.endswith((".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")):
+            return loaded
+        t = read_checkpoint(loaded)
+        heads, head_dim = self.args.num_attention_heads, self.args.head_dim
+        return t.view(heads, 3, head_dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
