@@ -29,6 +29,7 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "phi": (1e-5, False),
     "gpt2": (1e-5, False),
     "gpt_neox": (1e-5, False),
+    "gpt_bigcode": (1e-5, False),
     "mixtral": (1e-5, False),
     "qwen2_moe": (1e-6, True),
     "qwen3_moe": (1e-6, False),
@@ -49,6 +50,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "phi": "PhiForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -57,7 +59,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                             "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
-_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
+_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
 # configs name little more than their sizes): those defaults, by model_type.
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -198,7 +200,7 @@ class ModelArgs:
                     d[key] = outer[key]
             if "tie_word_embeddings" in outer:  # the composite model's own setting wins (transformers 5.x)
                 d["tie_word_embeddings"] = outer["tie_word_embeddings"]
-        if d.get("model_type") == "gpt2":
+        if d.get("model_type") in ("gpt2", "gpt_bigcode"):
             d = _gpt2_fields(d)
         if d.get("model_type") == "gpt_neox":  # 4.x names of its RoPE settings
             d = {"rope_theta": d.get("rotary_emb_base", 10000.0), "partial_rotary_factor": d.get("rotary_pct", 0.25),
@@ -251,7 +253,8 @@ class ModelArgs:
             rms_norm_eps=float(d.get("rms_norm_eps", d.get("norm_epsilon", d.get("layer_norm_eps", eps_default)))),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             # transformers' default where a config omits it: Gemma 1's and StarCoder2's are tied
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma", "starcoder2", "gpt2"))),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings",
+                                           model_type in ("gemma", "starcoder2", "gpt2", "gpt_bigcode"))),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
@@ -280,7 +283,7 @@ class ModelArgs:
             parallel_residual=model_type == "phi" or (model_type == "gpt_neox" and d.get("use_parallel_residual", True)),
             parallel_mlp_norm=model_type == "gpt_neox",
             lm_head_bias=model_type == "phi",
-            learned_positions=model_type == "gpt2",
+            learned_positions=model_type in ("gpt2", "gpt_bigcode"),
         )
 
 
@@ -310,11 +313,13 @@ def _gpt2_fields(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("add_cross_attention"):
         raise ValueError("GPT-2 with add_cross_attention (an encoder-decoder) is not supported")
     hidden = int(d.get("n_embd") or d["hidden_size"])
+    heads = d.get("n_head", d.get("num_attention_heads"))
+    bigcode = d.get("model_type") == "gpt_bigcode"  # GPT-BigCode (StarCoder 1, SantaCoder): one KV head by default
     return {**d, "hidden_size": hidden, "num_hidden_layers": d.get("n_layer", d.get("num_hidden_layers")),
-            "num_attention_heads": d.get("n_head", d.get("num_attention_heads")),
+            "num_attention_heads": heads, "num_key_value_heads": 1 if bigcode and d.get("multi_query", True) else heads,
             "max_position_embeddings": d.get("n_positions", d.get("max_position_embeddings", 1024)),
             "intermediate_size": d.get("n_inner") or 4 * hidden, "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5),
-            "hidden_act": d.get("activation_function", "gelu_new")}
+            "hidden_act": d.get("activation_function", "gelu_pytorch_tanh" if bigcode else "gelu_new")}
 
 
 def _moe_args(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:

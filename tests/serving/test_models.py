@@ -152,17 +152,14 @@ def test_qwen_vl_checkpoints_served_as_text(tmp_path, arch):
         assert ModelArgs.from_dict(flat) == args
 
 
-@pytest.mark.parametrize("arch, overrides", [
-    ("gpt_neox", dict(use_parallel_residual=False)),  # GPT-NeoX's sequential block
-    ("starcoder2", dict(use_bias=False)),  # StarCoder2 without any bias
+@pytest.mark.parametrize("arch, overrides, field, value", [
+    ("gpt_neox", dict(use_parallel_residual=False), "parallel_residual", False),  # GPT-NeoX's sequential block
+    ("starcoder2", dict(use_bias=False), "qkv_bias", False),  # StarCoder2 without any bias
+    ("gpt_bigcode", dict(multi_query=False), "num_key_value_heads", 2),  # q/k/v fused head by head
 ])
-def test_layernorm_decoder_switches_match_transformers(tmp_path, arch, overrides):
+def test_layernorm_decoder_switches_match_transformers(tmp_path, arch, overrides, field, value):
     path = build_tiny_model(arch, tmp_path / arch, overrides=overrides)
-    args = ModelArgs.from_dir(path)
-    if arch == "gpt_neox":
-        assert not args.parallel_residual and args.qkv_bias
-    else:
-        assert not (args.qkv_bias or args.o_bias or args.mlp_bias)
+    assert getattr(ModelArgs.from_dir(path), field) == value
     _check_paged_logits(path, block_size=4, lengths=[5, 23], chunk=9, decode_steps=4)
 
 

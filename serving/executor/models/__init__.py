@@ -18,7 +18,12 @@ import torch
 from torch import nn
 
 from serving.executor.models.gemma import Gemma1ForCausalLM, Gemma3TextOfMultimodal, GemmaForCausalLM
-from serving.executor.models.layernorm_decoder import GPT2ForCausalLM, GPTNeoXForCausalLM, LayerNormForCausalLM
+from serving.executor.models.layernorm_decoder import (
+    GPT2ForCausalLM,
+    GPTBigCodeForCausalLM,
+    GPTNeoXForCausalLM,
+    LayerNormForCausalLM,
+)
 from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.parallel import TPShard
@@ -45,6 +50,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PhiForCausalLM": LayerNormForCausalLM,
     "GPT2LMHeadModel": GPT2ForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,

@@ -1,11 +1,13 @@
-"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2, GPT-NeoX) with HF-like parameter names.
+"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2, GPT-BigCode, GPT-NeoX) with HF-like
+parameter names.
 
 Where they differ from the Llama family:
 - LayerNorm with a bias (not RMSNorm), computed by `F.layer_norm` as transformers computes it;
 - a plain MLP, fc_out(act(fc_in(x))) with biases, in place of the gated one;
 - Phi: attention and MLP read the same normed input and are added to the residual together
   (`parallel_residual`), rotary embedding on part of each head, an LM head with a bias;
-- GPT-2: learned absolute position embeddings added to the token embeddings, no RoPE;
+- GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder: GPT-2 with one KV head and Linear weights):
+  learned absolute position embeddings added to the token embeddings, no RoPE;
 - GPT-NeoX (Pythia): a parallel block whose MLP reads its own LayerNorm, a quarter of each head
   rotary, q/k/v fused per head in its checkpoint.
 Attention (paged KV, RoPE, sliding windows), tensor parallelism (fc_in column-parallel, fc_out
@@ -15,8 +17,9 @@ Checkpoint names map onto ours (`layernorm_checkpoint_name`): StarCoder2's `mlp.
 and Phi's `mlp.fc1` / `mlp.fc2` are `mlp.fc_in` / `mlp.fc_out`; Phi's `self_attn.dense` is `o_proj`
 and its `model.final_layernorm` is `model.norm`. GPT-2's (`gpt2_checkpoint_name`, with or without
 the `transformer.` prefix) are renamed whole, and its Conv1D weights, stored [in, out], are
-transposed as they load (`checkpoint_tensor`); so are GPT-NeoX's, whose fused q/k/v rows, stored
-head by head, are reordered to q | k | v.
+transposed as they load (`checkpoint_tensor`); GPT-BigCode uses GPT-2's names; GPT-NeoX has its
+own. Where fused q/k/v rows are stored head by head ([heads, 3, head_dim]: GPT-NeoX, GPT-BigCode
+without multi_query) they are reordered to q | k | v as they load.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def layernorm_checkpoint_name(name: str) -> str:
 _GPT2_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_attn": "self_attn.qkv_proj",
                "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.fc_in", "mlp.c_proj": "mlp.fc_out"}
 _GPT2_TOP = {"wte": "model.embed_tokens", "wpe": "model.embed_positions", "ln_f": "model.norm"}
+_FUSED_QKV = (".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")
 _GPT2_CONV1D = (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight", ".mlp.fc_in.weight", ".mlp.fc_out.weight")
 
 
@@ -220,8 +224,24 @@ class GPTNeoXForCausalLM(LayerNormForCausalLM):
     checkpoint_name = staticmethod(gpt_neox_checkpoint_name)
 
     def checkpoint_tensor(self, name: str, loaded: Loaded) -> Loaded:
-        if not name.endswith((".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")):
+        if not name.endswith(_FUSED_QKV):
             return loaded
-        t = read_checkpoint(loaded)
-        heads, head_dim = self.args.num_attention_heads, self.args.head_dim
-        return t.view(heads, 3, head_dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        return qkv_by_part(read_checkpoint(loaded), self.args.num_attention_heads, self.args.head_dim)
+
+
+def qkv_by_part(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Fused q/k/v rows (weight or bias) stored head by head, [heads, 3, head_dim], as q | k | v."""
+    return t.view(heads, 3, head_dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+class GPTBigCodeForCausalLM(LayerNormForCausalLM):
+    """`GPTBigCodeForCausalLM` (StarCoder 1, SantaCoder, WizardCoder): GPT-2's names with Linear weights;
+    one KV head (multi_query: q | k | v already) or q/k/v fused head by head."""
+
+    checkpoint_name = staticmethod(gpt2_checkpoint_name)
+
+    def checkpoint_tensor(self, name: str, loaded: Loaded) -> Loaded:
+        a = self.args
+        if a.num_key_value_heads == 1 or not name.endswith(_FUSED_QKV):
+            return loaded
+        return qkv_by_part(read_checkpoint(loaded), a.num_attention_heads, a.head_dim)
