@@ -30,6 +30,7 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "gpt2": (1e-5, False),
     "gpt_neox": (1e-5, False),
     "gpt_bigcode": (1e-5, False),
+    "falcon": (1e-5, False),
     "mixtral": (1e-5, False),
     "qwen2_moe": (1e-6, True),
     "qwen3_moe": (1e-6, False),
@@ -51,6 +52,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "falcon": "FalconForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -59,7 +61,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                             "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
-_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
+_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
 # configs name little more than their sizes): those defaults, by model_type.
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -202,6 +204,8 @@ class ModelArgs:
                 d["tie_word_embeddings"] = outer["tie_word_embeddings"]
         if d.get("model_type") in ("gpt2", "gpt_bigcode"):
             d = _gpt2_fields(d)
+        if d.get("model_type") == "falcon":
+            d = _falcon_fields(d)
         if d.get("model_type") == "gpt_neox":  # 4.x names of its RoPE settings
             d = {"rope_theta": d.get("rotary_emb_base", 10000.0), "partial_rotary_factor": d.get("rotary_pct", 0.25),
                  **d}
@@ -254,7 +258,7 @@ class ModelArgs:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             # transformers' default where a config omits it: Gemma 1's and StarCoder2's are tied
             tie_word_embeddings=bool(d.get("tie_word_embeddings",
-                                           model_type in ("gemma", "starcoder2", "gpt2", "gpt_bigcode"))),
+                                           model_type in ("gemma", "starcoder2", "gpt2", "gpt_bigcode", "falcon"))),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
@@ -280,8 +284,9 @@ class ModelArgs:
                                     else float(d["attn_logit_softcapping"])),
             **_moe_args(d, model_type, int(d["num_hidden_layers"])),
             layer_norm=layer_norm,
-            parallel_residual=model_type == "phi" or (model_type == "gpt_neox" and d.get("use_parallel_residual", True)),
-            parallel_mlp_norm=model_type == "gpt_neox",
+            parallel_residual=(model_type == "phi" or (model_type == "gpt_neox" and d.get("use_parallel_residual", True))
+                               or (model_type == "falcon" and bool(d.get("parallel_attn", True)))),
+            parallel_mlp_norm=model_type == "gpt_neox" or (model_type == "falcon" and d["num_ln_in_parallel_attn"] == 2),
             lm_head_bias=model_type == "phi",
             learned_positions=model_type in ("gpt2", "gpt_bigcode"),
         )
@@ -320,6 +325,25 @@ def _gpt2_fields(d: dict[str, Any]) -> dict[str, Any]:
             "max_position_embeddings": d.get("n_positions", d.get("max_position_embeddings", 1024)),
             "intermediate_size": d.get("n_inner") or 4 * hidden, "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5),
             "hidden_act": d.get("activation_function", "gelu_pytorch_tanh" if bigcode else "gelu_new")}
+
+
+def _falcon_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Falcon's config (n_embed / n_head / n_layer in old ones, num_kv_heads, ffn_hidden_size, bias,
+    multi_query, new_decoder_architecture) as the other configs spell it; ALiBi refused."""
+    if d.get("alibi"):
+        raise ValueError("Falcon with alibi (ALiBi positions instead of RoPE) is not supported")
+    hidden = int(d.get("hidden_size") or d["n_embed"])
+    heads = int(d.get("num_attention_heads") or d["n_head"])
+    new = bool(d.get("new_decoder_architecture"))
+    if new and not d.get("parallel_attn", True):
+        raise ValueError("Falcon's new_decoder_architecture without parallel_attn is not a layout transformers runs")
+    kv = int(d.get("num_kv_heads") or heads) if new else (1 if d.get("multi_query", True) else heads)
+    bias = bool(d.get("bias", False))
+    return {**d, "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "num_hidden_layers": d.get("num_hidden_layers") or d.get("n_layer"),
+            "intermediate_size": d.get("ffn_hidden_size") or 4 * hidden, "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5),
+            "hidden_act": d.get("activation") or "gelu", "attention_bias": bias, "mlp_bias": bias,
+            "num_ln_in_parallel_attn": d.get("num_ln_in_parallel_attn") or (2 if new else 1)}
 
 
 def _moe_args(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:

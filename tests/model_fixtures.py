@@ -24,11 +24,11 @@ import torch
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2",
                                 "gemma3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "starcoder2", "phi",
-                                "gpt2", "gpt_neox", "gpt_bigcode")
+                                "gpt2", "gpt_neox", "gpt_bigcode", "falcon")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
 HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma2": 64,
-             "gemma3": 64, "gemma": 64, "mixtral": 64, "starcoder2": 64, "phi": 80, "gpt2": 64, "gpt_neox": 64, "gpt_bigcode": 64, "qwen2_moe": 64, "qwen3_moe": 64}
+             "gemma3": 64, "gemma": 64, "mixtral": 64, "starcoder2": 64, "phi": 80, "gpt2": 64, "gpt_neox": 64, "gpt_bigcode": 64, "falcon": 64, "qwen2_moe": 64, "qwen3_moe": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 # The multimodal tiny archs transformers' AutoModelForCausalLM does not build: their class
@@ -40,6 +40,7 @@ MULTIMODAL_CLASSES = {"mistral3_mm": "Mistral3ForConditionalGeneration",
 def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
     from transformers import (
+        FalconConfig,
         GemmaConfig,
         GPTBigCodeConfig,
         GPTNeoXConfig,
@@ -150,6 +151,12 @@ def tiny_config(arch: str):
             vocab_size=VOCAB_SIZE, n_embd=128, n_layer=2, n_head=2, n_positions=2048, bos_token_id=1, eos_token_id=2,
             pad_token_id=2, initializer_range=0.08, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, multi_query=True,
         )
+    if arch == "falcon":  # Falcon 40B's layout: grouped KV heads fused by group, ln_attn / ln_mlp in parallel
+        return FalconConfig(
+            hidden_size=256, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True, bias=False,
+            ffn_hidden_size=384, tie_word_embeddings=True, layer_norm_epsilon=1e-5,
+            **{k: v for k, v in common.items() if k != "rms_norm_eps"},
+        )
     if arch == "gpt_neox":  # Pythia's layout: parallel block with two LayerNorms, 25 % rotary, q/k/v fused per head
         return GPTNeoXConfig(
             hidden_size=128, num_attention_heads=2, intermediate_size=256, hidden_act="gelu", rotary_pct=0.25,
@@ -246,7 +253,7 @@ def build_tiny_model(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = tiny_config(arch)
-    if arch in HEAD_DIMS:
+    if arch in HEAD_DIMS and arch != "falcon":  # Falcon's is hidden / heads, a read-only property
         config.head_dim = HEAD_DIMS[arch]
     for key, value in (overrides or {}).items():
         setattr(config, key, value)

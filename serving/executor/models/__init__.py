@@ -19,6 +19,7 @@ from torch import nn
 
 from serving.executor.models.gemma import Gemma1ForCausalLM, Gemma3TextOfMultimodal, GemmaForCausalLM
 from serving.executor.models.layernorm_decoder import (
+    FalconForCausalLM,
     GPT2ForCausalLM,
     GPTBigCodeForCausalLM,
     GPTNeoXForCausalLM,
@@ -51,6 +52,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPT2LMHeadModel": GPT2ForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,

@@ -1,5 +1,5 @@
-"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2, GPT-BigCode, GPT-NeoX) with HF-like
-parameter names.
+"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2, GPT-BigCode, GPT-NeoX, Falcon) with
+HF-like parameter names.
 
 Where they differ from the Llama family:
 - LayerNorm with a bias (not RMSNorm), computed by `F.layer_norm` as transformers computes it;
@@ -9,7 +9,9 @@ Where they differ from the Llama family:
 - GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder: GPT-2 with one KV head and Linear weights):
   learned absolute position embeddings added to the token embeddings, no RoPE;
 - GPT-NeoX (Pythia): a parallel block whose MLP reads its own LayerNorm, a quarter of each head
-  rotary, q/k/v fused per head in its checkpoint.
+  rotary, q/k/v fused per head in its checkpoint;
+- Falcon: a parallel block with one LayerNorm (7B) or two (40B / 180B, `new_decoder_architecture`),
+  or a sequential one; one KV head (multi_query) or grouped ones, q/k/v fused by KV group.
 Attention (paged KV, RoPE, sliding windows), tensor parallelism (fc_in column-parallel, fc_out
 row-parallel, LayerNorm replicated) and quantized linears are the shared layers'.
 
@@ -18,8 +20,9 @@ and Phi's `mlp.fc1` / `mlp.fc2` are `mlp.fc_in` / `mlp.fc_out`; Phi's `self_attn
 and its `model.final_layernorm` is `model.norm`. GPT-2's (`gpt2_checkpoint_name`, with or without
 the `transformer.` prefix) are renamed whole, and its Conv1D weights, stored [in, out], are
 transposed as they load (`checkpoint_tensor`); GPT-BigCode uses GPT-2's names; GPT-NeoX has its
-own. Where fused q/k/v rows are stored head by head ([heads, 3, head_dim]: GPT-NeoX, GPT-BigCode
-without multi_query) they are reordered to q | k | v as they load.
+own, as has Falcon. Where fused q/k/v rows are stored head by head ([heads, 3, head_dim]: GPT-NeoX,
+GPT-BigCode and Falcon without multi_query) or by KV group ([kv_heads, q_per_kv + 2, head_dim]: Falcon's
+new_decoder_architecture) they are reordered to q | k | v as they load.
 """
 
 from __future__ import annotations
@@ -245,3 +248,43 @@ class GPTBigCodeForCausalLM(LayerNormForCausalLM):
         if a.num_key_value_heads == 1 or not name.endswith(_FUSED_QKV):
             return loaded
         return qkv_by_part(read_checkpoint(loaded), a.num_attention_heads, a.head_dim)
+
+
+_FALCON_LAYER = {"self_attention.query_key_value": "self_attn.qkv_proj", "self_attention.dense": "self_attn.o_proj",
+                 "mlp.dense_h_to_4h": "mlp.fc_in", "mlp.dense_4h_to_h": "mlp.fc_out",
+                 "input_layernorm": "input_layernorm", "ln_attn": "input_layernorm",
+                 "ln_mlp": "post_attention_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
+
+
+def falcon_checkpoint_name(name: str) -> str | None:
+    """Falcon's names (`transformer.h.3.self_attention.query_key_value.weight`, `ln_attn` / `ln_mlp`) in ours."""
+    base = name.removeprefix("transformer.")
+    if base.startswith("word_embeddings."):
+        return "model.embed_tokens." + base.removeprefix("word_embeddings.")
+    if base.startswith("ln_f."):
+        return "model.norm." + base.removeprefix("ln_f.")
+    module, _, leaf = base.rpartition(".")
+    parts = module.split(".", 2)  # h, N, the layer's module
+    if len(parts) == 3 and parts[0] == "h":
+        if parts[2].endswith("rotary_emb"):
+            return None  # a saved inv_freq buffer
+        if parts[2] in _FALCON_LAYER:
+            return f"model.layers.{parts[1]}.{_FALCON_LAYER[parts[2]]}.{leaf}"
+    return name
+
+
+class FalconForCausalLM(LayerNormForCausalLM):
+    """`FalconForCausalLM` (Falcon 7B / 40B / 180B, Falcon 2): its names, its fused q/k/v reordered."""
+
+    checkpoint_name = staticmethod(falcon_checkpoint_name)
+
+    def checkpoint_tensor(self, name: str, loaded: Loaded) -> Loaded:
+        a = self.args
+        if a.num_key_value_heads == 1 or not name.endswith(_FUSED_QKV):
+            return loaded  # one KV head: stored q | k | v already
+        # by KV group: [kv_heads, q_per_kv + 2, head_dim] (without multi_query, q_per_kv = 1: head by head)
+        t = read_checkpoint(loaded)
+        groups = t.view(a.num_key_value_heads, a.num_attention_heads // a.num_key_value_heads + 2, a.head_dim,
+                        *t.shape[1:])
+        q, k, v = groups[:, :-2], groups[:, -2], groups[:, -1]
+        return torch.cat([q.reshape(-1, *t.shape[1:]), k.reshape(-1, *t.shape[1:]), v.reshape(-1, *t.shape[1:])])
