@@ -31,6 +31,7 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "gpt_neox": (1e-5, False),
     "gpt_bigcode": (1e-5, False),
     "falcon": (1e-5, False),
+    "opt": (1e-5, False),
     "mixtral": (1e-5, False),
     "qwen2_moe": (1e-6, True),
     "qwen3_moe": (1e-6, False),
@@ -53,6 +54,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "falcon": "FalconForCausalLM",
+    "opt": "OPTForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -61,7 +63,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                             "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
-_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
+_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
 # configs name little more than their sizes): those defaults, by model_type.
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -162,6 +164,7 @@ class ModelArgs:
     parallel_residual: bool = False
     lm_head_bias: bool = False
     learned_positions: bool = False  # GPT-2: position embeddings added to the token embeddings, no RoPE
+    position_offset: int = 0  # OPT: position p reads row p + 2 of its position embeddings
     parallel_mlp_norm: bool = False  # GPT-NeoX's parallel block: the MLP reads a LayerNorm of its own
 
     def layer_window(self, layer: int) -> int | None:
@@ -206,6 +209,8 @@ class ModelArgs:
             d = _gpt2_fields(d)
         if d.get("model_type") == "falcon":
             d = _falcon_fields(d)
+        if d.get("model_type") == "opt":
+            d = _opt_fields(d)
         if d.get("model_type") == "gpt_neox":  # 4.x names of its RoPE settings
             d = {"rope_theta": d.get("rotary_emb_base", 10000.0), "partial_rotary_factor": d.get("rotary_pct", 0.25),
                  **d}
@@ -225,9 +230,9 @@ class ModelArgs:
         if act == "gelu" and model_type == "gemma":  # Gemma 1's released configs: meant as the tanh approximation
             act = "gelu_pytorch_tanh"
         layer_norm = model_type in _LAYER_NORM_TYPES
-        if layer_norm and act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        if layer_norm and act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu"):
             raise ValueError(f"hidden_act {act!r} is not supported for {model_type} (gelu, gelu_new, "
-                             "gelu_pytorch_tanh, gelu_fast)")
+                             "gelu_pytorch_tanh, gelu_fast, relu)")
         if not layer_norm and act not in ("silu", "swish", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act {act!r} is not supported (silu: SwiGLU; gelu_pytorch_tanh: GeGLU)")
         if d.get("qk_layernorm"):
@@ -258,7 +263,8 @@ class ModelArgs:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             # transformers' default where a config omits it: Gemma 1's and StarCoder2's are tied
             tie_word_embeddings=bool(d.get("tie_word_embeddings",
-                                           model_type in ("gemma", "starcoder2", "gpt2", "gpt_bigcode", "falcon"))),
+                                           model_type in ("gemma", "starcoder2", "gpt2", "gpt_bigcode", "falcon",
+                                                          "opt"))),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
@@ -288,7 +294,8 @@ class ModelArgs:
                                or (model_type == "falcon" and bool(d.get("parallel_attn", True)))),
             parallel_mlp_norm=model_type == "gpt_neox" or (model_type == "falcon" and d["num_ln_in_parallel_attn"] == 2),
             lm_head_bias=model_type == "phi",
-            learned_positions=model_type in ("gpt2", "gpt_bigcode"),
+            learned_positions=model_type in ("gpt2", "gpt_bigcode", "opt"),
+            position_offset=2 if model_type == "opt" else 0,
         )
 
 
@@ -344,6 +351,22 @@ def _falcon_fields(d: dict[str, Any]) -> dict[str, Any]:
             "intermediate_size": d.get("ffn_hidden_size") or 4 * hidden, "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5),
             "hidden_act": d.get("activation") or "gelu", "attention_bias": bias, "mlp_bias": bias,
             "num_ln_in_parallel_attn": d.get("num_ln_in_parallel_attn") or (2 if new else 1)}
+
+
+def _opt_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """OPT's config (ffn_dim, activation_function, enable_bias) as the other configs spell it; the
+    350M model's layout (post-norm, projected embeddings) refused."""
+    hidden = int(d["hidden_size"])
+    if not d.get("do_layer_norm_before", True) or d.get("_remove_final_layer_norm"):
+        raise ValueError("OPT with do_layer_norm_before=false (opt-350m's post-norm layout) is not supported")
+    if int(d.get("word_embed_proj_dim") or hidden) != hidden:
+        raise ValueError(f"OPT with word_embed_proj_dim ({d['word_embed_proj_dim']}) != hidden_size ({hidden}) "
+                         "is not supported")
+    if not d.get("layer_norm_elementwise_affine", True):
+        raise ValueError("OPT with layer_norm_elementwise_affine=false is not supported")
+    bias = bool(d.get("enable_bias", True))
+    return {**d, "intermediate_size": d["ffn_dim"], "hidden_act": d.get("activation_function", "relu"),
+            "attention_bias": bias, "mlp_bias": bias}
 
 
 def _moe_args(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:

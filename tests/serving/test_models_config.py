@@ -94,8 +94,19 @@ def test_arch_defaults():
             a.tie_word_embeddings) == (True, True, True, True, 0.4, 3e-5, False)
     with pytest.raises(ValueError, match="qk_layernorm"):
         ModelArgs.from_dict({**phi, "qk_layernorm": True})
-    with pytest.raises(ValueError, match="hidden_act 'relu' is not supported for phi"):
-        ModelArgs.from_dict({**phi, "hidden_act": "relu"})
+    with pytest.raises(ValueError, match="hidden_act 'silu' is not supported for phi"):
+        ModelArgs.from_dict({**phi, "hidden_act": "silu"})
+    # OPT: ffn_dim, ReLU, positions at an offset of 2; opt-350m's layout and Falcon's ALiBi refused by name
+    opt = {**no_eps, "architectures": ["OPTForCausalLM"], "model_type": "opt", "ffn_dim": 1024}
+    a = ModelArgs.from_dict(opt)
+    assert (a.intermediate_size, a.hidden_act, a.position_offset, a.learned_positions, a.tie_word_embeddings) == (
+        1024, "relu", 2, True, True)
+    with pytest.raises(ValueError, match="do_layer_norm_before=false"):
+        ModelArgs.from_dict({**opt, "do_layer_norm_before": False})
+    with pytest.raises(ValueError, match=r"word_embed_proj_dim \(512\) != hidden_size \(256\)"):
+        ModelArgs.from_dict({**opt, "word_embed_proj_dim": 512})
+    with pytest.raises(ValueError, match="alibi"):
+        ModelArgs.from_dict({**no_eps, "architectures": ["FalconForCausalLM"], "model_type": "falcon", "alibi": True})
 
 
 def test_gemma3_configs_of_both_transformers_versions():

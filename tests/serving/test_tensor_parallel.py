@@ -56,6 +56,7 @@ TP_MODELS: dict[str, tuple[str, dict[str, object]]] = {
     "gpt_neox_qkv_per_head_partial_rotary": ("gpt_neox", dict(vocab_size=1024)),
     "gpt_bigcode_one_kv_head_replicated": ("gpt_bigcode", dict(vocab_size=1024)),
     "falcon_kv_groups_fused_by_group": ("falcon", dict(vocab_size=1024)),
+    "opt_relu_offset_positions": ("opt", dict(vocab_size=1024)),
     # experts split by their intermediate dim, one all-reduce a block (the shared expert's included)
     "mixtral_experts": ("mixtral", dict(vocab_size=1024)),
     "qwen2_moe_shared_expert_dense_layer": ("qwen2_moe", dict(vocab_size=1024)),

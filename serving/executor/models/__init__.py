@@ -24,6 +24,7 @@ from serving.executor.models.layernorm_decoder import (
     GPTBigCodeForCausalLM,
     GPTNeoXForCausalLM,
     LayerNormForCausalLM,
+    OPTForCausalLM,
 )
 from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
@@ -53,6 +54,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,

@@ -1,13 +1,14 @@
-"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2, GPT-BigCode, GPT-NeoX, Falcon) with
-HF-like parameter names.
+"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2, GPT-BigCode, GPT-NeoX, Falcon, OPT)
+with HF-like parameter names.
 
 Where they differ from the Llama family:
 - LayerNorm with a bias (not RMSNorm), computed by `F.layer_norm` as transformers computes it;
 - a plain MLP, fc_out(act(fc_in(x))) with biases, in place of the gated one;
 - Phi: attention and MLP read the same normed input and are added to the residual together
   (`parallel_residual`), rotary embedding on part of each head, an LM head with a bias;
-- GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder: GPT-2 with one KV head and Linear weights):
-  learned absolute position embeddings added to the token embeddings, no RoPE;
+- GPT-2, GPT-BigCode (StarCoder 1, SantaCoder: GPT-2 with one KV head and Linear weights) and OPT
+  (its position p at row p + 2, a ReLU MLP): learned absolute position embeddings added to the
+  token embeddings, no RoPE;
 - GPT-NeoX (Pythia): a parallel block whose MLP reads its own LayerNorm, a quarter of each head
   rotary, q/k/v fused per head in its checkpoint;
 - Falcon: a parallel block with one LayerNorm (7B) or two (40B / 180B, `new_decoder_architecture`),
@@ -48,8 +49,10 @@ from serving.executor.quant import linear_method
 from serving.model_config import ModelArgs
 from serving.quantization import QuantConfig
 
-# activation name in HF configs -> F.gelu's `approximate`
-_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+# activation name in HF configs -> the function (gelu_new / gelu_fast: the tanh approximation, as gelu_pytorch_tanh)
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_fast": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 _RENAMES = ((".mlp.c_fc.", ".mlp.fc_in."), (".mlp.c_proj.", ".mlp.fc_out."), (".mlp.fc1.", ".mlp.fc_in."),
             (".mlp.fc2.", ".mlp.fc_out."), (".self_attn.dense.", ".self_attn.o_proj."),
             ("model.final_layernorm.", "model.norm."))
@@ -102,20 +105,19 @@ class LayerNorm(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """fc_out(gelu(fc_in(x))): fc_in holds this rank's columns, fc_out sums over the ranks."""
+    """fc_out(act(fc_in(x))) (gelu or relu): fc_in holds this rank's columns, fc_out sums over the ranks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard,
                  quant: QuantConfig | None, prefix: str, activation: str) -> None:
         super().__init__()
-        assert activation in _GELU, activation
-        self.approximate = _GELU[activation]
+        self.act = _ACTIVATIONS[activation]
         self.fc_in = ColumnParallelLinear(hidden_size, intermediate_size, bias, shard,
                                           quant_method=linear_method(quant, f"{prefix}.fc_in"), name=f"{prefix}.fc_in")
         self.fc_out = RowParallelLinear(intermediate_size, hidden_size, bias, shard,
                                         quant_method=linear_method(quant, f"{prefix}.fc_out"), name=f"{prefix}.fc_out")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(F.gelu(self.fc_in(x), approximate=self.approximate))
+        return self.fc_out(self.act(self.fc_in(x)))
 
 
 class LayerNormDecoderLayer(nn.Module):
@@ -156,8 +158,10 @@ class LayerNormModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
         self.embed_positions = None
-        if args.learned_positions:  # replicated: [max_position_embeddings, hidden]
-            self.embed_positions = VocabParallelEmbedding(args.max_position_embeddings, args.hidden_size)
+        self.position_offset = args.position_offset
+        if args.learned_positions:  # replicated: [max_position_embeddings (+ OPT's offset), hidden]
+            self.embed_positions = VocabParallelEmbedding(args.max_position_embeddings + args.position_offset,
+                                                          args.hidden_size)
         self.layers = nn.ModuleList(
             LayerNormDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
             for i in range(args.num_hidden_layers))
@@ -171,7 +175,8 @@ class LayerNormModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
-            hidden = hidden + self.embed_positions(positions)
+            hidden = hidden + self.embed_positions(positions + self.position_offset if self.position_offset
+                                                   else positions)
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)
@@ -288,3 +293,26 @@ class FalconForCausalLM(LayerNormForCausalLM):
                         *t.shape[1:])
         q, k, v = groups[:, :-2], groups[:, -2], groups[:, -1]
         return torch.cat([q.reshape(-1, *t.shape[1:]), k.reshape(-1, *t.shape[1:]), v.reshape(-1, *t.shape[1:])])
+
+
+def opt_checkpoint_name(name: str) -> str:
+    """OPT's names (`model.decoder.layers.3.self_attn.out_proj.weight`, `fc1`, per-layer
+    `final_layer_norm`) in ours."""
+    if not name.startswith("model.decoder."):
+        return name
+    base = name.removeprefix("model.decoder.")
+    if base.startswith("final_layer_norm."):
+        return "model.norm." + base.removeprefix("final_layer_norm.")
+    for theirs, ours in ((".self_attn.out_proj.", ".self_attn.o_proj."), (".self_attn_layer_norm.", ".input_layernorm."),
+                         (".final_layer_norm.", ".post_attention_layernorm."), (".fc1.", ".mlp.fc_in."),
+                         (".fc2.", ".mlp.fc_out.")):
+        if theirs in base:
+            base = base.replace(theirs, ours)
+            break
+    return "model." + base
+
+
+class OPTForCausalLM(LayerNormForCausalLM):
+    """`OPTForCausalLM` (OPT 125M, 1.3B and up; not 350M's post-norm layout)."""
+
+    checkpoint_name = staticmethod(opt_checkpoint_name)
