@@ -2,7 +2,8 @@
 
 Llama (llama3 rope scaling, legacy rope keys), Mistral, Qwen2 (qkv bias, tied embeddings),
 Phi-3 (fused qkv/gate_up), Gemma 3 (its own model class: a sliding layer, Gemma norms, GeGLU) and
-Qwen3-MoE (8 experts, 3 a token: routing that changes with every token of a chunk), each saved by transformers as >= 2 safetensors shards. All prompts
+Qwen3-MoE (8 experts, 3 a token: routing that changes with every token of a chunk) and GPT-2
+(learned positions: each recomputed or chunked token must read its own row), each saved by transformers as >= 2 safetensors shards. All prompts
 run together with block size 4 and a 32-token budget, so prefills are chunked and mixed with
 decodes; a second run forces preemption, a third runs on a 2-token budget with async
 scheduling. Every block must be free afterwards.
@@ -49,7 +50,7 @@ def _assert_all_free(llm: LLM) -> None:
 
 # Through the engine: the four Llama-family originals and the other model class (Gemma). The rest of
 # TINY_ARCHS differ only inside the model, which tests/serving/test_models.py checks logit by logit.
-ENGINE_ARCHS = ("llama", "mistral", "qwen2", "phi3", "gemma3", "qwen3_moe")
+ENGINE_ARCHS = ("llama", "mistral", "qwen2", "phi3", "gemma3", "qwen3_moe", "gpt2")
 assert set(ENGINE_ARCHS) <= set(TINY_ARCHS)
 
 
