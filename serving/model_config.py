@@ -32,6 +32,7 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "gpt_bigcode": (1e-5, False),
     "falcon": (1e-5, False),
     "opt": (1e-5, False),
+    "cohere": (1e-5, False),
     "mixtral": (1e-5, False),
     "qwen2_moe": (1e-6, True),
     "qwen3_moe": (1e-6, False),
@@ -55,6 +56,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "falcon": "FalconForCausalLM",
     "opt": "OPTForCausalLM",
+    "cohere": "CohereForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -165,6 +167,7 @@ class ModelArgs:
     lm_head_bias: bool = False
     learned_positions: bool = False  # GPT-2: position embeddings added to the token embeddings, no RoPE
     position_offset: int = 0  # OPT: position p reads row p + 2 of its position embeddings
+    logit_scale: float = 1.0  # Cohere: logits multiplied by it
     parallel_mlp_norm: bool = False  # GPT-NeoX's parallel block: the MLP reads a LayerNorm of its own
 
     def layer_window(self, layer: int) -> int | None:
@@ -235,8 +238,8 @@ class ModelArgs:
                              "gelu_pytorch_tanh, gelu_fast, relu)")
         if not layer_norm and act not in ("silu", "swish", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act {act!r} is not supported (silu: SwiGLU; gelu_pytorch_tanh: GeGLU)")
-        if d.get("qk_layernorm"):
-            raise ValueError("qk_layernorm (LayerNorm on q and k) is not supported")
+        if d.get("qk_layernorm") or d.get("use_qk_norm"):
+            raise ValueError("qk_layernorm / use_qk_norm (LayerNorm on q and k: Phi's option, Command R+) is not supported")
         gemma3 = model_type == "gemma3_text"
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported: open-lmi generates")
@@ -259,12 +262,12 @@ class ModelArgs:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", d.get("norm_epsilon", d.get("layer_norm_eps", eps_default)))),
+            rms_norm_eps=float(d.get("rms_norm_eps") or d.get("norm_epsilon") or d.get("layer_norm_eps") or eps_default),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             # transformers' default where a config omits it: Gemma 1's and StarCoder2's are tied
             tie_word_embeddings=bool(d.get("tie_word_embeddings",
                                            model_type in ("gemma", "starcoder2", "gpt2", "gpt_bigcode", "falcon",
-                                                          "opt"))),
+                                                          "opt", "cohere"))),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
@@ -296,6 +299,7 @@ class ModelArgs:
             lm_head_bias=model_type == "phi",
             learned_positions=model_type in ("gpt2", "gpt_bigcode", "opt"),
             position_offset=2 if model_type == "opt" else 0,
+            logit_scale=float(d.get("logit_scale") or 1.0) if model_type == "cohere" else 1.0,
         )
 
 

@@ -24,11 +24,11 @@ import torch
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2",
                                 "gemma3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "starcoder2", "phi",
-                                "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt")
+                                "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt", "cohere")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
 HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma2": 64,
-             "gemma3": 64, "gemma": 64, "mixtral": 64, "starcoder2": 64, "phi": 80, "gpt2": 64, "gpt_neox": 64, "gpt_bigcode": 64, "falcon": 64, "opt": 64, "qwen2_moe": 64, "qwen3_moe": 64}
+             "gemma3": 64, "gemma": 64, "mixtral": 64, "starcoder2": 64, "phi": 80, "gpt2": 64, "gpt_neox": 64, "gpt_bigcode": 64, "falcon": 64, "opt": 64, "cohere": 64, "qwen2_moe": 64, "qwen3_moe": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 # The multimodal tiny archs transformers' AutoModelForCausalLM does not build: their class
@@ -40,6 +40,7 @@ MULTIMODAL_CLASSES = {"mistral3_mm": "Mistral3ForConditionalGeneration",
 def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
     from transformers import (
+        CohereConfig,
         FalconConfig,
         OPTConfig,
         GemmaConfig,
@@ -162,6 +163,12 @@ def tiny_config(arch: str):
         return OPTConfig(
             hidden_size=128, num_attention_heads=2, ffn_dim=256, word_embed_proj_dim=128, dropout=0.0,
             **{k: v for k, v in common.items() if k not in ("rms_norm_eps", "initializer_range")}, init_std=0.08,
+        )
+    if arch == "cohere":  # Command-R's layout: bias-free LayerNorm, parallel block, interleaved RoPE, logit scale
+        return CohereConfig(
+            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256, logit_scale=0.5,
+            use_qk_norm=False, tie_word_embeddings=True, layer_norm_eps=1e-5,
+            **{k: v for k, v in common.items() if k != "rms_norm_eps"},
         )
     if arch == "gpt_neox":  # Pythia's layout: parallel block with two LayerNorms, 25 % rotary, q/k/v fused per head
         return GPTNeoXConfig(

@@ -105,8 +105,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             if param is None:
                 unexpected.append(name)
                 continue
-            if transform is not None:
-                loaded = transform(target, loaded)
+            if transform is not None:  # by the checkpoint's (renamed) name: q_proj and k_proj apart
+                loaded = transform(name, loaded)
             try:
                 param.weight_loader(param, loaded, shard)
             except ValueError as e:

@@ -105,6 +105,11 @@ def test_arch_defaults():
         ModelArgs.from_dict({**opt, "do_layer_norm_before": False})
     with pytest.raises(ValueError, match=r"word_embed_proj_dim \(512\) != hidden_size \(256\)"):
         ModelArgs.from_dict({**opt, "word_embed_proj_dim": 512})
+    cohere = {**no_eps, "architectures": ["CohereForCausalLM"], "model_type": "cohere", "logit_scale": 0.0625}
+    a = ModelArgs.from_dict(cohere)
+    assert (a.logit_scale, a.tie_word_embeddings, a.rms_norm_eps) == (0.0625, True, 1e-5)
+    with pytest.raises(ValueError, match="use_qk_norm"):
+        ModelArgs.from_dict({**cohere, "use_qk_norm": True})
     with pytest.raises(ValueError, match="alibi"):
         ModelArgs.from_dict({**no_eps, "architectures": ["FalconForCausalLM"], "model_type": "falcon", "alibi": True})
 

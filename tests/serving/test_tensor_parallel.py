@@ -57,6 +57,8 @@ TP_MODELS: dict[str, tuple[str, dict[str, object]]] = {
     "gpt_bigcode_one_kv_head_replicated": ("gpt_bigcode", dict(vocab_size=1024)),
     "falcon_kv_groups_fused_by_group": ("falcon", dict(vocab_size=1024)),
     "opt_relu_offset_positions": ("opt", dict(vocab_size=1024)),
+    "cohere_interleaved_rope_parallel_block": ("cohere", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                                              vocab_size=1024)),
     # experts split by their intermediate dim, one all-reduce a block (the shared expert's included)
     "mixtral_experts": ("mixtral", dict(vocab_size=1024)),
     "qwen2_moe_shared_expert_dense_layer": ("qwen2_moe", dict(vocab_size=1024)),

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from serving.executor.models.cohere import CohereForCausalLM
 from serving.executor.models.gemma import Gemma1ForCausalLM, Gemma3TextOfMultimodal, GemmaForCausalLM
 from serving.executor.models.layernorm_decoder import (
     FalconForCausalLM,
@@ -55,6 +56,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,

@@ -91,16 +91,21 @@ def gpt2_checkpoint_name(name: str) -> str | None:
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last dim with weight and bias; replicated on every rank."""
+    """LayerNorm over the last dim with weight and bias (`nn.LayerNorm`'s arithmetic); replicated on
+    every rank. `bias=False`: Cohere's, computed in float32 and cast back, as transformers does."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True) -> None:
         super().__init__()
         self.weight = _param(hidden_size)
-        self.bias = _param(hidden_size)
-        self.weight.weight_loader = self.bias.weight_loader = default_weight_loader
+        self.weight.weight_loader = default_weight_loader
+        self.bias = _param(hidden_size) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 

@@ -1,0 +1,91 @@
+"""Cohere's Command-R decoder (`CohereForCausalLM`) with HF parameter names.
+
+Where it differs from the Llama family:
+- LayerNorm without a bias (mean removed, then scaled; in float32 as transformers computes it);
+- one norm a layer, feeding attention and the SwiGLU MLP in parallel: x + attn(ln(x)) + mlp(ln(x));
+- logits multiplied by `logit_scale`;
+- RoPE on interleaved pairs (dims 2i, 2i + 1) rather than halves (i, i + head_dim / 2). The q and k
+  rows of each head are permuted as they load (even dims first, then odd ones), which turns the
+  one into the other; q.k is unchanged because both are permuted alike, so the shared kernels run
+  it as they are.
+`use_qk_norm` (Command R+) is refused when the config is read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from serving.executor.models.layernorm_decoder import LayerNorm
+from serving.executor.models.layers import GatedMLP, Loaded, PagedAttention, VocabParallelEmbedding, read_checkpoint
+from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.parallel import TPShard
+from serving.model_config import ModelArgs
+from serving.quantization import QuantConfig
+
+
+class CohereDecoderLayer(nn.Module):
+    """x + attn(ln(x)) + mlp(ln(x))."""
+
+    def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.self_attn = PagedAttention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
+            sliding_window=sliding_window,
+        )
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
+                            activation=args.hidden_act)
+        self.input_layernorm = LayerNorm(args.hidden_size, args.rms_norm_eps, bias=False)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        return hidden + self.self_attn(positions, normed) + self.mlp(normed)
+
+
+class CohereModel(nn.Module):
+    """Embedding, decoder layers and the final norm (`model.*`)."""
+
+    def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
+                 context_len: int | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
+        self.layers = nn.ModuleList(CohereDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
+                                    for i in range(args.num_hidden_layers))
+        self.norm = LayerNorm(args.hidden_size, args.rms_norm_eps, bias=False)
+        cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device,
+                                    context_len=context_len)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        for layer in self.layers:
+            layer.self_attn.cos_sin_cache = self.cos_sin_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class CohereForCausalLM(LlamaForCausalLM):
+    """`CohereForCausalLM` (Command-R, Aya 23 / Expanse): logits times `logit_scale`; q / k rows
+    permuted for the half-split RoPE as they load."""
+
+    model_class = CohereModel
+
+    def checkpoint_tensor(self, name: str, loaded: Loaded) -> Loaded:
+        if not name.endswith((".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
+                              ".self_attn.q_proj.bias", ".self_attn.k_proj.bias")):
+            return loaded
+        return interleaved_to_halves(read_checkpoint(loaded), self.args.head_dim)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return super().compute_logits(hidden, out).mul_(self.args.logit_scale)
+
+
+def interleaved_to_halves(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of q or k projections ([heads * head_dim, ...]), each head's reordered to its even dims
+    then its odd ones: RoPE on interleaved pairs becomes RoPE on halves."""
+    heads = t.shape[0] // head_dim
+    return t.view(heads, head_dim // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
