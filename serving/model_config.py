@@ -65,7 +65,9 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                             "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
-_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt")  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
+_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt")
+# transformers' default where a config omits tie_word_embeddings: tied for these (untied for the rest)
+_TIED_BY_DEFAULT = frozenset({"gemma", "starcoder2", "gpt2", "gpt_bigcode", "falcon", "opt", "cohere"})  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
 # configs name little more than their sizes): those defaults, by model_type.
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -208,15 +210,8 @@ class ModelArgs:
                     d[key] = outer[key]
             if "tie_word_embeddings" in outer:  # the composite model's own setting wins (transformers 5.x)
                 d["tie_word_embeddings"] = outer["tie_word_embeddings"]
-        if d.get("model_type") in ("gpt2", "gpt_bigcode"):
-            d = _gpt2_fields(d)
-        if d.get("model_type") == "falcon":
-            d = _falcon_fields(d)
-        if d.get("model_type") == "opt":
-            d = _opt_fields(d)
-        if d.get("model_type") == "gpt_neox":  # 4.x names of its RoPE settings
-            d = {"rope_theta": d.get("rotary_emb_base", 10000.0), "partial_rotary_factor": d.get("rotary_pct", 0.25),
-                 **d}
+        if d.get("model_type") in _CONFIG_DIALECTS:
+            d = _CONFIG_DIALECTS[d["model_type"]](d)
         if "text_config" in d and "hidden_size" not in d:
             raise ValueError("multimodal configs (text_config) are not supported")
         if d.get("model_type") in _GEMMA_DEFAULTS:
@@ -224,6 +219,7 @@ class ModelArgs:
                  **{k: v for k, v in d.items() if v is not None or k not in _NULL_IS_DEFAULT}}
         model_type = str(d.get("model_type", ""))
         arch = archs[0] if archs else _default_arch(model_type)
+        _check_arch_matches_model_type(arch, model_type)
         eps_default, qkv_bias_default = _ARCH_DEFAULTS.get(model_type, (1e-6, False))
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
@@ -264,10 +260,7 @@ class ModelArgs:
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps") or d.get("norm_epsilon") or d.get("layer_norm_eps") or eps_default),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            # transformers' default where a config omits it: Gemma 1's and StarCoder2's are tied
-            tie_word_embeddings=bool(d.get("tie_word_embeddings",
-                                           model_type in ("gemma", "starcoder2", "gpt2", "gpt_bigcode", "falcon",
-                                                          "opt", "cohere"))),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
@@ -293,14 +286,29 @@ class ModelArgs:
                                     else float(d["attn_logit_softcapping"])),
             **_moe_args(d, model_type, int(d["num_hidden_layers"])),
             layer_norm=layer_norm,
-            parallel_residual=(model_type == "phi" or (model_type == "gpt_neox" and d.get("use_parallel_residual", True))
-                               or (model_type == "falcon" and bool(d.get("parallel_attn", True)))),
-            parallel_mlp_norm=model_type == "gpt_neox" or (model_type == "falcon" and d["num_ln_in_parallel_attn"] == 2),
+            parallel_residual=layer_norm and bool(d.get("use_parallel_residual")),
+            parallel_mlp_norm=layer_norm and bool(d.get("parallel_mlp_norm")),
             lm_head_bias=model_type == "phi",
             learned_positions=model_type in ("gpt2", "gpt_bigcode", "opt"),
             position_offset=2 if model_type == "opt" else 0,
             logit_scale=float(d.get("logit_scale") or 1.0) if model_type == "cohere" else 1.0,
         )
+
+
+# model_types whose config a Llama-family class reads alike (a fine-tune may name another's architecture)
+_LLAMA_ALIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite"})
+
+
+def _check_arch_matches_model_type(arch: str, model_type: str) -> None:
+    """An architecture and a model_type of different families (a LayerNorm decoder named with a Llama
+    config, say) would build a model the config does not describe: a clear error instead."""
+    own = {a: t for t, a in _ARCH_OF_MODEL_TYPE.items()}.get(arch)
+    if own is None or model_type not in _ARCH_OF_MODEL_TYPE or own == model_type:
+        return
+    if own in _LLAMA_ALIKE and model_type in _LLAMA_ALIKE:
+        return
+    raise ValueError(f"config.json names architecture {arch} but model_type {model_type!r} "
+                     f"(that architecture's is {own!r}): they must agree")
 
 
 def _sliding_layers(d: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...] | None:
@@ -354,7 +362,8 @@ def _falcon_fields(d: dict[str, Any]) -> dict[str, Any]:
             "num_hidden_layers": d.get("num_hidden_layers") or d.get("n_layer"),
             "intermediate_size": d.get("ffn_hidden_size") or 4 * hidden, "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5),
             "hidden_act": d.get("activation") or "gelu", "attention_bias": bias, "mlp_bias": bias,
-            "num_ln_in_parallel_attn": d.get("num_ln_in_parallel_attn") or (2 if new else 1)}
+            "use_parallel_residual": d.get("parallel_attn", True),
+            "parallel_mlp_norm": (d.get("num_ln_in_parallel_attn") or (2 if new else 1)) == 2}
 
 
 def _opt_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -372,6 +381,18 @@ def _opt_fields(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "intermediate_size": d["ffn_dim"], "hidden_act": d.get("activation_function", "relu"),
             "attention_bias": bias, "mlp_bias": bias}
 
+
+def _neox_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """GPT-NeoX: its 4.x names of the RoPE settings; the parallel block (its default) reads two norms."""
+    return {"rope_theta": d.get("rotary_emb_base", 10000.0), "partial_rotary_factor": d.get("rotary_pct", 0.25),
+            "use_parallel_residual": True, **d, "parallel_mlp_norm": True}
+
+
+
+# model_type -> its config's own spellings rewritten to the keys `ModelArgs.from_dict` reads (and, for
+# the LayerNorm decoders, `use_parallel_residual` / `parallel_mlp_norm`: their block's layout)
+_CONFIG_DIALECTS = {"gpt2": _gpt2_fields, "gpt_bigcode": _gpt2_fields, "falcon": _falcon_fields, "opt": _opt_fields,
+                    "gpt_neox": _neox_fields, "phi": lambda d: {**d, "use_parallel_residual": True}}
 
 def _moe_args(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of `ModelArgs` (none for a dense model).

@@ -34,12 +34,12 @@ def test_serve_passes_other_commands_through(tmp_path):
 def test_dead_engine_fails_ping_with_the_reason(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (model / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"], "model_type": "bloom"}))
     srv = LMIServer({"HF_MODEL_ID": str(model)}, tmp_path, tmp_path / "serve.log")
     try:
         body = srv.wait(500, timeout=120)
         assert 200 not in srv.ping_history
-        assert body["status"] == "Unhealthy" and "GPT2LMHeadModel" in body["error"] and "not supported" in body["error"]
+        assert body["status"] == "Unhealthy" and "BloomForCausalLM" in body["error"] and "not supported" in body["error"]
         r = requests.post(srv.url + "/invocations", json={"inputs": "x"}, timeout=10)
         assert r.status_code == 500 and r.json()["code"] == 500
     finally:

@@ -110,6 +110,9 @@ def test_arch_defaults():
     assert (a.logit_scale, a.tie_word_embeddings, a.rms_norm_eps) == (0.0625, True, 1e-5)
     with pytest.raises(ValueError, match="use_qk_norm"):
         ModelArgs.from_dict({**cohere, "use_qk_norm": True})
+    with pytest.raises(ValueError, match="names architecture FalconForCausalLM but model_type 'llama'"):
+        ModelArgs.from_dict({**BASE, "architectures": ["FalconForCausalLM"]})
+    assert ModelArgs.from_dict({**BASE, "model_type": "mistral"}).architecture == "LlamaForCausalLM"  # alike: fine
     with pytest.raises(ValueError, match="alibi"):
         ModelArgs.from_dict({**no_eps, "architectures": ["FalconForCausalLM"], "model_type": "falcon", "alibi": True})
 
@@ -235,8 +238,8 @@ def test_unsupported_rope_and_activation_are_clear():
 
 def test_registry_errors():
     check_supported(BASE)
-    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*supported"):
-        check_supported({**BASE, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    with pytest.raises(UnsupportedModelError, match="BloomForCausalLM.*supported"):
+        check_supported({**BASE, "architectures": ["BloomForCausalLM"], "model_type": "bloom"})
     with pytest.raises(UnsupportedModelError, match="remote code"):
         check_supported({**BASE, "architectures": ["MyLM"], "auto_map": {"AutoModelForCausalLM": "x.MyLM"}})
 
@@ -245,8 +248,8 @@ def test_runner_rejects_unsupported_dir(tmp_path):
     from serving.engine_config import EngineConfig
     from serving.executor.model_runner import ModelRunner
 
-    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["FalconForCausalLM"]}))
-    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM"):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["MptForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match="MptForCausalLM"):
         ModelRunner(EngineConfig(model=str(tmp_path)))
 
 
