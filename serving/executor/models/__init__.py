@@ -18,7 +18,11 @@ import torch
 from torch import nn
 
 from serving.executor.models.cohere import CohereForCausalLM
-from serving.executor.models.gemma import Gemma1ForCausalLM, Gemma3TextOfMultimodal, GemmaForCausalLM
+from serving.executor.models.gemma import (
+    Gemma1ForCausalLM,
+    Gemma3TextOfMultimodal,
+    GemmaForCausalLM,
+)
 from serving.executor.models.layernorm_decoder import (
     FalconForCausalLM,
     GPT2ForCausalLM,
@@ -30,7 +34,11 @@ from serving.executor.models.layernorm_decoder import (
 from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.parallel import TPShard
-from serving.model_config import SUPPORTED_ARCHITECTURES, ModelArgs, UnsupportedModelError
+from serving.model_config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelArgs,
+    UnsupportedModelError,
+)
 from serving.quantization import QuantConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {

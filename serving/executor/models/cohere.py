@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from serving.executor.models.layernorm_decoder import LayerNorm
-from serving.executor.models.layers import GatedMLP, Loaded, PagedAttention, VocabParallelEmbedding, read_checkpoint
+from serving.executor.models.layers import (
+    GatedMLP,
+    Loaded,
+    PagedAttention,
+    VocabParallelEmbedding,
+    read_checkpoint,
+)
 from serving.executor.models.llama import LlamaForCausalLM
 from serving.executor.models.rotary import build_cos_sin_cache
 from serving.executor.parallel import TPShard

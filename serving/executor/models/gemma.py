@@ -20,7 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from serving.executor.models.layers import GatedMLP, PagedAttention, RMSNorm, VocabParallelEmbedding
+from serving.executor.models.layers import (
+    GatedMLP,
+    PagedAttention,
+    RMSNorm,
+    VocabParallelEmbedding,
+)
 from serving.executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from serving.executor.models.multimodal_text import text_checkpoint_name
 from serving.executor.models.rotary import build_cos_sin_cache
