@@ -1,7 +1,8 @@
 """Turn the `model=` option into a local HF-format directory.
 
 `None` -> the embedded default model (converted once, see `serving/default_model.py`); an
-existing directory -> itself; anything else is taken as a Hugging Face hub id and fetched with
+existing directory -> itself; a `.gguf` file, or a directory without config.json holding one ->
+its conversion (once, cached: `serving/gguf_convert.py`); anything else is taken as a Hugging Face hub id and fetched with
 `huggingface_hub.snapshot_download` (weights as safetensors, configs, tokenizer files only).
 When the hub cannot be reached, or offline mode is on and the id is not cached, the error
 names the id and says what to do. (s3:// sources are the container's job, upstream of this.)
@@ -32,8 +33,12 @@ def resolve_model_dir(
         return default_model_path()
     model = str(model)
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _gguf(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
+            if any(path.glob("*.gguf")):  # llama.cpp's single-file format
+                return _gguf(path)
             raise ModelNotFoundError(f"model directory {path} has no config.json (not a Hugging Face model dir)")
         return path
     if model.startswith(("/", "./", "../", "~")) or path.exists():
@@ -42,6 +47,15 @@ def resolve_model_dir(
         raise ModelNotFoundError(f"{model!r}: download s3:// models first (the container does this); "
                                  "pass the local directory here")
     return _snapshot(model, revision, token, cache_dir)
+
+
+def _gguf(path: Path) -> Path:
+    from serving.gguf_convert import GGUFConversionError, gguf_model_dir
+
+    try:
+        return gguf_model_dir(path)
+    except GGUFConversionError as e:
+        raise ModelNotFoundError(str(e)) from e
 
 
 def _snapshot(repo_id: str, revision: str | None, token: str | None, cache_dir: str | None) -> Path:

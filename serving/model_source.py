@@ -1,4 +1,5 @@
-"""Where the model comes from: a local dir, `/opt/ml/model`, an `s3://` prefix, or a hub id.
+"""Where the model comes from: a local dir, `/opt/ml/model`, an `s3://` prefix, or a hub id; a GGUF
+file (or a dir holding one and no config.json) is served as its conversion (`serving/gguf_convert.py`).
 
 `resolve_model(config)` turns `ServingConfig.model_id` into a local directory (or None for the
 embedded default model), downloading when needed: S3 with boto3 into `download_dir`, several
@@ -27,7 +28,19 @@ class ModelSourceError(RuntimeError):
 
 
 def _looks_like_model(path: Path) -> bool:
-    return (path / "config.json").is_file()
+    return (path / "config.json").is_file() or any(path.glob("*.gguf"))
+
+
+def _converted_if_gguf(path: Path) -> Path:
+    """A GGUF file, or a dir of one without config.json: its HF dir (converted once, cached)."""
+    if path.is_dir() and ((path / "config.json").is_file() or not any(path.glob("*.gguf"))):
+        return path
+    from serving.gguf_convert import GGUFConversionError, gguf_model_dir
+
+    try:
+        return gguf_model_dir(path)
+    except GGUFConversionError as e:
+        raise ModelSourceError(str(e)) from e
 
 
 def resolve_model(config: ServingConfig, opt_ml_model: str | Path = OPT_ML_MODEL) -> Path | None:
@@ -43,10 +56,11 @@ def resolve_model(config: ServingConfig, opt_ml_model: str | Path = OPT_ML_MODEL
         path = download_s3(src, Path(config.download_dir), endpoint_url=config.s3_endpoint_url)
     elif src.startswith(("/", ".", "~")) or Path(src).exists():
         path = Path(src).expanduser()
-        if not path.is_dir():
-            raise ModelSourceError(f"model path {src} is not a directory")
+        if not path.is_dir() and path.suffix.lower() != ".gguf":
+            raise ModelSourceError(f"model path {src} is not a directory (nor a .gguf file)")
     else:
         path = download_hub(src, config.revision, config.hf_token, Path(config.download_dir) / "hub")
+    path = _converted_if_gguf(path)
     check_no_remote_code(path, config.trust_remote_code)
     return path
 

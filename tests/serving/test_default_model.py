@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serving import default_model
+from serving import default_model, gguf_convert
 from serving.model_files import ModelNotFoundError, resolve_model_dir
 
 
@@ -44,7 +44,7 @@ def _fake_export(gguf: Path, out_dir: Path) -> None:
     with open(out_dir.parent / "calls.log", "a") as f:
         f.write("x\n")
     time.sleep(0.5)
-    for name in default_model._REQUIRED:
+    for name in gguf_convert._REQUIRED:
         (out_dir / name).write_text("{}")
 
 
@@ -52,7 +52,7 @@ def _worker(cache: str, results) -> None:
     import os
 
     os.environ["OPEN_LMI_CACHE"] = cache
-    default_model._export = _fake_export
+    gguf_convert._export = _fake_export
     default_model.gguf_path = lambda: Path("/nonexistent/model.gguf")
     results.put(str(default_model.default_model_path()))
 
@@ -81,7 +81,7 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(default_model, "_export", boom)
+    monkeypatch.setattr(gguf_convert, "_export", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         default_model.default_model_path()
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []

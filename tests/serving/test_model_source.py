@@ -83,3 +83,27 @@ def test_unreachable_hub_is_a_clear_error(tmp_path, monkeypatch):
     cfg = load_config({"HF_MODEL_ID": "org/definitely-not-cached", "SERVING_DOWNLOAD_DIR": str(tmp_path)}, [])
     with pytest.raises(ModelSourceError, match="cannot fetch model 'org/definitely-not-cached'.*HF_TOKEN"):
         resolve_model(cfg)
+
+
+def test_a_gguf_in_opt_ml_model_or_named_by_path_is_served_converted(tmp_path, monkeypatch):
+    """SageMaker artifacts holding only a .gguf (and HF_MODEL_ID naming the file) serve its conversion,
+    made once (not the default model, as a dir without config.json would otherwise mean)."""
+    from serving import gguf_convert
+
+    monkeypatch.setenv("OPEN_LMI_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_export(gguf, out_dir):  # the conversion itself: tests/serving/test_gguf_models.py
+        calls.append(gguf.name)
+        (out_dir / "config.json").write_text(json.dumps(CONFIG))
+        for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            (out_dir / name).write_text("{}")
+
+    monkeypatch.setattr(gguf_convert, "_export", fake_export)
+    artifacts = tmp_path / "opt_ml_model"
+    artifacts.mkdir()
+    (artifacts / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    served = resolve_model(load_config({}, []), opt_ml_model=artifacts)
+    assert served.parent == tmp_path / "cache" / "gguf" and served.name.startswith("model-Q4_K_M-")
+    assert resolve_model(load_config({"HF_MODEL_ID": str(artifacts / "model-Q4_K_M.gguf")}, [])) == served
+    assert calls == ["model-Q4_K_M.gguf"]  # converted once, found done the second time
