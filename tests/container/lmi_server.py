@@ -75,7 +75,7 @@ class LMIServer:
                 self.ping_history.append(r.status_code)
                 if r.status_code == want:
                     return r.json()
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or too busy starting to answer
                 self.ping_history.append(0)
             time.sleep(0.25)
         raise TimeoutError(f"/ping never answered {want}; saw {sorted(set(self.ping_history))}:\n{self.log()[-4000:]}")
