@@ -33,6 +33,8 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "falcon": (1e-5, False),
     "opt": (1e-5, False),
     "cohere": (1e-5, False),
+    "olmo2": (1e-5, False),
+    "olmo3": (1e-5, False),
     "mixtral": (1e-5, False),
     "qwen2_moe": (1e-6, True),
     "qwen3_moe": (1e-6, False),
@@ -57,6 +59,8 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "falcon": "FalconForCausalLM",
     "opt": "OPTForCausalLM",
     "cohere": "CohereForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -279,7 +283,10 @@ class ModelArgs:
                                   else None),
             logits_scaling=float(d.get("logits_scaling", 1.0)),
             hidden_act="silu" if act == "swish" else act,
-            rope_local=_rope_args(d, "sliding_attention") if gemma3 else None,
+            # Gemma 3, OLMo 3: the sliding layers' own RoPE (OLMo 3's configs key rope_parameters by layer type)
+            rope_local=(_rope_args(d, "sliding_attention")
+                        if gemma3 or isinstance((d.get("rope_parameters") or {}).get("sliding_attention"), dict)
+                        else None),
             final_logit_softcapping=(None if d.get("final_logit_softcapping") is None
                                      else float(d["final_logit_softcapping"])),
             attn_logit_softcapping=(None if d.get("attn_logit_softcapping") is None

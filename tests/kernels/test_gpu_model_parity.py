@@ -101,7 +101,7 @@ def test_bf16_prompt_logprobs_close_to_transformers_fp32(tmp_path):
 OTHER_ARCHS = {
     "qwen3": {}, "smollm3": {}, "granite": {}, "gemma2": {}, "gemma3-256": {"head_dim": 256},
     "mistral-sliding": {"sliding_window": 8}, "mixtral": {}, "qwen2_moe": {}, "gemma": {}, "starcoder2": {}, "phi": {},
-    "gpt2": {}, "gpt_neox": {}, "gpt_bigcode": {}, "falcon": {}, "opt": {}, "cohere": {},
+    "gpt2": {}, "gpt_neox": {}, "gpt_bigcode": {}, "falcon": {}, "opt": {}, "cohere": {}, "olmo2": {}, "olmo3": {},
 }
 
 

@@ -33,6 +33,7 @@ from serving.executor.models.layernorm_decoder import (
 )
 from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
+from serving.executor.models.olmo import OlmoForCausalLM
 from serving.executor.parallel import TPShard
 from serving.model_config import (
     SUPPORTED_ARCHITECTURES,
@@ -65,6 +66,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "FalconForCausalLM": FalconForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
+    "Olmo2ForCausalLM": OlmoForCausalLM,
+    "Olmo3ForCausalLM": OlmoForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,

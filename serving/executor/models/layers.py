@@ -366,6 +366,7 @@ class PagedAttention(nn.Module):
                                         in_part=(heads.q_head_start * head_dim, self.q_size),
                                         quant_method=linear_method(quant, f"{prefix}.o_proj"), name=f"{prefix}.o_proj")
         self.q_norm = self.k_norm = None
+        self.qk_norm_per_head = True  # False: q_norm / k_norm see this rank's whole q / k rows (OLMo's)
         if qk_norm_eps is not None:
             norm = qk_norm_class or RMSNorm
             self.q_norm, self.k_norm = norm(head_dim, qk_norm_eps), norm(head_dim, qk_norm_eps)
@@ -387,9 +388,11 @@ class PagedAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # per head, over head_dim: rows of head_dim (new contiguous tensors)
+        if self.q_norm is not None and self.qk_norm_per_head:  # over head_dim: rows of head_dim (new tensors)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim))
+        elif self.q_norm is not None:  # over all of the projection's heads
+            q, k = self.q_norm(q), self.k_norm(k)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.use_rope:  # RoPE on q and k (in place: views of qkv), then k and v into the cache: one launch

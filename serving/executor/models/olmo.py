@@ -1,0 +1,138 @@
+"""AllenAI's OLMo 2 and OLMo 3 decoders (`Olmo2ForCausalLM`, `Olmo3ForCausalLM`) with HF parameter names.
+
+Where they differ from the Llama family:
+- norms after each block, not before: x + norm(attn(x)), then + norm(mlp(.)) (`post_attention_layernorm`,
+  `post_feedforward_layernorm`), RMSNorm scaling in float32 before the cast;
+- q and k RMS-normalised over the whole projection (all heads at once, `q_norm` / `k_norm` of
+  num_heads * head_dim), before RoPE. Under tensor parallelism each rank holds its heads' slice of
+  the norm weight and the mean square is summed over the ranks (`FullWidthRMSNorm`);
+- OLMo 3: sliding-window layers (`layer_types`) with their own RoPE where the config gives one.
+The rest (paged attention, SwiGLU MLP, tensor parallelism, the weight loaders) is the shared layers'.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from serving.executor import parallel
+from serving.executor.models.layers import (
+    GatedMLP,
+    Loaded,
+    PagedAttention,
+    VocabParallelEmbedding,
+    _check_shape,
+    _param,
+    default_weight_loader,
+    read_checkpoint,
+)
+from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.parallel import TPShard, attention_shard
+from serving.model_config import ModelArgs
+from serving.quantization import QuantConfig
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, full: int, reduce: bool) -> torch.Tensor:
+    """weight * x / rms(x) in float32, cast back; rms over `full` elements (summed over ranks when `reduce`)."""
+    xf = x.float()
+    sq = xf.pow(2).sum(-1, keepdim=True)
+    if reduce:
+        sq = parallel.all_reduce(sq)
+    return (weight.float() * (xf * torch.rsqrt(sq / full + eps))).to(x.dtype)
+
+
+class OlmoRMSNorm(nn.Module):
+    """RMSNorm with the weight applied in float32 before the cast (OLMo's order); replicated."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(hidden_size)
+        self.weight.weight_loader = default_weight_loader
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms(x, self.weight, self.eps, x.shape[-1], reduce=False)
+
+
+class FullWidthRMSNorm(nn.Module):
+    """OLMo's q / k norm over all heads of the projection: this rank holds the weight of its heads
+    (`start`, `size` of the `full` width) and sums the squares with the other ranks."""
+
+    def __init__(self, full: int, start: int, size: int, eps: float, reduce: bool) -> None:
+        super().__init__()
+        self.full, self.start, self.eps, self.reduce = full, start, eps, reduce
+        self.weight = _param(size)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.tp_sharded = size != full
+
+    def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
+        assert shard_id is None, shard_id
+        _check_shape(loaded, (self.full,))
+        param.data.copy_(read_checkpoint(loaded, 0, self.start, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms(x, self.weight, self.eps, self.full, self.reduce)
+
+
+class OlmoDecoderLayer(nn.Module):
+    """x + norm(attn(x)), then + norm(mlp(.)): the norms after the blocks."""
+
+    def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.self_attn = PagedAttention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
+            sliding_window=sliding_window,
+        )
+        attn, eps, tp = self.self_attn, args.rms_norm_eps, shard.world_size > 1
+        heads = attention_shard(args.num_attention_heads, args.num_key_value_heads, shard)
+        if tp and args.num_key_value_heads % shard.world_size:
+            raise ValueError(f"OLMo's k norm spans all KV heads: tensor parallel degree {shard.world_size} must divide "
+                             f"num_key_value_heads ({args.num_key_value_heads})")
+        attn.q_norm = FullWidthRMSNorm(args.q_size, heads.q_head_start * args.head_dim, attn.q_size, eps, tp)
+        attn.k_norm = FullWidthRMSNorm(args.kv_size, heads.kv_head_start * args.head_dim, attn.kv_size, eps, tp)
+        attn.qk_norm_per_head = False
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
+                            activation=args.hidden_act)
+        self.post_attention_layernorm = OlmoRMSNorm(args.hidden_size, eps)
+        self.post_feedforward_layernorm = OlmoRMSNorm(args.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(positions, hidden))
+        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
+
+
+class OlmoModel(nn.Module):
+    """Embedding, decoder layers (OLMo 3: the sliding layers' own RoPE), final norm (`model.*`)."""
+
+    def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
+                 context_len: int | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
+        self.layers = nn.ModuleList(OlmoDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
+                                    for i in range(args.num_hidden_layers))
+        self.norm = OlmoRMSNorm(args.hidden_size, args.rms_norm_eps)
+        device = self.norm.weight.device
+        full = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=device, context_len=context_len)
+        self.register_buffer("cos_sin_cache", full, persistent=False)
+        local = full
+        if args.rope_local is not None:
+            local = build_cos_sin_cache(args.rope_local, args.head_dim, max_position, device=device,
+                                        context_len=context_len)
+            self.register_buffer("cos_sin_cache_local", local, persistent=False)
+        for layer in self.layers:
+            layer.self_attn.cos_sin_cache = local if layer.self_attn.window else self.cos_sin_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class OlmoForCausalLM(LlamaForCausalLM):
+    """`Olmo2ForCausalLM`, `Olmo3ForCausalLM`: `LlamaForCausalLM`'s head and loading around `OlmoModel`."""
+
+    model_class = OlmoModel
