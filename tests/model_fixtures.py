@@ -1,5 +1,7 @@
-"""Tiny random HF-format model dirs (Llama/Mistral/Qwen2/Qwen3/Phi-3/SmolLM3/Granite/Gemma 2 and 3, the
-mixture-of-experts Mixtral/Qwen2-MoE/Qwen3-MoE, and two multimodal checkpoints) for identity tests vs transformers.
+"""Tiny random HF-format model dirs for identity tests vs transformers: every architecture we serve
+(`TINY_ARCHS`: the Llama family, Gemma 1-3, the mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE, the
+LayerNorm decoders StarCoder2 / Phi / GPT-2 / GPT-BigCode / GPT-NeoX / Falcon / OPT, Cohere, OLMo 2 / 3)
+and the multimodal checkpoints served as text (`MULTIMODAL_CLASSES`, `gemma3_mm`).
 
 Each dir is written by transformers itself (`save_pretrained`, >= 2 safetensors shards plus
 `model.safetensors.index.json`) and carries the default model's tokenizer, so the vocab
