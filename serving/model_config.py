@@ -35,6 +35,8 @@ _ARCH_DEFAULTS: dict[str, tuple[float, bool]] = {
     "cohere": (1e-5, False),
     "olmo2": (1e-5, False),
     "olmo3": (1e-5, False),
+    "stablelm": (1e-5, False),
+    "nemotron": (1e-5, False),
     "mixtral": (1e-5, False),
     "qwen2_moe": (1e-6, True),
     "qwen3_moe": (1e-6, False),
@@ -61,6 +63,8 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "cohere": "CohereForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "stablelm": "StableLmForCausalLM",
+    "nemotron": "NemotronForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -69,7 +73,10 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
 _QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                             "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"})
 _QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
-_LAYER_NORM_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt")
+# LayerNorm decoders (serving/executor/models/layernorm_decoder.py); all but StableLM with a plain MLP
+_PLAIN_MLP_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt", "nemotron")
+_LAYER_NORM_TYPES = (*_PLAIN_MLP_TYPES, "stablelm")
+_BIASED_BY_DEFAULT = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode")  # every linear layer has a bias
 # transformers' default where a config omits tie_word_embeddings: tied for these (untied for the rest)
 _TIED_BY_DEFAULT = frozenset({"gemma", "starcoder2", "gpt2", "gpt_bigcode", "falcon", "opt", "cohere"})  # LayerNorm, plain gelu MLP (serving/executor/models/layernorm_decoder.py)
 # Gemma's configs leave out what transformers' config classes default (Gemma 3's multimodal text
@@ -169,6 +176,8 @@ class ModelArgs:
     # LayerNorm decoders (StarCoder2, Phi): LayerNorm with bias and a plain gelu MLP; Phi adds attention
     # and MLP (of one normed input) to the residual together and biases its LM head
     layer_norm: bool = False
+    plain_mlp: bool = False  # fc_out(act(fc_in(x))), no gate (all LayerNorm decoders but StableLM)
+    layer_norm_unit_offset: bool = False  # Nemotron's LayerNorm1P: scaled by 1 + weight
     parallel_residual: bool = False
     lm_head_bias: bool = False
     learned_positions: bool = False  # GPT-2: position embeddings added to the token embeddings, no RoPE
@@ -232,18 +241,18 @@ class ModelArgs:
         act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
         if act == "gelu" and model_type == "gemma":  # Gemma 1's released configs: meant as the tanh approximation
             act = "gelu_pytorch_tanh"
-        layer_norm = model_type in _LAYER_NORM_TYPES
-        if layer_norm and act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu"):
+        layer_norm, plain_mlp = model_type in _LAYER_NORM_TYPES, model_type in _PLAIN_MLP_TYPES
+        if plain_mlp and act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "relu2"):
             raise ValueError(f"hidden_act {act!r} is not supported for {model_type} (gelu, gelu_new, "
-                             "gelu_pytorch_tanh, gelu_fast, relu)")
-        if not layer_norm and act not in ("silu", "swish", "gelu_pytorch_tanh"):
+                             "gelu_pytorch_tanh, gelu_fast, relu, relu2)")
+        if not plain_mlp and act not in ("silu", "swish", "gelu_pytorch_tanh"):
             raise ValueError(f"hidden_act {act!r} is not supported (silu: SwiGLU; gelu_pytorch_tanh: GeGLU)")
         if d.get("qk_layernorm") or d.get("use_qk_norm"):
             raise ValueError("qk_layernorm / use_qk_norm (LayerNorm on q and k: Phi's option, Command R+) is not supported")
         gemma3 = model_type == "gemma3_text"
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported: open-lmi generates")
-        attention_bias = bool(d.get("attention_bias", model_type in _LAYER_NORM_TYPES))
+        attention_bias = bool(d.get("attention_bias", model_type in _BIASED_BY_DEFAULT))
         if model_type == "starcoder2":  # one switch for every bias
             attention_bias = bool(d.get("use_bias", True))
         qkv_bias = bool(d.get("qkv_bias", qkv_bias_default)) or attention_bias  # `qkv_bias`: Qwen2-MoE's switch
@@ -262,13 +271,14 @@ class ModelArgs:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps") or d.get("norm_epsilon") or d.get("layer_norm_eps") or eps_default),
+            rms_norm_eps=float(d.get("rms_norm_eps") or d.get("norm_epsilon") or d.get("layer_norm_eps")
+                               or d.get("norm_eps") or eps_default),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
-            mlp_bias=bool(d.get("mlp_bias", False)) or (layer_norm and attention_bias),
+            mlp_bias=bool(d.get("mlp_bias", False)) or (model_type in _BIASED_BY_DEFAULT and attention_bias),
             rope=_rope_args(d, "full_attention"),
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
@@ -293,6 +303,8 @@ class ModelArgs:
                                     else float(d["attn_logit_softcapping"])),
             **_moe_args(d, model_type, int(d["num_hidden_layers"])),
             layer_norm=layer_norm,
+            plain_mlp=plain_mlp,
+            layer_norm_unit_offset=model_type == "nemotron",
             parallel_residual=layer_norm and bool(d.get("use_parallel_residual")),
             parallel_mlp_norm=layer_norm and bool(d.get("parallel_mlp_norm")),
             lm_head_bias=model_type == "phi",
@@ -399,7 +411,8 @@ def _neox_fields(d: dict[str, Any]) -> dict[str, Any]:
 # model_type -> its config's own spellings rewritten to the keys `ModelArgs.from_dict` reads (and, for
 # the LayerNorm decoders, `use_parallel_residual` / `parallel_mlp_norm`: their block's layout)
 _CONFIG_DIALECTS = {"gpt2": _gpt2_fields, "gpt_bigcode": _gpt2_fields, "falcon": _falcon_fields, "opt": _opt_fields,
-                    "gpt_neox": _neox_fields, "phi": lambda d: {**d, "use_parallel_residual": True}}
+                    "gpt_neox": _neox_fields, "phi": lambda d: {**d, "use_parallel_residual": True},
+                    "stablelm": lambda d: {"qkv_bias": d.get("use_qkv_bias", False), **d}}
 
 def _moe_args(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of `ModelArgs` (none for a dense model).

@@ -26,11 +26,12 @@ import torch
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "gemma2",
                                 "gemma3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "starcoder2", "phi",
-                                "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt", "cohere", "olmo2", "olmo3")
+                                "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt", "cohere", "olmo2", "olmo3",
+                                "stablelm", "nemotron")
 # NOTE: one head dim per arch so 64/80/96/128 are all exercised. Qwen3's heads are wider than
 # hidden / heads (as in its real checkpoints: 0.6B has 16 heads of 128 on a hidden size of 1024).
 HEAD_DIMS = {"llama": 64, "mistral": 80, "qwen2": 96, "qwen3": 64, "phi3": 128, "smollm3": 64, "granite": 64, "gemma2": 64,
-             "gemma3": 64, "gemma": 64, "mixtral": 64, "starcoder2": 64, "phi": 80, "gpt2": 64, "gpt_neox": 64, "gpt_bigcode": 64, "falcon": 64, "opt": 64, "cohere": 64, "olmo2": 64, "olmo3": 64, "qwen2_moe": 64, "qwen3_moe": 64}
+             "gemma3": 64, "gemma": 64, "mixtral": 64, "starcoder2": 64, "phi": 80, "gpt2": 64, "gpt_neox": 64, "gpt_bigcode": 64, "falcon": 64, "opt": 64, "cohere": 64, "olmo2": 64, "olmo3": 64, "stablelm": 64, "nemotron": 64, "qwen2_moe": 64, "qwen3_moe": 64}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 # The multimodal tiny archs transformers' AutoModelForCausalLM does not build: their class
@@ -43,8 +44,6 @@ def tiny_config(arch: str):
     """A transformers config for a 2-layer model of `arch` with GQA and the SmolLM2 vocab."""
     from transformers import (
         CohereConfig,
-        Olmo2Config,
-        Olmo3Config,
         FalconConfig,
         Gemma2Config,
         Gemma3TextConfig,
@@ -56,6 +55,9 @@ def tiny_config(arch: str):
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        NemotronConfig,
+        Olmo2Config,
+        Olmo3Config,
         OPTConfig,
         Phi3Config,
         PhiConfig,
@@ -64,6 +66,7 @@ def tiny_config(arch: str):
         Qwen3Config,
         Qwen3MoeConfig,
         SmolLM3Config,
+        StableLmConfig,
         Starcoder2Config,
     )
 
@@ -187,6 +190,18 @@ def tiny_config(arch: str):
                              "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
                                                 "original_max_position_embeddings": 256}},
             **common,
+        )
+    if arch == "stablelm":  # LayerNorm with Llama's gated MLP, q/k/v biases, a quarter of each head rotary
+        return StableLmConfig(
+            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256, use_qkv_bias=True,
+            partial_rotary_factor=0.25, use_parallel_residual=False, tie_word_embeddings=False, layer_norm_eps=1e-5,
+            **{k: v for k, v in common.items() if k != "rms_norm_eps"},
+        )
+    if arch == "nemotron":  # LayerNorm1P, squared-ReLU MLP, half of each head rotary
+        return NemotronConfig(
+            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256,
+            partial_rotary_factor=0.5, tie_word_embeddings=False, norm_eps=1e-5,
+            **{k: v for k, v in common.items() if k != "rms_norm_eps"},
         )
     if arch == "gpt_neox":  # Pythia's layout: parallel block with two LayerNorms, 25 % rotary, q/k/v fused per head
         return GPTNeoXConfig(

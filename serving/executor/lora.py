@@ -148,7 +148,7 @@ class LoRAManager:
     """Slots, host cache and per-step slot staging for one worker (see the module docstring)."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, args: ModelArgs, max_num_tokens: int) -> None:
-        if args.num_experts or args.layer_norm:
+        if args.num_experts or args.plain_mlp:
             kind = "a mixture-of-experts model" if args.num_experts else "a model with a plain (ungated) MLP"
             raise ValueError(f"LoRA adapters on {kind} ({args.architecture}) are not supported: "
                              "serve it without option.enable_lora")

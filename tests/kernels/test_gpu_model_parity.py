@@ -102,6 +102,7 @@ OTHER_ARCHS = {
     "qwen3": {}, "smollm3": {}, "granite": {}, "gemma2": {}, "gemma3-256": {"head_dim": 256},
     "mistral-sliding": {"sliding_window": 8}, "mixtral": {}, "qwen2_moe": {}, "gemma": {}, "starcoder2": {}, "phi": {},
     "gpt2": {}, "gpt_neox": {}, "gpt_bigcode": {}, "falcon": {}, "opt": {}, "cohere": {}, "olmo2": {}, "olmo3": {},
+    "stablelm": {}, "nemotron": {},
 }
 
 

@@ -156,6 +156,7 @@ def test_qwen_vl_checkpoints_served_as_text(tmp_path, arch):
     ("gpt_neox", dict(use_parallel_residual=False), "parallel_residual", False),  # GPT-NeoX's sequential block
     ("starcoder2", dict(use_bias=False), "qkv_bias", False),  # StarCoder2 without any bias
     ("gpt_bigcode", dict(multi_query=False), "num_key_value_heads", 2),  # q/k/v fused head by head
+    ("stablelm", dict(use_parallel_residual=True), "parallel_residual", True),  # StableLM 2 12B's parallel block
     # Falcon 7B's layout: one KV head, one LayerNorm in parallel; then the sequential block with biases, MHA
     ("falcon", dict(new_decoder_architecture=False, multi_query=True, num_ln_in_parallel_attn=None, num_kv_heads=4),
      "num_key_value_heads", 1),

@@ -60,6 +60,8 @@ TP_MODELS: dict[str, tuple[str, dict[str, object]]] = {
     # OLMo: q / k norms over all heads, the mean square summed over the ranks; OLMo 3's sliding layer RoPE
     "olmo2_full_width_qk_norm": ("olmo2", dict(vocab_size=1024)),
     "olmo3_sliding_own_rope": ("olmo3", dict(vocab_size=1024)),
+    "stablelm_layer_norm_gated_mlp": ("stablelm", dict(vocab_size=1024)),
+    "nemotron_layer_norm_1p_relu2": ("nemotron", dict(vocab_size=1024)),
     "cohere_interleaved_rope_parallel_block": ("cohere", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                                               vocab_size=1024)),
     # experts split by their intermediate dim, one all-reduce a block (the shared expert's included)

@@ -29,6 +29,7 @@ from serving.executor.models.layernorm_decoder import (
     GPTBigCodeForCausalLM,
     GPTNeoXForCausalLM,
     LayerNormForCausalLM,
+    NemotronForCausalLM,
     OPTForCausalLM,
 )
 from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
@@ -68,6 +69,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "CohereForCausalLM": CohereForCausalLM,
     "Olmo2ForCausalLM": OlmoForCausalLM,
     "Olmo3ForCausalLM": OlmoForCausalLM,
+    "StableLmForCausalLM": LayerNormForCausalLM,
+    "NemotronForCausalLM": NemotronForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,

@@ -1,9 +1,10 @@
-"""Decoders with LayerNorm and a plain MLP (StarCoder2, Phi-1/1.5/2, GPT-2, GPT-BigCode, GPT-NeoX, Falcon, OPT)
-with HF-like parameter names.
+"""Decoders with LayerNorm (StarCoder2, Phi-1/1.5/2, GPT-2, GPT-BigCode, GPT-NeoX, Falcon, OPT, Nemotron, and
+StableLM with Llama's gated MLP) with HF-like parameter names.
 
 Where they differ from the Llama family:
 - LayerNorm with a bias (not RMSNorm), computed by `F.layer_norm` as transformers computes it;
-- a plain MLP, fc_out(act(fc_in(x))) with biases, in place of the gated one;
+- a plain MLP, fc_out(act(fc_in(x))) with biases, in place of the gated one (but StableLM's);
+- Nemotron: LayerNorm scaled by 1 + weight (LayerNorm1P), a squared-ReLU MLP, half of each head rotary;
 - Phi: attention and MLP read the same normed input and are added to the residual together
   (`parallel_residual`), rotary embedding on part of each head, an LM head with a bias;
 - GPT-2, GPT-BigCode (StarCoder 1, SantaCoder: GPT-2 with one KV head and Linear weights) and OPT
@@ -34,6 +35,7 @@ from torch import nn
 
 from serving.executor.models.layers import (
     ColumnParallelLinear,
+    GatedMLP,
     Loaded,
     PagedAttention,
     RowParallelLinear,
@@ -52,7 +54,8 @@ from serving.quantization import QuantConfig
 # activation name in HF configs -> the function (gelu_new / gelu_fast: the tanh approximation, as gelu_pytorch_tanh)
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_fast": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+                "gelu_fast": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
+                "relu2": lambda x: F.relu(x).square()}
 _RENAMES = ((".mlp.c_fc.", ".mlp.fc_in."), (".mlp.c_proj.", ".mlp.fc_out."), (".mlp.fc1.", ".mlp.fc_in."),
             (".mlp.fc2.", ".mlp.fc_out."), (".self_attn.dense.", ".self_attn.o_proj."),
             ("model.final_layernorm.", "model.norm."))
@@ -92,9 +95,10 @@ def gpt2_checkpoint_name(name: str) -> str | None:
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim with weight and bias (`nn.LayerNorm`'s arithmetic); replicated on
-    every rank. `bias=False`: Cohere's, computed in float32 and cast back, as transformers does."""
+    every rank. `bias=False`: Cohere's, computed in float32 and cast back, as transformers does;
+    `unit_offset`: Nemotron's LayerNorm1P, scaled by 1 + weight."""
 
-    def __init__(self, hidden_size: int, eps: float, bias: bool = True) -> None:
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = _param(hidden_size)
         self.weight.weight_loader = default_weight_loader
@@ -102,15 +106,17 @@ class LayerNorm(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        weight = self.weight + 1.0 if self.unit_offset else self.weight
+        return F.layer_norm(x, self.weight.shape, weight, self.bias, self.eps)
 
 
 class PlainMLP(nn.Module):
-    """fc_out(act(fc_in(x))) (gelu or relu): fc_in holds this rank's columns, fc_out sums over the ranks."""
+    """fc_out(act(fc_in(x))) (gelu, relu, relu^2): fc_in holds this rank's columns, fc_out sums over the ranks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard,
                  quant: QuantConfig | None, prefix: str, activation: str) -> None:
@@ -137,11 +143,13 @@ class LayerNormDecoderLayer(nn.Module):
             qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
             sliding_window=sliding_window, use_rope=not args.learned_positions,
         )
-        self.mlp = PlainMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
-                            args.hidden_act)
-        self.input_layernorm = LayerNorm(args.hidden_size, args.rms_norm_eps)
+        mlp = PlainMLP if args.plain_mlp else GatedMLP
+        self.mlp = mlp(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
+                       activation=args.hidden_act)
+        eps, offset = args.rms_norm_eps, args.layer_norm_unit_offset
+        self.input_layernorm = LayerNorm(args.hidden_size, eps, unit_offset=offset)
         self.parallel = args.parallel_residual
-        self.post_attention_layernorm = (LayerNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = (LayerNorm(args.hidden_size, eps, unit_offset=offset)
                                          if not self.parallel or args.parallel_mlp_norm else None)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -170,7 +178,7 @@ class LayerNormModel(nn.Module):
         self.layers = nn.ModuleList(
             LayerNormDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
             for i in range(args.num_hidden_layers))
-        self.norm = LayerNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = LayerNorm(args.hidden_size, args.rms_norm_eps, unit_offset=args.layer_norm_unit_offset)
         cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device,
                                     context_len=context_len)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
@@ -321,3 +329,14 @@ class OPTForCausalLM(LayerNormForCausalLM):
     """`OPTForCausalLM` (OPT 125M, 1.3B and up; not 350M's post-norm layout)."""
 
     checkpoint_name = staticmethod(opt_checkpoint_name)
+
+
+def nemotron_checkpoint_name(name: str) -> str:
+    """Nemotron's plain MLP is named like a gated one's halves (`mlp.up_proj`, `mlp.down_proj`): ours is fc_in / fc_out."""
+    return name.replace(".mlp.up_proj.", ".mlp.fc_in.").replace(".mlp.down_proj.", ".mlp.fc_out.")
+
+
+class NemotronForCausalLM(LayerNormForCausalLM):
+    """`NemotronForCausalLM` (Nemotron-4, Minitron): LayerNorm1P, squared-ReLU MLP, partial rotary."""
+
+    checkpoint_name = staticmethod(nemotron_checkpoint_name)
