@@ -21,11 +21,10 @@ from serving.executor.models.layers import (
     GatedMLP,
     Loaded,
     PagedAttention,
-    VocabParallelEmbedding,
     read_checkpoint,
 )
 from serving.executor.models.llama import LlamaForCausalLM
-from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard
 from serving.model_config import ModelArgs
 from serving.quantization import QuantConfig
@@ -37,11 +36,7 @@ class CohereDecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
                  sliding_window: int | None) -> None:
         super().__init__()
-        self.self_attn = PagedAttention(
-            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
-            sliding_window=sliding_window,
-        )
+        self.self_attn = PagedAttention.of_model(args, shard, quant, prefix, sliding_window=sliding_window)
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
                             activation=args.hidden_act)
         self.input_layernorm = LayerNorm(args.hidden_size, args.rms_norm_eps, bias=False)
@@ -51,27 +46,14 @@ class CohereDecoderLayer(nn.Module):
         return hidden + self.self_attn(positions, normed) + self.mlp(normed)
 
 
-class CohereModel(nn.Module):
-    """Embedding, decoder layers and the final norm (`model.*`)."""
+class CohereModel(ResidualStack):
+    """Embedding, decoder layers and the final bias-free LayerNorm (`model.*`)."""
 
     def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
                  context_len: int | None = None) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
-        self.layers = nn.ModuleList(CohereDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
-                                    for i in range(args.num_hidden_layers))
-        self.norm = LayerNorm(args.hidden_size, args.rms_norm_eps, bias=False)
-        cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device,
-                                    context_len=context_len)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-        for layer in self.layers:
-            layer.self_attn.cos_sin_cache = self.cos_sin_cache
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+        super().__init__(args, max_position, shard, context_len,
+                         lambda i, window: CohereDecoderLayer(args, shard, quant, f"model.layers.{i}", window),
+                         LayerNorm(args.hidden_size, args.rms_norm_eps, bias=False))
 
 
 class CohereForCausalLM(LlamaForCausalLM):

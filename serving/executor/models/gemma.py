@@ -28,7 +28,7 @@ from serving.executor.models.layers import (
 )
 from serving.executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from serving.executor.models.multimodal_text import text_checkpoint_name
-from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.models.stack import bind_rope_caches
 from serving.executor.parallel import TPShard
 from serving.model_config import ModelArgs
 from serving.quantization import QuantConfig
@@ -48,9 +48,8 @@ class GemmaDecoderLayer(nn.Module):
                  sliding_window: int | None) -> None:
         super().__init__()
         eps = args.rms_norm_eps
-        self.self_attn = PagedAttention(
-            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
+        self.self_attn = PagedAttention.of_model(
+            args, shard, quant, prefix,
             scale=args.attention_multiplier, sliding_window=sliding_window, softcap=args.attn_logit_softcapping,
             qk_norm_eps=eps if args.qk_norm else None, qk_norm_class=GemmaRMSNorm,
         )
@@ -91,18 +90,10 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(self.decoder_layer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
                                     for i in range(args.num_hidden_layers))
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
-        device = self.norm.weight.device
         # sqrt(hidden_size), rounded to the model dtype as transformers rounds it
-        self.register_buffer("embed_scale", torch.tensor(args.hidden_size**0.5, device=device), persistent=False)
-        full = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=device, context_len=context_len)
-        self.register_buffer("cos_sin_cache", full, persistent=False)
-        local = full
-        if args.rope_local is not None:  # Gemma 3: the sliding layers' own RoPE
-            local = build_cos_sin_cache(args.rope_local, args.head_dim, max_position, device=device,
-                                        context_len=context_len)
-            self.register_buffer("cos_sin_cache_local", local, persistent=False)
-        for layer in self.layers:
-            layer.self_attn.cos_sin_cache = local if layer.self_attn.window else self.cos_sin_cache
+        self.register_buffer("embed_scale", torch.tensor(args.hidden_size**0.5, device=self.norm.weight.device),
+                             persistent=False)
+        bind_rope_caches(self, args, max_position, context_len)  # Gemma 3: the sliding layers' own RoPE
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

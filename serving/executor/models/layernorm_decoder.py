@@ -45,7 +45,7 @@ from serving.executor.models.layers import (
     read_checkpoint,
 )
 from serving.executor.models.llama import LlamaForCausalLM
-from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard
 from serving.executor.quant import linear_method
 from serving.model_config import ModelArgs
@@ -138,11 +138,8 @@ class LayerNormDecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
                  sliding_window: int | None) -> None:
         super().__init__()
-        self.self_attn = PagedAttention(
-            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
-            sliding_window=sliding_window, use_rope=not args.learned_positions,
-        )
+        self.self_attn = PagedAttention.of_model(args, shard, quant, prefix, sliding_window=sliding_window,
+                                                 use_rope=not args.learned_positions)
         mlp = PlainMLP if args.plain_mlp else GatedMLP
         self.mlp = mlp(args.hidden_size, args.intermediate_size, args.mlp_bias, shard, quant, f"{prefix}.mlp",
                        activation=args.hidden_act)
@@ -163,36 +160,25 @@ class LayerNormDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LayerNormModel(nn.Module):
-    """Embedding (+ learned positions: GPT-2), decoder layers and the final LayerNorm (`model.*`)."""
+class LayerNormModel(ResidualStack):
+    """Embedding (+ learned positions: GPT-2, GPT-BigCode, OPT), decoder layers, the final LayerNorm (`model.*`)."""
 
     def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
                  context_len: int | None = None) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
+        super().__init__(args, max_position, shard, context_len,
+                         lambda i, window: LayerNormDecoderLayer(args, shard, quant, f"model.layers.{i}", window),
+                         LayerNorm(args.hidden_size, args.rms_norm_eps, unit_offset=args.layer_norm_unit_offset))
         self.embed_positions = None
         self.position_offset = args.position_offset
         if args.learned_positions:  # replicated: [max_position_embeddings (+ OPT's offset), hidden]
             self.embed_positions = VocabParallelEmbedding(args.max_position_embeddings + args.position_offset,
                                                           args.hidden_size)
-        self.layers = nn.ModuleList(
-            LayerNormDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
-            for i in range(args.num_hidden_layers))
-        self.norm = LayerNorm(args.hidden_size, args.rms_norm_eps, unit_offset=args.layer_norm_unit_offset)
-        cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device,
-                                    context_len=context_len)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-        for layer in self.layers:
-            layer.self_attn.cos_sin_cache = self.cos_sin_cache
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.embed_positions is not None:
-            hidden = hidden + self.embed_positions(positions + self.position_offset if self.position_offset
-                                                   else positions)
-        for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+        if self.embed_positions is None:
+            return hidden
+        return hidden + self.embed_positions(positions + self.position_offset if self.position_offset else positions)
 
 
 class LayerNormForCausalLM(LlamaForCausalLM):

@@ -38,6 +38,7 @@ from serving.executor import parallel
 from serving.executor.attention_metadata import get_attention_metadata
 from serving.executor.parallel import TPShard, attention_shard, vocab_per_rank
 from serving.executor.quant import LinearMethod, LinearSpec, linear_method
+from serving.model_config import ModelArgs
 from serving.quantization import QuantConfig
 
 SINGLE = TPShard()  # one process holds everything
@@ -373,6 +374,15 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.cos_sin_cache = torch.empty(0)  # shared, set by the model
+
+    @classmethod
+    def of_model(cls, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
+                 **options: object) -> PagedAttention:
+        """The self-attention of decoder layer `prefix` of a model of `args` (its heads and biases),
+        with that architecture's `options` (window, scale, q/k norms, ...)."""
+        return cls(args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                   qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
+                   **options)
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache

@@ -28,7 +28,7 @@ from serving.executor.models.layers import (
     VocabParallelEmbedding,
 )
 from serving.executor.models.moe import SparseMoeBlock, mixtral_checkpoint_name
-from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.models.stack import bind_rope_caches
 from serving.executor.parallel import (
     TPShard,
     kv_heads_per_rank,
@@ -46,9 +46,8 @@ class LlamaDecoderLayer(nn.Module):
                  use_rope: bool = True, sliding_window: int | None = None, moe: bool = False) -> None:
         super().__init__()
         self.residual_multiplier = args.residual_multiplier
-        self.self_attn = PagedAttention(
-            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
+        self.self_attn = PagedAttention.of_model(
+            args, shard, quant, prefix,
             qk_norm_eps=args.rms_norm_eps if args.qk_norm else None, use_rope=use_rope,
             scale=args.attention_multiplier, sliding_window=sliding_window,
         )
@@ -93,11 +92,7 @@ class LlamaModel(nn.Module):
             for i in range(args.num_hidden_layers))
         self.embedding_multiplier = args.embedding_multiplier
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        cache = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=self.norm.weight.device,
-                                    context_len=context_len)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, rot_dim] float32
-        for layer in self.layers:
-            layer.self_attn.cos_sin_cache = self.cos_sin_cache
+        bind_rope_caches(self, args, max_position, context_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]

@@ -20,14 +20,13 @@ from serving.executor.models.layers import (
     GatedMLP,
     Loaded,
     PagedAttention,
-    VocabParallelEmbedding,
     _check_shape,
     _param,
     default_weight_loader,
     read_checkpoint,
 )
 from serving.executor.models.llama import LlamaForCausalLM
-from serving.executor.models.rotary import build_cos_sin_cache
+from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard, attention_shard
 from serving.model_config import ModelArgs
 from serving.quantization import QuantConfig
@@ -81,11 +80,7 @@ class OlmoDecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
                  sliding_window: int | None) -> None:
         super().__init__()
-        self.self_attn = PagedAttention(
-            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-            qkv_bias=args.qkv_bias, o_bias=args.o_bias, shard=shard, quant=quant, prefix=f"{prefix}.self_attn",
-            sliding_window=sliding_window,
-        )
+        self.self_attn = PagedAttention.of_model(args, shard, quant, prefix, sliding_window=sliding_window)
         attn, eps, tp = self.self_attn, args.rms_norm_eps, shard.world_size > 1
         heads = attention_shard(args.num_attention_heads, args.num_key_value_heads, shard)
         if tp and args.num_key_value_heads % shard.world_size:
@@ -104,32 +99,14 @@ class OlmoDecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
 
 
-class OlmoModel(nn.Module):
+class OlmoModel(ResidualStack):
     """Embedding, decoder layers (OLMo 3: the sliding layers' own RoPE), final norm (`model.*`)."""
 
     def __init__(self, args: ModelArgs, max_position: int, shard: TPShard, quant: QuantConfig | None = None,
                  context_len: int | None = None) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, shard)
-        self.layers = nn.ModuleList(OlmoDecoderLayer(args, shard, quant, f"model.layers.{i}", args.layer_window(i))
-                                    for i in range(args.num_hidden_layers))
-        self.norm = OlmoRMSNorm(args.hidden_size, args.rms_norm_eps)
-        device = self.norm.weight.device
-        full = build_cos_sin_cache(args.rope, args.head_dim, max_position, device=device, context_len=context_len)
-        self.register_buffer("cos_sin_cache", full, persistent=False)
-        local = full
-        if args.rope_local is not None:
-            local = build_cos_sin_cache(args.rope_local, args.head_dim, max_position, device=device,
-                                        context_len=context_len)
-            self.register_buffer("cos_sin_cache_local", local, persistent=False)
-        for layer in self.layers:
-            layer.self_attn.cos_sin_cache = local if layer.self_attn.window else self.cos_sin_cache
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+        super().__init__(args, max_position, shard, context_len,
+                         lambda i, window: OlmoDecoderLayer(args, shard, quant, f"model.layers.{i}", window),
+                         OlmoRMSNorm(args.hidden_size, args.rms_norm_eps))
 
 
 class OlmoForCausalLM(LlamaForCausalLM):
