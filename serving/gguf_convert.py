@@ -71,6 +71,13 @@ def converted_dir(gguf: Path, target: Path) -> Path:
     return target
 
 
+def is_gguf_source(path: Path) -> bool:
+    """A `.gguf` file, or a dir without config.json holding .gguf files: what `gguf_model_dir` serves."""
+    if path.is_file():
+        return path.suffix.lower() == ".gguf"
+    return path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf"))
+
+
 def gguf_model_dir(path: Path) -> Path:
     """The HF dir of a user's GGUF file (a `.gguf` file, or a dir without config.json holding exactly one)."""
     path = path.expanduser().resolve()

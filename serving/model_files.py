@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from serving.gguf_convert import GGUFConversionError, gguf_model_dir, is_gguf_source
+
 logger = logging.getLogger(__name__)
 
 # What a snapshot needs: no .bin / .pth / .gguf duplicates, no remote code.
@@ -33,12 +35,13 @@ def resolve_model_dir(
         return default_model_path()
     model = str(model)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return _gguf(path)
+    if is_gguf_source(path):  # llama.cpp's single-file format
+        try:
+            return gguf_model_dir(path)
+        except GGUFConversionError as e:
+            raise ModelNotFoundError(str(e)) from e
     if path.is_dir():
         if not (path / "config.json").is_file():
-            if any(path.glob("*.gguf")):  # llama.cpp's single-file format
-                return _gguf(path)
             raise ModelNotFoundError(f"model directory {path} has no config.json (not a Hugging Face model dir)")
         return path
     if model.startswith(("/", "./", "../", "~")) or path.exists():
@@ -47,15 +50,6 @@ def resolve_model_dir(
         raise ModelNotFoundError(f"{model!r}: download s3:// models first (the container does this); "
                                  "pass the local directory here")
     return _snapshot(model, revision, token, cache_dir)
-
-
-def _gguf(path: Path) -> Path:
-    from serving.gguf_convert import GGUFConversionError, gguf_model_dir
-
-    try:
-        return gguf_model_dir(path)
-    except GGUFConversionError as e:
-        raise ModelNotFoundError(str(e)) from e
 
 
 def _snapshot(repo_id: str, revision: str | None, token: str | None, cache_dir: str | None) -> Path:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from serving.config import OPT_ML_MODEL, ServingConfig
+from serving.gguf_convert import GGUFConversionError, gguf_model_dir, is_gguf_source
 
 logger = logging.getLogger("serving.model_source")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
@@ -28,15 +29,13 @@ class ModelSourceError(RuntimeError):
 
 
 def _looks_like_model(path: Path) -> bool:
-    return (path / "config.json").is_file() or any(path.glob("*.gguf"))
+    return (path / "config.json").is_file() or is_gguf_source(path)
 
 
 def _converted_if_gguf(path: Path) -> Path:
     """A GGUF file, or a dir of one without config.json: its HF dir (converted once, cached)."""
-    if path.is_dir() and ((path / "config.json").is_file() or not any(path.glob("*.gguf"))):
+    if not is_gguf_source(path):
         return path
-    from serving.gguf_convert import GGUFConversionError, gguf_model_dir
-
     try:
         return gguf_model_dir(path)
     except GGUFConversionError as e:
@@ -56,7 +55,7 @@ def resolve_model(config: ServingConfig, opt_ml_model: str | Path = OPT_ML_MODEL
         path = download_s3(src, Path(config.download_dir), endpoint_url=config.s3_endpoint_url)
     elif src.startswith(("/", ".", "~")) or Path(src).exists():
         path = Path(src).expanduser()
-        if not path.is_dir() and path.suffix.lower() != ".gguf":
+        if not path.is_dir() and not is_gguf_source(path):
             raise ModelSourceError(f"model path {src} is not a directory (nor a .gguf file)")
     else:
         path = download_hub(src, config.revision, config.hf_token, Path(config.download_dir) / "hub")

@@ -29,6 +29,8 @@ new_decoder_architecture) they are reordered to q | k | v as they load.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,29 +70,41 @@ def layernorm_checkpoint_name(name: str) -> str:
     return name
 
 
-_GPT2_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_attn": "self_attn.qkv_proj",
-               "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.fc_in", "mlp.c_proj": "mlp.fc_out"}
-_GPT2_TOP = {"wte": "model.embed_tokens", "wpe": "model.embed_positions", "ln_f": "model.norm"}
+@dataclass(frozen=True)
+class CheckpointNames:
+    """One architecture's checkpoint names in ours, by table: the prefix its model sits under, its
+    top-level modules, the key of its layer list, each layer module, and the saved buffers
+    (`module.leaf` inside a layer: causal masks) to skip. Unknown names come back unchanged, for the
+    loader to name as unexpected; rotary frequency buffers are skipped by the loader itself."""
+
+    prefix: str
+    top: dict[str, str]
+    layers: str
+    layer: dict[str, str]
+    buffers: frozenset[str] = frozenset()
+
+    def __call__(self, name: str) -> str | None:
+        module, _, leaf = name.removeprefix(self.prefix).rpartition(".")
+        if module in self.top:
+            return f"{self.top[module]}.{leaf}"
+        parts = module.split(".", 2)  # the layer list, N, the layer's module
+        if len(parts) == 3 and parts[0] == self.layers:
+            if f"{parts[2]}.{leaf}" in self.buffers:
+                return None
+            if parts[2] in self.layer:
+                return f"model.layers.{parts[1]}.{self.layer[parts[2]]}.{leaf}"
+        return name
+
+
+# GPT-2 (and GPT-BigCode): `transformer.h.3.attn.c_attn.weight`, or without `transformer.` as the original
+# checkpoints have them; `attn.bias` / `attn.masked_bias` are the causal mask
+gpt2_checkpoint_name = CheckpointNames(
+    "transformer.", {"wte": "model.embed_tokens", "wpe": "model.embed_positions", "ln_f": "model.norm"}, "h",
+    {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_attn": "self_attn.qkv_proj",
+     "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.fc_in", "mlp.c_proj": "mlp.fc_out"},
+    frozenset({"attn.bias", "attn.masked_bias"}))
 _FUSED_QKV = (".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")
 _GPT2_CONV1D = (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight", ".mlp.fc_in.weight", ".mlp.fc_out.weight")
-
-
-def gpt2_checkpoint_name(name: str) -> str | None:
-    """GPT-2's tensor names (`transformer.h.3.attn.c_attn.weight`, or without `transformer.` as the
-    original checkpoints have them) in ours; None for the saved causal-mask buffers."""
-    if name.startswith("lm_head."):
-        return name
-    base = name.removeprefix("transformer.")
-    module, _, leaf = base.rpartition(".")
-    if module in _GPT2_TOP:
-        return f"{_GPT2_TOP[module]}.{leaf}"
-    parts = module.split(".", 2)  # h, N, the layer's module
-    if len(parts) == 3 and parts[0] == "h":
-        if parts[2] == "attn" and leaf in ("bias", "masked_bias"):
-            return None  # the causal mask, a buffer
-        if parts[2] in _GPT2_LAYER:
-            return f"model.layers.{parts[1]}.{_GPT2_LAYER[parts[2]]}.{leaf}"
-    return name  # unknown: the loader names it as unexpected
 
 
 class LayerNorm(nn.Module):
@@ -191,7 +205,7 @@ class LayerNormForCausalLM(LlamaForCausalLM):
 class GPT2ForCausalLM(LayerNormForCausalLM):
     """`GPT2LMHeadModel`: learned positions, GPT-2's names, Conv1D weights transposed as they load."""
 
-    checkpoint_name = staticmethod(gpt2_checkpoint_name)
+    checkpoint_name = gpt2_checkpoint_name
 
     @staticmethod
     def checkpoint_tensor(name: str, loaded: Loaded) -> Loaded:
@@ -199,99 +213,62 @@ class GPT2ForCausalLM(LayerNormForCausalLM):
         return read_checkpoint(loaded).t() if name.endswith(_GPT2_CONV1D) else loaded
 
 
-_NEOX_LAYER = {"attention.query_key_value": "self_attn.qkv_proj", "attention.dense": "self_attn.o_proj",
-               "mlp.dense_h_to_4h": "mlp.fc_in", "mlp.dense_4h_to_h": "mlp.fc_out",
-               "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
+# GPT-NeoX: `gpt_neox.layers.3.attention.query_key_value.weight`, `embed_out.weight`; `attention.bias` /
+# `attention.masked_bias`: the causal mask
+gpt_neox_checkpoint_name = CheckpointNames(
+    "gpt_neox.", {"embed_in": "model.embed_tokens", "final_layer_norm": "model.norm", "embed_out": "lm_head"}, "layers",
+    {"attention.query_key_value": "self_attn.qkv_proj", "attention.dense": "self_attn.o_proj",
+     "mlp.dense_h_to_4h": "mlp.fc_in", "mlp.dense_4h_to_h": "mlp.fc_out", "input_layernorm": "input_layernorm",
+     "post_attention_layernorm": "post_attention_layernorm"},
+    frozenset({"attention.bias", "attention.masked_bias"}))
 
 
-def gpt_neox_checkpoint_name(name: str) -> str | None:
-    """GPT-NeoX's names (`gpt_neox.layers.3.attention.query_key_value.weight`, `embed_out.weight`) in
-    ours; None for the buffers some checkpoints carry (causal mask, rotary inv_freq)."""
-    if name.startswith("embed_out."):
-        return "lm_head." + name.removeprefix("embed_out.")
-    base = name.removeprefix("gpt_neox.")
-    if base.startswith("embed_in."):
-        return "model.embed_tokens." + base.removeprefix("embed_in.")
-    if base.startswith("final_layer_norm."):
-        return "model.norm." + base.removeprefix("final_layer_norm.")
-    module, _, leaf = base.rpartition(".")
-    parts = module.split(".", 2)  # layers, N, the layer's module
-    if len(parts) == 3 and parts[0] == "layers":
-        if parts[2] in ("attention", "attention.rotary_emb") and leaf in ("bias", "masked_bias", "inv_freq"):
-            return None
-        if parts[2] in _NEOX_LAYER:
-            return f"model.layers.{parts[1]}.{_NEOX_LAYER[parts[2]]}.{leaf}"
-    return name
-
-
-class GPTNeoXForCausalLM(LayerNormForCausalLM):
-    """`GPTNeoXForCausalLM` (Pythia, GPT-NeoX-20B): its names, and its fused q/k/v rows, stored head by
-    head ([heads, 3, head_dim]), reordered to our q | k | v as they load."""
-
-    checkpoint_name = staticmethod(gpt_neox_checkpoint_name)
+class FusedQKVForCausalLM(LayerNormForCausalLM):
+    """A LayerNorm decoder whose checkpoint fuses q/k/v by KV group, [kv_heads, q_per_kv + 2, head_dim]
+    (with as many KV heads as heads: head by head, [heads, 3, head_dim]; with one: q | k | v already),
+    reordered to our q | k | v as they load (GPT-NeoX, GPT-BigCode, Falcon)."""
 
     def checkpoint_tensor(self, name: str, loaded: Loaded) -> Loaded:
-        if not name.endswith(_FUSED_QKV):
+        a = self.args
+        if a.num_key_value_heads == 1 or not name.endswith(_FUSED_QKV):
             return loaded
-        return qkv_by_part(read_checkpoint(loaded), self.args.num_attention_heads, self.args.head_dim)
+        return qkv_by_group(read_checkpoint(loaded), a.num_attention_heads, a.num_key_value_heads, a.head_dim)
 
 
-def qkv_by_part(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Fused q/k/v rows (weight or bias) stored head by head, [heads, 3, head_dim], as q | k | v."""
-    return t.view(heads, 3, head_dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+def qkv_by_group(t: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Fused q/k/v rows (weight or bias) stored by KV group, [kv_heads, heads / kv_heads + 2, head_dim], as q | k | v."""
+    rest = t.shape[1:]
+    groups = t.view(kv_heads, heads // kv_heads + 2, head_dim, *rest)
+    return torch.cat([groups[:, :-2].reshape(-1, *rest), groups[:, -2].reshape(-1, *rest),
+                      groups[:, -1].reshape(-1, *rest)])
 
 
-class GPTBigCodeForCausalLM(LayerNormForCausalLM):
+class GPTNeoXForCausalLM(FusedQKVForCausalLM):
+    """`GPTNeoXForCausalLM` (Pythia, GPT-NeoX-20B): its names; q/k/v fused head by head."""
+
+    checkpoint_name = gpt_neox_checkpoint_name
+
+
+class GPTBigCodeForCausalLM(FusedQKVForCausalLM):
     """`GPTBigCodeForCausalLM` (StarCoder 1, SantaCoder, WizardCoder): GPT-2's names with Linear weights;
-    one KV head (multi_query: q | k | v already) or q/k/v fused head by head."""
+    one KV head (multi_query) or q/k/v fused head by head."""
 
-    checkpoint_name = staticmethod(gpt2_checkpoint_name)
-
-    def checkpoint_tensor(self, name: str, loaded: Loaded) -> Loaded:
-        a = self.args
-        if a.num_key_value_heads == 1 or not name.endswith(_FUSED_QKV):
-            return loaded
-        return qkv_by_part(read_checkpoint(loaded), a.num_attention_heads, a.head_dim)
+    checkpoint_name = gpt2_checkpoint_name
 
 
-_FALCON_LAYER = {"self_attention.query_key_value": "self_attn.qkv_proj", "self_attention.dense": "self_attn.o_proj",
-                 "mlp.dense_h_to_4h": "mlp.fc_in", "mlp.dense_4h_to_h": "mlp.fc_out",
-                 "input_layernorm": "input_layernorm", "ln_attn": "input_layernorm",
-                 "ln_mlp": "post_attention_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
+# Falcon: `transformer.h.3.self_attention.query_key_value.weight`, `ln_attn` / `ln_mlp` in the 40B layout
+falcon_checkpoint_name = CheckpointNames(
+    "transformer.", {"word_embeddings": "model.embed_tokens", "ln_f": "model.norm"}, "h",
+    {"self_attention.query_key_value": "self_attn.qkv_proj", "self_attention.dense": "self_attn.o_proj",
+     "mlp.dense_h_to_4h": "mlp.fc_in", "mlp.dense_4h_to_h": "mlp.fc_out", "input_layernorm": "input_layernorm",
+     "ln_attn": "input_layernorm", "ln_mlp": "post_attention_layernorm",
+     "post_attention_layernorm": "post_attention_layernorm"})
 
 
-def falcon_checkpoint_name(name: str) -> str | None:
-    """Falcon's names (`transformer.h.3.self_attention.query_key_value.weight`, `ln_attn` / `ln_mlp`) in ours."""
-    base = name.removeprefix("transformer.")
-    if base.startswith("word_embeddings."):
-        return "model.embed_tokens." + base.removeprefix("word_embeddings.")
-    if base.startswith("ln_f."):
-        return "model.norm." + base.removeprefix("ln_f.")
-    module, _, leaf = base.rpartition(".")
-    parts = module.split(".", 2)  # h, N, the layer's module
-    if len(parts) == 3 and parts[0] == "h":
-        if parts[2].endswith("rotary_emb"):
-            return None  # a saved inv_freq buffer
-        if parts[2] in _FALCON_LAYER:
-            return f"model.layers.{parts[1]}.{_FALCON_LAYER[parts[2]]}.{leaf}"
-    return name
+class FalconForCausalLM(FusedQKVForCausalLM):
+    """`FalconForCausalLM` (Falcon 7B / 40B / 180B, Falcon 2): its names; q/k/v fused by KV group."""
 
-
-class FalconForCausalLM(LayerNormForCausalLM):
-    """`FalconForCausalLM` (Falcon 7B / 40B / 180B, Falcon 2): its names, its fused q/k/v reordered."""
-
-    checkpoint_name = staticmethod(falcon_checkpoint_name)
-
-    def checkpoint_tensor(self, name: str, loaded: Loaded) -> Loaded:
-        a = self.args
-        if a.num_key_value_heads == 1 or not name.endswith(_FUSED_QKV):
-            return loaded  # one KV head: stored q | k | v already
-        # by KV group: [kv_heads, q_per_kv + 2, head_dim] (without multi_query, q_per_kv = 1: head by head)
-        t = read_checkpoint(loaded)
-        groups = t.view(a.num_key_value_heads, a.num_attention_heads // a.num_key_value_heads + 2, a.head_dim,
-                        *t.shape[1:])
-        q, k, v = groups[:, :-2], groups[:, -2], groups[:, -1]
-        return torch.cat([q.reshape(-1, *t.shape[1:]), k.reshape(-1, *t.shape[1:]), v.reshape(-1, *t.shape[1:])])
+    checkpoint_name = falcon_checkpoint_name
 
 
 def opt_checkpoint_name(name: str) -> str:
