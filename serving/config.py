@@ -82,13 +82,17 @@ class ServingConfig:
     compat_200_errors: bool = False
     fail_fast: bool = False
     # The engine (scheduler, model, detokenizer) in a process of its own, off the HTTP threads' GIL
-    # (serving/engine/engine_process.py). Off by default: on an 8B server at 8 and 16 req/s it measured
-    # the same as the default (model work in a worker process, option.distributed_executor_backend=mp).
+    # (serving/engine/engine_process.py). Resolved at start ("auto" in the table): on for several model
+    # copies (each copy's engine in its own process, so N engines never share one GIL), off for one,
+    # where on an 8B server at 8 and 16 req/s it measured the same as the default (model work in a
+    # worker process, option.distributed_executor_backend=mp).
     engine_process: bool = False
+    # Model copies asked for (LMI's SERVING_MAX_WORKERS); None: visible GPUs // tensor_parallel_degree, 1 on CPU.
+    max_workers: int | None = None
     threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
     graceful_timeout: float = 25.0
     lora_extra_vocab_size: int = 256  # LMI / vLLM: accepted, logged; adapters adding tokens are refused
-    # Engine copies behind the endpoint: visible GPUs // tensor_parallel_degree (1 on CPU).
+    # Engine copies behind the endpoint: max_workers, else visible GPUs // tensor_parallel_degree (1 on CPU).
     model_copies: int = 1
     gpu_count: int = 0  # visible GPUs at start (0: the engine runs on the CPU)
     properties_path: str | None = None
@@ -98,7 +102,7 @@ class ServingConfig:
         """The devices of each model copy: copy c holds GPUs c*tp .. c*tp+tp-1 (CPU ranks without GPUs)."""
         tp = self.engine.tensor_parallel_size
         if not self.gpu_count:
-            return [("cpu",) * tp]
+            return [("cpu",) * tp] * self.model_copies
         return [tuple(f"cuda:{c * tp + i}" for i in range(tp)) for c in range(self.model_copies)]
 
     @property
@@ -356,6 +360,14 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
         raise ConfigError(f"{_src(sources, 'engine.tensor_parallel_size')}: tensor_parallel_degree={tp} exceeds "
                           f"the {gpus} visible GPU(s); use at most {gpus} (or max)")
     copies = max(1, gpus // tp) if gpus else 1
+    if values["max_workers"] is not None:
+        if gpus and values["max_workers"] * tp > gpus:
+            raise ConfigError(f"{_src(sources, 'max_workers')}: max_workers={values['max_workers']} model copies of "
+                              f"tensor_parallel_degree={tp} need {values['max_workers'] * tp} GPUs; {gpus} are visible")
+        copies = values["max_workers"]
+    if values["engine_process"] is None:  # auto: each of several copies in its own process
+        values["engine_process"] = copies > 1
+        sources["engine_process"] = "default (auto: on for several model copies)"
     lora_max, lora_cpu = engine_kwargs["max_loras"], engine_kwargs["max_cpu_loras"]
     if lora_cpu is not None and lora_cpu < lora_max:
         raise ConfigError(f"{_src(sources, 'engine.max_cpu_loras')}: option.max_cpu_loras={lora_cpu} is less than "
@@ -364,10 +376,6 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
     if engine_kwargs["max_prefill_tokens_while_decoding"] is None:  # the server's default (see config_keys)
         engine_kwargs["max_prefill_tokens_while_decoding"] = (
             PREFILL_TOKENS_WHILE_DECODING if engine_kwargs["enable_chunked_prefill"] else 0)
-    if values["engine_process"] and copies > 1:
-        raise ConfigError(f"{_src(sources, 'engine_process')}: option.engine_process=true serves one model copy, but "
-                          f"{gpus} GPUs / tensor_parallel_degree={tp} make {copies} copies (each copy already runs "
-                          "its model in worker processes): set option.engine_process=false")
     if engine_kwargs["distributed_executor_backend"] is None:  # the server's default (see config_keys)
         engine_kwargs["distributed_executor_backend"] = (
             SERVER_EXECUTOR_BACKEND if tp > 1 or (gpus and not values["engine_process"]) else "uni")

@@ -12,6 +12,8 @@ string is never sent. The deltas it hands out concatenate to exactly `output_tex
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from typing import TYPE_CHECKING
 
 from serving.sampling_params import SamplingParams
@@ -38,7 +40,33 @@ def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bo
     gets False. A `tokenizer_config.json` whose `auto_map` names repository code is loaded with
     the built-in class transformers finds for it (with a warning that the code was ignored), or
     refused with `RemoteCodeRefused` when there is none.
+
+    Loaded once per process for the same files, under a lock: model copies start on parallel
+    threads, transformers' lazy module is not safe to import from several threads at once (on 4
+    GPUs, 3 of 4 copies failed with "cannot import name 'AutoTokenizer'"), and every copy of one
+    model has the same tokenizer.
     """
+    key = (str(path), revision, _files_stamp(path))
+    with _LOAD_LOCK:
+        tokenizer = _LOADED.get(key)
+        if tokenizer is None:
+            tokenizer = _LOADED[key] = _load_tokenizer(str(path), revision, trust_remote_code)
+        return tokenizer
+
+
+_LOAD_LOCK = threading.Lock()
+_LOADED: dict[tuple, PreTrainedTokenizerBase] = {}
+
+
+def _files_stamp(path: str) -> tuple:
+    """What changes when a local tokenizer's files do (names, sizes, times); () for a hub id."""
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file()))
+    except OSError:
+        return ()
+
+
+def _load_tokenizer(path: str, revision: str | None, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:

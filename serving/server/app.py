@@ -23,6 +23,7 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from serving.config import ServingConfig
+from serving.server.admission import Admission, Health
 from serving.server.disconnect import probe_from_environ
 from serving.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.server.metrics import Metrics
@@ -57,6 +58,15 @@ def _engine_state(engine_loop: EngineClient) -> str:
     return EngineState(engine_loop.state).value
 
 
+def engine_health(engine_loop: EngineClient) -> Health:
+    """`/ping`'s answer: 200 Healthy, 503 while loading, 500 Unhealthy with the error once dead."""
+    state = _engine_state(engine_loop)
+    body: dict = {"status": {"ready": "Healthy", "loading": "Loading"}.get(state, "Unhealthy")}
+    if state == "dead":
+        body["error"] = str(engine_loop.error or "")
+    return Health({"ready": 200, "loading": 503}.get(state, 500), body)
+
+
 def _stats(engine_loop: EngineClient) -> dict:
     try:
         return engine_loop.stats()
@@ -81,6 +91,18 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
     app.extensions["runner"] = runner
     adapters = AdapterRegistry(engine_loop, config)
     app.extensions["adapters"] = adapters
+
+    def route_of(method: str, path: str) -> str:
+        try:
+            return app.url_map.bind("localhost").match(path, method=method, return_rule=True)[0].rule
+        except HTTPException:
+            return UNMATCHED_ROUTE
+
+    app.extensions["admission"] = Admission(
+        config.job_queue_size, lambda: engine_health(engine_loop),
+        reject_body=lambda path, message: (openai_error(503, message) if _openai_path(path)
+                                           else {"error": message, "code": 503}),
+        on_reject=lambda method, path: metrics.observe_request(route_of(method, path), 503))
 
     def error(status: int, message: str, route: str) -> Response:
         metrics.observe_request(route, status)
@@ -229,13 +251,9 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
         return Response(json.dumps({"models": [card]}), 200, mimetype="application/json")
 
     @app.get("/ping")
-    def ping() -> Response:
-        state = _engine_state(engine_loop)
-        status = {"ready": 200, "loading": 503}.get(state, 500)
-        body: dict = {"status": {"ready": "Healthy", "loading": "Loading"}.get(state, "Unhealthy")}
-        if state == "dead":
-            body["error"] = str(engine_loop.error or "")
-        return Response(json.dumps(body), status, mimetype="application/json")
+    def ping() -> Response:  # the poller thread answers it first (serving/server/admission.py); TLS comes here
+        health = engine_health(engine_loop)
+        return Response(json.dumps(health.body), health.status, mimetype="application/json")
 
     @app.post("/invocations")
     def invocations() -> Response:

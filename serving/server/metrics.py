@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from serving.engine.token_intervals import BOUNDS
 
@@ -41,6 +41,15 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value or 0))
             yield g
+        routed = stats.get("routed_per_copy")
+        if routed:  # model copies behind one endpoint (serving/engine/replicas.py)
+            c = CounterMetricFamily("lmi_copy_routed_requests", "requests routed to each model copy", labels=["copy"])
+            for index, count in enumerate(routed):
+                c.add_metric([str(index)], float(count))
+            yield c
+            c = CounterMetricFamily("lmi_prefix_affinity_hits", "requests routed to the copy that saw their prefix")
+            c.add_metric([], float(stats.get("prefix_affinity_hits", 0)))
+            yield c
         intervals = stats.get("token_intervals")
         if intervals:
             h = HistogramMetricFamily(

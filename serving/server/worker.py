@@ -4,6 +4,9 @@
   only once the head and the whole body are there, so connections that trickle bytes or stall
   mid-body hold no thread and `/ping` (SageMaker's health signal) keeps answering; past their
   deadlines they are answered 408 and closed.
+- Before a request takes a thread, `serving/server/admission.py` decides on it: `/ping` is answered
+  on the poller thread from the engine's state (never queued behind streams), and a request past
+  `job_queue_size` admitted ones gets LMI's 503 at once.
 - gunicorn's own error answers (400 bad request, 414, 431, 501, ...) are the container's JSON
   `{"error", "code"}`, not HTML.
 - SIGTERM: `on_drain(deadline)` is called so every open request ends with a final record before
@@ -25,6 +28,7 @@ from http import HTTPStatus
 from gunicorn import util
 from gunicorn.workers.gthread import ThreadWorker
 
+from serving.server.admission import Admission, Decision
 from serving.server.request_reader import RequestReader
 from serving.server.request_runner import HTTPError
 
@@ -90,6 +94,7 @@ class LMIWorker(ThreadWorker):
         super().__init__(*args, **kwargs)
         self.max_body_size = 6 * 1024 * 1024
         self.on_drain: Callable[[float], None] | None = None
+        self.admission: Admission | None = None
         self._readers: dict[object, RequestReader] = {}  # connection -> its request so far
         self._buffered = 0  # bytes held by all readers
         self._next_sweep = 0.0
@@ -101,11 +106,14 @@ class LMIWorker(ThreadWorker):
         # TLS and HTTP/2 prior knowledge read the socket themselves: those keep gunicorn's path.
         self._preread = not cfg.is_ssl and cfg.http2_cleartext == "off"
 
-    def configure(self, *, max_body_size: int, on_drain: Callable[[float], None] | None) -> None:
-        """Set the body size limit (bodies are buffered up to it) and the SIGTERM drain callback
-        (called from the signal handler with the deadline, in time.monotonic())."""
+    def configure(self, *, max_body_size: int, on_drain: Callable[[float], None] | None,
+                  admission: Admission | None = None) -> None:
+        """Set the body size limit (bodies are buffered up to it), the SIGTERM drain callback
+        (called from the signal handler with the deadline, in time.monotonic()) and the admission
+        rules (`/ping` and the queue bound, decided here before a request takes a thread)."""
         self.max_body_size = max_body_size
         self.on_drain = on_drain
+        self.admission = admission
 
     def init_process(self) -> None:
         util.write_error = _write_json_error  # the one writer of gunicorn's own error answers
@@ -134,6 +142,10 @@ class LMIWorker(ThreadWorker):
         return super()._keepalive_after(conn, keepalive and self.alive)
 
     def finish_request(self, conn, fs) -> None:  # noqa: ANN001 - runs on the poller thread
+        admitted_at = getattr(conn, "admitted_at", None)
+        if admitted_at is not None:
+            conn.admitted_at = None
+            self.admission.release(time.monotonic() - admitted_at)
         if fs.cancelled() or fs.exception() is not None or fs.result():
             super().finish_request(conn, fs)  # kept alive, or failed: gunicorn's way
             return
@@ -183,10 +195,41 @@ class LMIWorker(ThreadWorker):
         return reader
 
     def _dispatch(self, conn) -> None:  # noqa: ANN001
-        """The whole request is there: a thread serves it from the bytes read so far."""
-        conn.preread = bytes(self._forget(conn).buf)
+        """The whole request is there: answered here (`/ping`, a full queue's 503) or served by a
+        thread from the bytes read so far."""
+        data = bytes(self._forget(conn).buf)
+        head_end = data.find(b"\r\n\r\n") + 4
+        if self.admission is not None and self._within_limits(data[:head_end]):
+            decision = self.admission.decide(data[:head_end])
+            if decision.answer is not None and (decision.close or head_end == len(data)):
+                self._answer_now(conn, decision)
+                return
+            if decision.admitted:
+                conn.admitted_at = time.monotonic()
+        conn.preread = data
         conn.data_ready = True  # gunicorn must not wait for bytes the poller already took
         super().enqueue_req(conn)
+
+    def _within_limits(self, head: bytes) -> bool:
+        """Whether gunicorn's parser would take this head's size (else it answers 4xx itself)."""
+        lines = head.split(b"\r\n")
+        cfg = self.cfg
+        return 4 <= len(head) and len(lines[0]) <= (cfg.limit_request_line or 8190) and \
+            len(lines) - 3 <= (cfg.limit_request_fields or 100) and \
+            all(len(line) <= (cfg.limit_request_field_size or 8190) for line in lines[1:])
+
+    def _answer_now(self, conn, decision: Decision) -> None:  # noqa: ANN001
+        """Send a small whole response from the poller thread; then read the connection's next
+        request, or close it (asked for, or the socket would not take the response at once)."""
+        try:
+            sent = conn.sock.send(decision.answer)
+        except OSError:
+            sent = 0
+        if decision.close or sent != len(decision.answer) or not self.alive:
+            self.nr_conns -= 1
+            _close_now(conn.sock)
+            return
+        self.enqueue_req(conn)
 
     def _close(self, conn, answer: bytes = b"") -> None:  # noqa: ANN001
         self._forget(conn)

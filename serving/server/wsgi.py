@@ -135,37 +135,59 @@ def _resolved_model():  # noqa: ANN202 - Path | None
 
 
 def _engine_client(config: ServingConfig) -> EngineClient:
-    """The engine in its own process (`option.engine_process`), one EngineLoop, or a ReplicaSet of
-    one loop per model copy (GPUs / tensor-parallel degree)."""
-    copies = config.copy_devices()
+    """One engine per model copy (max_workers, else GPUs / tensor-parallel degree): each in a process
+    of its own (`option.engine_process`, the default for several copies) or an EngineLoop thread in
+    this one; several copies behind a ReplicaSet."""
     if config.engine_process:
-        return EngineProcess(config.engine, resolve=_resolved_model, devices=copies[0],
-                             max_queue_size=config.job_queue_size)
-    loops = [EngineLoop(config.engine, engine_factory=_engine_factory(config, devices, c),
-                        max_queue_size=config.job_queue_size)
-             for c, devices in enumerate(copies)]
+        loops = [EngineProcess(config.engine, resolve=_resolved_model, devices=devices,
+                               max_queue_size=config.job_queue_size)
+                 for devices in config.copy_devices()]
+    else:
+        loops = [EngineLoop(config.engine, engine_factory=_engine_factory(config, devices, c),
+                            max_queue_size=config.job_queue_size)
+                 for c, devices in enumerate(config.copy_devices())]
     return loops[0] if len(loops) == 1 else ReplicaSet(loops)
 
 
+# gunicorn's arbiter halts the whole server, with this exit status, when a worker exits with it.
+WORKER_BOOT_ERROR = 3
+
+
 def _watch(served: ServedEngine) -> None:
-    """Once the engine is dead: with SERVING_FAIL_FAST, take the whole server down (SageMaker
-    restarts it); otherwise, if it had been serving, end this worker so gunicorn starts a fresh
-    one (a model that never loaded stays dead: /ping answers 500 rather than reload forever)."""
+    """Once the engine is dead. A start that failed (any copy, any cause: the model, an adapter, the
+    loading deadline) stops the container: the error on one line, then this worker exits with
+    gunicorn's boot-error status, on which the arbiter halts and `serve` exits non-zero, as vLLM and
+    TGI do (SageMaker reports the failed deployment at once, Kubernetes restarts the pod, `docker run`
+    ends). An engine that dies while serving ends this worker so gunicorn starts a fresh one, or,
+    with SERVING_FAIL_FAST, takes the whole server down."""
     while served.state is not EngineState.DEAD:
         time.sleep(0.2)
+    if served.loop.closing:
+        return
+    if not served.loop.was_ready or served.startup_error is not None:
+        logger.critical("the model failed to load: %s", _one_line(served.error))
+        _exit_worker(WORKER_BOOT_ERROR, linger=0.0)
     if config.fail_fast:
-        logger.error("engine is dead (%s); fail_fast is on: stopping the server", served.error)
+        logger.error("engine is dead (%s); fail_fast is on: stopping the server", _one_line(served.error))
         os.kill(os.getppid(), signal.SIGTERM)
         return
-    if not served.loop.was_ready or served.loop.closing or served.startup_error is not None:
-        return  # never served: a failed start stays failed (/ping 500) rather than restart forever
-    logger.error("engine died while serving (%s); this worker exits so gunicorn starts a new one", served.error)
-    time.sleep(1.0)  # let open streams write their final error records
+    logger.error("engine died while serving (%s); this worker exits so gunicorn starts a new one",
+                 _one_line(served.error))
+    _exit_worker(1, linger=1.0)  # let open streams write their final error records
+
+
+def _one_line(error: BaseException | None) -> str:
+    text = f"{type(error).__name__}: {error}" if error is not None else "unknown error"
+    return " ".join(text.split())
+
+
+def _exit_worker(status: int, linger: float) -> None:
+    time.sleep(linger)
     closer = threading.Thread(target=stop, name="engine-close", daemon=True)
     closer.start()
     closer.join(5.0)
     logging.shutdown()
-    os._exit(1)
+    os._exit(status)
 
 
 def _setup_logging() -> None:
@@ -187,6 +209,9 @@ def start() -> None:
     if not _started.acquire(blocking=False):
         return
     engine_loop.started_at = time.monotonic()
+    if config.model_copies > 1 and not config.engine_process:
+        import transformers  # noqa: F401 - its lazy module is not safe to import from the copies' threads at once
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
     engine_loop.loop.start()
     threading.Thread(target=_register_startup_adapters, args=(engine_loop,), name="adapters-at-start",
                      daemon=True).start()

@@ -28,6 +28,9 @@ BASE_ENV = {"OPTION_DTYPE": "fp32", "OPTION_MAX_MODEL_LEN": "512", "OPTION_KV_CA
             "OPTION_DEVICE": "cpu", "LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
 
 
+FAILED_START = "the model failed to load: "  # the one line a failed start logs before serve exits 3
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,6 +82,24 @@ class LMIServer:
                 self.ping_history.append(0)
             time.sleep(0.25)
         raise TimeoutError(f"/ping never answered {want}; saw {sorted(set(self.ping_history))}:\n{self.log()[-4000:]}")
+
+    def wait_failed_start(self, timeout: float = 120.0) -> str:
+        """A start that must fail: polls /ping (recorded) until `serve` exits by itself, checks it
+        exited non-zero having logged the reason on one line; returns that line's reason."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"serve did not exit within {timeout} s; saw /ping {sorted(set(self.ping_history))}")
+            try:
+                self.ping_history.append(requests.get(self.url + "/ping", timeout=2).status_code)
+            except (requests.ConnectionError, requests.Timeout):
+                self.ping_history.append(0)
+            time.sleep(0.25)
+        self._log.close()
+        assert self.proc.returncode == 3, (self.proc.returncode, self.log()[-3000:])
+        reasons = [line.split(FAILED_START, 1)[1] for line in self.log().splitlines() if FAILED_START in line]
+        assert len(reasons) == 1, self.log()[-3000:]
+        return reasons[0]
 
     def stop(self, timeout: float = 35.0) -> float:
         """SIGTERM and wait (graceful drain); returns seconds until exit."""

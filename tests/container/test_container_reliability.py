@@ -246,9 +246,9 @@ def test_a_tokenizer_that_exists_only_as_repository_code_is_refused_by_default(t
     model, marker = remote_code_model(tmp_path, "EvilTokenizer")  # no built-in class of that name
     srv = LMIServer({"HF_MODEL_ID": str(model)}, tmp_path, tmp_path / "serve.log")
     try:
-        body = srv.wait(500, timeout=120)
+        reason = srv.wait_failed_start()
     finally:
         srv.stop()
     assert 200 not in srv.ping_history and not marker.exists()
-    assert "exists only as model repository code (evil.EvilTokenizer" in body["error"]
-    assert "never executes repository code, whatever option.trust_remote_code says" in body["error"]
+    assert "exists only as model repository code (evil.EvilTokenizer" in reason
+    assert "never executes repository code, whatever option.trust_remote_code says" in reason

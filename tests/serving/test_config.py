@@ -75,14 +75,33 @@ def test_executor_backend_is_worker_processes_on_gpus_unless_set():
         backend({"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "uni", "TENSOR_PARALLEL_DEGREE": "2"}, 2)
 
 
-def test_engine_process_is_opt_in_for_one_copy_and_keeps_one_rank_in_it():
+def test_engine_process_is_auto_on_for_several_copies_and_keeps_one_rank_in_it():
     cfg = lambda env, gpus: load_config(env, [], gpu_count=lambda: gpus)  # noqa: E731
     assert cfg({}, 1).engine_process is False and cfg({}, 0).engine_process is False
     on = cfg({"OPTION_ENGINE_PROCESS": "true"}, 1)
     assert on.engine_process is True and on.engine.distributed_executor_backend == "uni"  # no third process
     assert cfg({"OPTION_ENGINE_PROCESS": "true", "TENSOR_PARALLEL_DEGREE": "2"}, 2).engine.distributed_executor_backend == "mp"
-    with pytest.raises(ConfigError, match="serves one model copy.*2 copies"):
-        cfg({"OPTION_ENGINE_PROCESS": "true", "TENSOR_PARALLEL_DEGREE": "1"}, 2)
+    copies = cfg({"TENSOR_PARALLEL_DEGREE": "1"}, 4)  # 4 copies, each engine in its own process with its rank
+    assert copies.model_copies == 4 and copies.engine_process is True
+    assert copies.engine.distributed_executor_backend == "uni"
+    assert copies.copy_devices() == [("cuda:0",), ("cuda:1",), ("cuda:2",), ("cuda:3",)]
+    assert "auto" in copies.sources["engine_process"]
+    threads = cfg({"TENSOR_PARALLEL_DEGREE": "2", "OPTION_ENGINE_PROCESS": "false"}, 4)
+    assert threads.model_copies == 2 and threads.engine_process is False
+    assert threads.copy_devices() == [("cuda:0", "cuda:1"), ("cuda:2", "cuda:3")]
+
+
+def test_max_workers_sets_the_model_copies_on_cpu_and_gpus():
+    cfg = lambda env, gpus: load_config(env, [], gpu_count=lambda: gpus)  # noqa: E731
+    cpu = cfg({"SERVING_MAX_WORKERS": "2", "OPTION_DEVICE": "cpu"}, 4)
+    assert cpu.model_copies == 2 and cpu.engine_process is True and cpu.copy_devices() == [("cpu",), ("cpu",)]
+    assert cfg({"SERVING_MAX_WORKERS": "1", "TENSOR_PARALLEL_DEGREE": "1"}, 4).copy_devices() == [("cuda:0",)]
+    assert cfg({"SERVING_MAX_WORKERS": "1"}, 4).engine_process is False
+    with pytest.raises(ConfigError, match=r"SERVING_MAX_WORKERS.*max_workers=3 model copies of "
+                                          r"tensor_parallel_degree=2 need 6 GPUs; 4 are visible"):
+        cfg({"SERVING_MAX_WORKERS": "3", "TENSOR_PARALLEL_DEGREE": "2"}, 4)
+    with pytest.raises(ConfigError, match="SERVING_MAX_WORKERS='0' is invalid"):
+        cfg({"SERVING_MAX_WORKERS": "0"}, 0)
 
 
 def test_async_scheduling_is_auto_unless_set():
