@@ -41,8 +41,17 @@ class Request:
     max_new_tokens: int
 
 
+class Refused(RuntimeError):
+    """The server answered an HTTP error status instead of a stream."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 @dataclass
 class Result:
+    status: int = 0  # HTTP error status of a refused request (503: shed by a full queue)
     ok: bool = False
     ttft: float = 0.0
     e2e: float = 0.0
@@ -52,17 +61,24 @@ class Result:
     sent: float = 0.0  # seconds after the run's start
 
 
-def make_requests(dataset: str, num_prompts: int, seed: int, output_len: int) -> list[Request]:
+def make_requests(dataset: str, num_prompts: int, seed: int, output_len: int, prefix_words: int = 0,
+                  num_prefixes: int = 1) -> list[Request]:
+    """The requests; with `prefix_words`, each prompt starts with one of `num_prefixes` fixed
+    "system prompts" of that many words (chat deployments share such prefixes)."""
     rng = random.Random(seed)
+    prefixes = [" ".join(random.Random(1000 + k).choice(_WORDS) for _ in range(prefix_words)) + "\n"
+                for k in range(num_prefixes)] if prefix_words else [""]
     if dataset == "questions":
         questions = json.loads((ROOT / "bench" / "data" / "questions-59.json").read_text())
-        return [Request(questions[i % len(questions)], output_len) for i in range(num_prompts)]
+        return [Request(prefixes[i % len(prefixes)] + questions[i % len(questions)], output_len)
+                for i in range(num_prompts)]
     reqs = []
     for _ in range(num_prompts):
         # ShareGPT-like: median ~150 input / ~150 output tokens, long right tail, clipped.
         n_in = int(min(1024, max(4, math.exp(rng.gauss(5.0, 0.8)))))
         n_out = int(min(1024, max(4, math.exp(rng.gauss(5.0, 0.8)))))
-        reqs.append(Request(" ".join(rng.choice(_WORDS) for _ in range(n_in)), n_out))
+        prefix = rng.choice(prefixes)
+        reqs.append(Request(prefix + " ".join(rng.choice(_WORDS) for _ in range(n_in)), n_out))
     return reqs
 
 
@@ -73,7 +89,7 @@ def _lines_http(url: str, body: bytes, timeout: float) -> Iterator[bytes]:
         conn.request("POST", "/invocations", body=body, headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status >= 400:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+            raise Refused(resp.status, f"HTTP {resp.status}: {resp.read()[:200]!r}")
         while True:
             line = resp.readline()
             if not line:
@@ -121,6 +137,7 @@ def send(args: argparse.Namespace, req: Request) -> Result:
         res.ok = res.output_tokens > 0
     except Exception as exc:  # one failed request must not stop the run
         res.error = f"{type(exc).__name__}: {exc}"
+        res.status = getattr(exc, "status", 0)
     return res
 
 
@@ -166,17 +183,17 @@ def interval_summary(before: dict, after: dict) -> dict:
     return out
 
 
-def run(args: argparse.Namespace) -> dict:
-    reqs = make_requests(args.dataset, args.num_prompts, args.seed, args.output_len)
-    before = engine_intervals(args.url) if not args.sagemaker_endpoint else {}
-    rng = random.Random(args.seed)
+def _send_all(args: argparse.Namespace, reqs: list[Request], rate: float, seed: int, start_at: float) -> list[Result]:
+    """Send `reqs` at Poisson arrivals of `rate` from `start_at` (time.time()); their results."""
+    rng = random.Random(seed)
     results: list[Result] = [Result() for _ in reqs]
     threads = []
-    start = time.perf_counter()
+    time.sleep(max(0.0, start_at - time.time()))
+    start = time.perf_counter() - (time.time() - start_at)
     next_t = start
     for i, req in enumerate(reqs):
-        if args.rate > 0:
-            next_t += rng.expovariate(args.rate)
+        if rate > 0:
+            next_t += rng.expovariate(rate)
             time.sleep(max(0.0, next_t - time.perf_counter()))
 
         def work(i: int = i, req: Request = req) -> None:
@@ -189,7 +206,56 @@ def run(args: argparse.Namespace) -> dict:
         threads.append(t)
     for t in threads:
         t.join()
+    return results
+
+
+def _send_part(job: tuple) -> list[Result]:
+    return _send_all(*job)
+
+
+def _probe_ping(url: str, interval: float, stop: threading.Event, out: list) -> None:
+    """GET /ping every `interval` s on one kept-alive connection: (latency s, status) each."""
+    u = urlparse(url)
+    conn = None
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            conn = conn or http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)
+            conn.request("GET", "/ping")
+            resp = conn.getresponse()
+            resp.read()
+            status = resp.status
+        except OSError:
+            conn, status = None, 0
+        out.append((time.perf_counter() - t0, status))
+        stop.wait(interval)
+
+
+def run(args: argparse.Namespace) -> dict:
+    reqs = make_requests(args.dataset, args.num_prompts, args.seed, args.output_len, args.prefix_words,
+                         args.num_prefixes)
+    before = engine_intervals(args.url) if not args.sagemaker_endpoint else {}
+    pings: list[tuple[float, int]] = []
+    stop = threading.Event()
+    prober = threading.Thread(target=_probe_ping, args=(args.url, args.ping_interval, stop, pings), daemon=True)
+    if args.ping_interval > 0 and not args.sagemaker_endpoint:
+        prober.start()
+    start_at = time.time() + 0.5
+    start = time.perf_counter() + 0.5
+    if args.procs > 1:  # one client process cannot read tens of thousands of lines a second
+        import multiprocessing as mp
+
+        k = args.procs
+        jobs = [(args, reqs[i::k], args.rate / k, args.seed + i, start_at) for i in range(k)]
+        with mp.get_context("spawn").Pool(k) as pool:
+            parts = pool.map(_send_part, jobs)
+        results: list[Result] = [Result()] * len(reqs)
+        for i, part in enumerate(parts):
+            results[i::k] = part
+    else:
+        results = _send_all(args, reqs, args.rate, args.seed, start_at)
     duration = time.perf_counter() - start
+    stop.set()
     ok = [r for r in results if r.ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [x for r in ok for x in r.itl]
@@ -199,7 +265,15 @@ def run(args: argparse.Namespace) -> dict:
         "failed": len(reqs) - len(ok), "duration_s": duration, "output_tokens": out_tokens,
         "output_throughput_tok_s": out_tokens / duration, "request_throughput": len(ok) / duration,
         "errors": sorted({r.error for r in results if r.error})[:5],
+        "refused_503": sum(r.status == 503 for r in results),
+        "lost": sum(not r.ok and r.status != 503 for r in results),  # failed, not shed
     }
+    if pings:
+        lat = sorted(p[0] for p in pings)
+        summary["ping"] = {"count": len(pings), "non_200": sum(p[1] != 200 for p in pings),
+                           "p50_ms": lat[len(lat) // 2] * 1e3,
+                           "p99_ms": lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)] * 1e3,
+                           "max_ms": lat[-1] * 1e3}
     for name, xs in (("ttft_ms", [r.ttft for r in ok]), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", [r.e2e for r in ok])):
         mean, p50, p99 = _stats(xs)
         summary[name] = {"mean": mean * 1e3, "p50": p50 * 1e3, "p99": p99 * 1e3}
@@ -220,6 +294,11 @@ def print_table(s: dict) -> None:
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         m = s[name]
         print(f"{name:8} {m['mean']:>9.1f} {m['p50']:>9.1f} {m['p99']:>9.1f}")
+    print(f"shed (503): {s['refused_503']}, lost (failed otherwise): {s['lost']}")
+    if "ping" in s:
+        p = s["ping"]
+        print(f"/ping during the run: {p['count']} probes, {p['non_200']} not 200, p50 {p['p50_ms']:.1f} ms, "
+              f"p99 {p['p99_ms']:.1f} ms, max {p['max_ms']:.1f} ms")
     if s["errors"]:
         print("errors:", s["errors"])
     for kind, e in s.get("engine_intervals", {}).items():
@@ -240,6 +319,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--procs", type=int, default=1, help="client processes (each sends rate/procs)")
+    ap.add_argument("--ping-interval", type=float, default=0.0, help="probe /ping every this many s (0: off)")
+    ap.add_argument("--prefix-words", type=int, default=0, help="a shared system prompt of this many words")
+    ap.add_argument("--num-prefixes", type=int, default=1, help="how many distinct shared prefixes")
     args = ap.parse_args()
     summary = run(args)
     print_table(summary)

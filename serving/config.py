@@ -89,6 +89,8 @@ class ServingConfig:
     engine_process: bool = False
     # Model copies asked for (LMI's SERVING_MAX_WORKERS); None: visible GPUs // tensor_parallel_degree, 1 on CPU.
     max_workers: int | None = None
+    # Several copies: send a prompt whose first tokens a copy saw before to that copy (its prefix cache).
+    prefix_affinity: bool = True
     threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
     graceful_timeout: float = 25.0
     lora_extra_vocab_size: int = 256  # LMI / vLLM: accepted, logged; adapters adding tokens are refused

@@ -265,6 +265,7 @@ KEYS: tuple[Key, ...] = (
     Key("fail_fast", "fail_fast", _bool, "true|false", False),
     Key("option.engine_process", "engine_process", _optional_bool, "auto|true|false", None),
     Key("max_workers", "max_workers", _int(1, 1024), "a positive integer (model copies)", None),
+    Key("option.prefix_affinity", "prefix_affinity", _bool, "true|false", True),
     Key("threads", "threads", _int(0, 4096), "an integer 0..4096 (0 = automatic)", 0),
     Key("graceful_timeout", "graceful_timeout", _float(0.0, 30.0), "seconds in [0, 30]", 25.0),
 )

@@ -23,9 +23,12 @@ _AFFINITY_ENTRIES = 16384  # remembered prompt prefixes (LRU)
 
 
 class ReplicaSet:
-    """An `EngineClient` over `loops`; see the module docstring for the routing rule."""
+    """An `EngineClient` over `loops` (EngineLoops or EngineProcesses, one per model copy); see the
+    module docstring for the routing rule."""
 
-    def __init__(self, loops: list[EngineLoop], affinity_tokens: int = 64, affinity_slack: int = 4) -> None:
+    AFFINITY_TOKENS = 64  # the prompt head that keys prefix affinity (0 turns it off)
+
+    def __init__(self, loops: list[EngineLoop], affinity_tokens: int = AFFINITY_TOKENS, affinity_slack: int = 4) -> None:
         assert loops, "a replica set needs at least one engine loop"
         self.loops = loops
         self.affinity_tokens = affinity_tokens  # 0 disables prefix affinity

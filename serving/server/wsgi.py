@@ -146,7 +146,9 @@ def _engine_client(config: ServingConfig) -> EngineClient:
         loops = [EngineLoop(config.engine, engine_factory=_engine_factory(config, devices, c),
                             max_queue_size=config.job_queue_size)
                  for c, devices in enumerate(config.copy_devices())]
-    return loops[0] if len(loops) == 1 else ReplicaSet(loops)
+    if len(loops) == 1:
+        return loops[0]
+    return ReplicaSet(loops, affinity_tokens=ReplicaSet.AFFINITY_TOKENS if config.prefix_affinity else 0)
 
 
 # gunicorn's arbiter halts the whole server, with this exit status, when a worker exits with it.

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Model copies and overload through the real server (issue 24), one device call on a 2+ GPU machine.
+# 8B shape, random bf16 weights, ShareGPT-like streaming LMI load from bench/serving.py (4 client
+# processes, /ping probed every 0.1 s). Servers, each fresh:
+#   one      1 copy (SERVING_MAX_WORKERS=1): saturated (64 req/s), then ~4.5x capacity (160 req/s)
+#   two      2 copies (engine processes, the default): saturated (128 req/s), shared-prefix load
+#   noaff    2 copies, prefix affinity off: saturated again, shared-prefix load
+#   threads  2 copies as engine threads in the HTTP process (OPTION_ENGINE_PROCESS=false): saturated
+# Needs in carry: .whl (flask, gunicorn, werkzeug, itsdangerous, blinker, click, prometheus-client
+# wheels) and .bench_models/tokenizer. Logs and JSON land in $OUT; a summary table prints last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/copies_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STAGES=${*:-one two noaff threads}
+MODELS=/tmp/open-lmi-bench-models
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  >"$OUT/pip.log" 2>&1
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+python3 bench/dummy_model.py "$MODELS" .bench_models/tokenizer >/dev/null
+summary=()
+PORT=8080
+
+start_server() {  # name, env assignments...: start, wait for /ping 200, record the start-up time
+  local name=$1; shift
+  local t0; t0=$(date +%s%N)
+  env HF_MODEL_ID=$MODELS/llama-3-8b OPTION_LOAD_FORMAT=dummy OPTION_DTYPE=bf16 OPTION_MAX_MODEL_LEN=4096 \
+    OPTION_MAX_ROLLING_BATCH_SIZE=256 TENSOR_PARALLEL_DEGREE=1 SAGEMAKER_BIND_TO_PORT=$PORT "$@" \
+    setsid python3 container/serve serve >"$OUT/server_$name.log" 2>&1 &
+  SPID=$!
+  for _ in $(seq 1 150); do
+    if [ "$(curl -s -o /dev/null -m 2 -w '%{http_code}' localhost:$PORT/ping)" = 200 ]; then
+      summary+=("$name: /ping 200 after $(( ($(date +%s%N) - t0) / 1000000 )) ms ($*)")
+      return 0
+    fi
+    kill -0 $SPID 2>/dev/null || break
+    sleep 1
+  done
+  summary+=("$name: never ready (exit $(wait $SPID; echo $?)); tail: $(tail -3 "$OUT/server_$name.log")")
+  return 1
+}
+
+stop_server() {
+  kill -TERM -- -"$SPID" 2>/dev/null
+  for _ in $(seq 1 40); do kill -0 "$SPID" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -"$SPID" 2>/dev/null
+  sleep 2
+  summary+=("  left after stop: $(pgrep -fc 'serving.server.wsgi|multiprocessing.spawn' || true) processes")
+}
+
+load() {  # label, bench/serving.py args...
+  local label=$1; shift
+  timeout 150 python3 bench/serving.py --url http://127.0.0.1:$PORT --dataset synthetic --procs 4 \
+    --ping-interval 0.1 --out "$OUT/$label.json" "$@" >"$OUT/$label.log" 2>&1
+  summary+=("  $label ($*):" "$(grep -E '^rate|^ttft|^tpot|^shed|^/ping' "$OUT/$label.log" | sed 's/^/    /')")
+}
+
+for stage in $STAGES; do
+  case $stage in
+    one)
+      start_server one SERVING_MAX_WORKERS=1 && {
+        load one_sat --rate 64 --num-prompts 768
+        load one_over --rate 160 --num-prompts 2400 --seed 1
+        curl -s localhost:$PORT/metrics | grep -E '^lmi_requests_total' >"$OUT/one_metrics.txt"
+      }
+      stop_server ;;
+    two)
+      start_server two SERVING_MAX_WORKERS=2 && {
+        load two_sat --rate 128 --num-prompts 1536
+        load two_prefix --rate 48 --num-prompts 576 --seed 2 --prefix-words 600 --num-prefixes 16
+        curl -s localhost:$PORT/metrics | grep -E '^lmi_copy|^lmi_prefix' >"$OUT/two_metrics.txt"
+        summary+=("  $(tr '\n' ' ' <"$OUT/two_metrics.txt")")
+      }
+      stop_server ;;
+    noaff)
+      start_server noaff SERVING_MAX_WORKERS=2 OPTION_PREFIX_AFFINITY=false && {
+        load noaff_sat --rate 128 --num-prompts 1536
+        load noaff_prefix --rate 48 --num-prompts 576 --seed 2 --prefix-words 600 --num-prefixes 16
+      }
+      stop_server ;;
+    threads)
+      start_server threads SERVING_MAX_WORKERS=2 OPTION_ENGINE_PROCESS=false && load threads_sat --rate 128 --num-prompts 1536
+      stop_server ;;
+  esac
+done
+echo "================ summary ================"
+cat "$OUT/device.txt"
+printf '%s\n' "${summary[@]}"
