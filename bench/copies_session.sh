@@ -81,6 +81,39 @@ for stage in $STAGES; do
         load noaff_prefix --rate 48 --num-prompts 576 --seed 2 --prefix-words 600 --num-prefixes 16
       }
       stop_server ;;
+    profile)  # where the HTTP process's time goes with 2 copies saturated: py-spy, GIL holders only
+      start_server profile SERVING_MAX_WORKERS=2 && {
+        load profile_sat --rate 128 --num-prompts 1536 &
+        lpid=$!
+        sleep 10
+        worker=$(pgrep -P "$SPID" | head -1)  # serve exec'd gunicorn: SPID is the arbiter
+        core=$(pgrep -P "$worker" -f 'multiprocessing.spawn' | head -1)
+        summary+=("  profiled: arbiter $SPID, worker $worker, engine core $core")
+        timeout 30 py-spy record --gil --nonblocking --duration 10 --rate 200 --format raw -o "$OUT/prof_http.txt" \
+          --pid "$worker" >"$OUT/pyspy.log" 2>&1 &
+        timeout 30 py-spy record --nonblocking --duration 10 --rate 200 --format raw -o "$OUT/prof_http_all.txt" \
+          --pid "$worker" >>"$OUT/pyspy.log" 2>&1 &
+        timeout 30 py-spy record --gil --nonblocking --duration 10 --rate 200 --format raw -o "$OUT/prof_core.txt" \
+          --pid "$core" >>"$OUT/pyspy.log" 2>&1
+        wait $lpid
+        sleep 2
+        for f in prof_http prof_http_all prof_core; do
+          [ -f "$OUT/$f.txt" ] && summary+=("  $f: top self frames" "$(python3 - "$OUT/$f.txt" <<'PY'
+import collections, sys
+own, total = collections.Counter(), 0
+for line in open(sys.argv[1]):
+    stack, _, n = line.rstrip().rpartition(" ")
+    n = int(n); total += n
+    own[stack.split(";")[-1][:110]] += n
+print(f"    {total} samples")
+for frame, n in own.most_common(14):
+    print(f"    {100*n/total:5.1f}% {frame}")
+PY
+)")
+        done
+        summary+=("  py-spy: $(tail -2 "$OUT/pyspy.log" | tr '\n' ' ')")
+      }
+      stop_server ;;
     threads)
       start_server threads SERVING_MAX_WORKERS=2 OPTION_ENGINE_PROCESS=false && load threads_sat --rate 128 --num-prompts 1536
       stop_server ;;
