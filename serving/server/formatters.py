@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,20 @@ def _json_scalar(x: object) -> str:
     if x is None:
         return "null"
     return json.dumps(x)
+
+
+# "max_tokens must be ...", "messages[0].content: only text ...": the field a message starts with.
+_PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*)(?::| must | is | holds )")
+
+
+def openai_error(status: int, message: str) -> dict:
+    """OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`), as vLLM answers:
+    `type` is `invalid_request_error` for 4xx and `server_error` for 5xx, `param` the request field
+    the message names (else null), `code` the HTTP status."""
+    match = _PARAM.match(message)
+    param = match.group(1) if match else None
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def _error_object(message: str) -> dict:
@@ -491,6 +506,14 @@ class Formatter:
             out += self._sse({**self._head("chat.completion.chunk" if self.fmt == "chat_sse" else "text_completion"),
                               "choices": [], "usage": self._usage(results)})
         return (out + "data: [DONE]\n\n").encode()
+
+    def error_body(self, status: int, message: str) -> bytes:
+        """A whole failed answer as this route's API defines it: LMI's `{"error", "code"}` on
+        /invocations, OpenAI's error object on /v1 and /generate (the body of an answer whose 200 was
+        already sent by the opt-in plain heartbeat; the status itself says it otherwise)."""
+        if self.req.route == "invocations":
+            return dumps({"error": message, "code": status}).encode()
+        return dumps(openai_error(status, message)).encode()
 
     def error_record(self, r: Result, message: str) -> bytes:
         """A final record for a stream that failed before the engine said so (finish_reason error)."""
