@@ -443,3 +443,16 @@ def test_best_of_on_completions_and_generate_returns_the_most_likely_of_best_of_
     assert gen.status_code == 200 and gen.json() == {"text": ["Once upon a time" + totals[0][1]]}
     r = requests.post(url, json={**base, "best_of": 3, "stream": True}, timeout=60)
     assert r.status_code == 400 and "non-streaming" in r.json()["error"]["message"]
+
+
+def test_sdk_client_reports_the_finish_reason_without_asking_for_details(server):
+    """sdk's StreamingClient against the real server: finish_reason and token count, whole and streamed."""
+    from sdk.client import StreamingClient
+
+    client = StreamingClient.from_url(server.url)
+    whole = client.generate("The capital of France is", {"max_new_tokens": 5, "ignore_eos_token": True})
+    assert whole.finish_reason == "length" and whole.generated_tokens == 5, whole
+    streamed = client.stream("The capital of France is", {"max_new_tokens": 5, "ignore_eos_token": True}).result
+    assert streamed.finish_reason == "length" and streamed.generated_text == whole.generated_text, streamed
+    bare = client.generate("The capital of France is", {"max_new_tokens": 5, "details": False})
+    assert bare.finish_reason is None and bare.generated_text  # asked for the bare body: LMI sends no reason
