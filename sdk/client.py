@@ -193,7 +193,10 @@ class StreamingClient:
 
     @staticmethod
     def _body(inputs: str, parameters: dict[str, Any] | None, stream: bool, extra: dict[str, Any]) -> bytes:
-        payload: dict[str, Any] = {"inputs": inputs, "parameters": {**(parameters or {}), **extra}}
+        """The /invocations body. ``details`` defaults to true: LMI says the finish reason (and token
+        count) only in ``details``, so without it ``result.finish_reason`` would be None; pass
+        ``details=False`` for the bare ``generated_text`` body."""
+        payload: dict[str, Any] = {"inputs": inputs, "parameters": {"details": True, **(parameters or {}), **extra}}
         if stream:
             payload["stream"] = True
         return json.dumps(payload).encode()

@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
@@ -44,11 +45,18 @@ _WATCH_S = 0.25  # how often a waiting handler checks that its client is still c
 class Upstreams:
     """Endpoint name -> container base URL, with an optional default for any other name."""
 
-    def __init__(self, default: str | None = None, endpoints: dict[str, str] | None = None) -> None:
+    def __init__(self, default: str | None = None, endpoints: dict[str, str] | None = None,
+                 on_unknown: Callable[[str], str | None] | None = None) -> None:
         self.default = default.rstrip("/") if default else None
         self.endpoints = {k: v.rstrip("/") for k, v in (endpoints or {}).items()}
+        # A name not routed yet: asked for its URL (sdk.local starts the endpoint's container there).
+        self.on_unknown = on_unknown
 
     def resolve(self, name: str) -> str | None:
+        if name not in self.endpoints and self.on_unknown is not None:
+            url = self.on_unknown(name)
+            if url is not None:
+                return url.rstrip("/")
         return self.endpoints.get(name, self.default)
 
     def add(self, name: str, url: str) -> None:

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -157,7 +158,9 @@ def aws_credentials_available() -> bool:
 class LocalSageMaker:
     """moto (control plane) + gateway (data plane) on 127.0.0.1, with container processes per endpoint."""
 
-    def __init__(self, region: str = REGION) -> None:
+    def __init__(self, region: str = REGION, start_on_first_call: bool = False) -> None:
+        """``start_on_first_call``: an endpoint's first invocation starts its container (its model
+        Environment, as moto stored it) and waits for ``/ping``, as ``start_container`` would."""
         import logging
 
         import boto3
@@ -175,6 +178,21 @@ class LocalSageMaker:
         self.sagemaker_client = self.boto_session.client("sagemaker", endpoint_url=self.control_plane_url)
         self.runtime_client = self.boto_session.client("sagemaker-runtime", endpoint_url=self.gateway.url)
         self.containers: dict[str, ContainerProcess] = {}
+        self._starting = threading.Lock()
+        if start_on_first_call:
+            self.gateway.upstreams.on_unknown = self._start_on_first_call
+
+    def _start_on_first_call(self, endpoint_name: str) -> str | None:
+        """The container of an endpoint moto knows, started now (one at a time); None if moto does not."""
+        with self._starting:
+            url = self.gateway.upstreams.endpoints.get(endpoint_name)
+            if url is not None:
+                return url
+            try:
+                self.sagemaker_client.describe_endpoint(EndpointName=endpoint_name)
+            except self.sagemaker_client.exceptions.ClientError:
+                return None
+            return self.start_container(endpoint_name)
 
     @property
     def environ(self) -> dict[str, str]:
@@ -229,3 +247,37 @@ class LocalSageMaker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+USAGE = """usage: python -m sdk.local SCRIPT [ARGS...]
+
+Runs SCRIPT (your unchanged sagemaker / boto3 code) against a local SageMaker: moto for the control
+plane (any instance type accepted, e.g. ml.g5.4xlarge), sdk.gateway for sagemaker-runtime, and for
+each endpoint a `container/serve serve` process with its model's Environment, started on its first
+invocation. The SDK's 30 s first wait is shortened. Everything stops when SCRIPT ends, on Ctrl-C and
+on SIGTERM to this process."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sdk.local SCRIPT [ARGS...]``: the SageMaker deploy flow on this machine, one command."""
+    import runpy
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    script = args[0]
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the context managers: containers stopped
+
+    signal.signal(signal.SIGTERM, stop)
+    with LocalSageMaker(start_on_first_call=True) as local, fast_sdk_waits():
+        os.environ.update(local.environ)
+        sys.argv = list(args)
+        runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

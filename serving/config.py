@@ -70,6 +70,9 @@ class ServingConfig:
     predict_timeout: float = 240.0
     model_loading_timeout: float = 1200.0
     chunked_read_timeout: float = 60.0
+    # A non-streamed answer still running after min(15 s, chunked_read_timeout / 4) commits 200 and sends a
+    # space every such period (for proxies that cut idle connections); off: its status waits for its result.
+    plain_heartbeat: bool = False
     max_request_size: int = 6 * 1024 * 1024  # SageMaker's InvokeEndpoint body limit
     output_formatter: str | None = None
     tgi_compat: bool = False

@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import pickle
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,17 @@ from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPl
 logger = logging.getLogger(__name__)
 
 HANG_TIMEOUT_S = 3.0  # a heartbeat older than this is a hung rank
+MAIN_GUARD_EXIT = 78  # a rank's exit code: the script that spawned it has no `if __name__ == "__main__":`
+UNGUARDED = ('tensor parallelism runs one spawned process per rank, and each re-imports your script: '
+             'put the code that creates the LLM under `if __name__ == "__main__":`')
+
+
+def _start_failure(rank: int, exitcode: int | None, note: str = "") -> WorkerFailedError:
+    """The error of a rank that exited while starting; one that exited with MAIN_GUARD_EXIT says why in
+    one line (not one bootstrap traceback per rank)."""
+    if exitcode == MAIN_GUARD_EXIT:
+        return WorkerFailedError(UNGUARDED)
+    return WorkerFailedError(f"rank {rank} exited with code {exitcode} while starting{note}")
 _WATCH_PERIOD_S = 0.25
 
 
@@ -56,6 +68,10 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
+        if getattr(mp.current_process(), "_inheriting", False):
+            # We are a rank being spawned, re-running the user's script as `__mp_main__`: its top level
+            # builds an LLM again. Exit quietly with a code the parent turns into one clear error.
+            sys.exit(MAIN_GUARD_EXIT)
         ctx = mp.get_context("spawn")  # never fork: CUDA and the engine's threads do not survive it
         self._heartbeats = ctx.Array("d", self.world_size, lock=False)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -98,8 +114,7 @@ class MultiprocExecutor(Executor):
                         kind, payload = conn.recv()
                     except (EOFError, OSError):
                         proc.join(1.0)
-                        raise WorkerFailedError(f"rank {rank} exited with code {proc.exitcode} while starting "
-                                                "(its log is above)") from None
+                        raise _start_failure(rank, proc.exitcode, " (its log is above)") from None
                     if kind == "init_error":
                         raise WorkerFailedError(f"rank {rank} failed to start: {payload}")
                     assert kind == "ready", kind
@@ -107,7 +122,7 @@ class MultiprocExecutor(Executor):
                         info = dataclasses.replace(payload, devices=self.devices)
                     pending.discard(rank)
                 elif not proc.is_alive():
-                    raise WorkerFailedError(f"rank {rank} exited with code {proc.exitcode} while starting")
+                    raise _start_failure(rank, proc.exitcode)
             if time.monotonic() > deadline:
                 raise WorkerFailedError(f"ranks {sorted(pending)} did not start within {timeout_s:.0f} s")
         assert info is not None

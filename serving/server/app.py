@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,8 +22,10 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from serving.config import ServingConfig
+from serving.server.access_log import RequestRecord
 from serving.server.admission import Admission, Health
 from serving.server.disconnect import probe_from_environ
+from serving.server.formatters import openai_error
 from serving.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.server.metrics import Metrics
 from serving.server.adapters import (
@@ -137,13 +138,22 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             return error(400, str(exc), route)
 
     def generate(route: str, parse: Callable[[dict], GenerateRequest]) -> Response:
+        """One generation request, logged once as it ends (`access_log.RequestRecord`)."""
+        record = RequestRecord(uuid.uuid4().hex, route)
+        response = run_generate(route, parse, record)
+        response.headers.setdefault("x-request-id", record.request_id)  # errors too: the id the log names
+        if not response.is_streamed:
+            record.done(response.status_code)
+        return response
+
+    def run_generate(route: str, parse: Callable[[dict], GenerateRequest], record: RequestRecord) -> Response:
         busy = not_ready(route)
         if busy is not None:
             return busy
         body = read_body(route)
         if isinstance(body, Response):
             return body
-        request_id = uuid.uuid4().hex
+        request_id = record.request_id
         headers = {"x-request-id": request_id, **_NO_CACHE}
         gone = probe_from_environ(request.environ)  # a client that leaves aborts its request at once
         try:
@@ -153,24 +163,25 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
                 logger.info("request %s on adapter(s) %s", request_id,
                             ", ".join(dict.fromkeys(a or "(base)" for a in req.adapters)))
             if req.stream:
-                records = runner.run_stream(req, request_id, gone)
+                records = runner.run_stream(req, request_id, gone, record)
                 metrics.observe_request(route, 200)
                 fmt_type = runner.formatter(req, request_id).content_type
-                return Response(_flushing(records), 200, content_type=fmt_type,
+                return Response(_flushing(records, lambda: record.done(200)), 200, content_type=fmt_type,
                                 headers={**headers, "X-Accel-Buffering": "no"}, direct_passthrough=True)
-            out = runner.run_plain(req, request_id, gone)
+            out = runner.run_plain(req, request_id, gone, record)
             content_type = runner.formatter(req, request_id).content_type
             if isinstance(out, tuple):
                 metrics.observe_request(route, out[0])
                 return Response(out[1], out[0], content_type=content_type, headers=headers)
-            metrics.observe_request(route, 200)  # slow: 200 committed, heartbeats, then the body
-            return Response(_flushing(out), 200, content_type=content_type, headers=headers,
-                            direct_passthrough=True)
+            metrics.observe_request(route, 200)  # plain_heartbeat: 200 committed, spaces, then the body
+            return Response(_flushing(out, lambda: record.done(200)), 200, content_type=content_type,
+                            headers=headers, direct_passthrough=True)
         except AdapterNotFound as exc:
             return error(404, str(exc), route)
         except ValueError as exc:
             return error(400, str(exc), route)
         except HTTPError as exc:
+            record.count(record.tokens, exc.message)
             return error(exc.status, exc.message, route)
 
     def management(route: str, model: str | None, call: Callable[[], tuple[int, dict]],
@@ -309,20 +320,6 @@ def _openai_path(path: str) -> bool:
     return path.startswith("/v1/") or path == "/generate"
 
 
-# "max_tokens must be ...", "messages[0].content: only text ...": the field a message starts with.
-_PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*)(?::| must | is | holds )")
-
-
-def openai_error(status: int, message: str) -> dict:
-    """OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`), as vLLM answers:
-    `type` is `invalid_request_error` for 4xx and `server_error` for 5xx, `param` the request field
-    the message names (else null), `code` the HTTP status."""
-    match = _PARAM.match(message)
-    param = match.group(1) if match else None
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
 def _route_label() -> str:
     """The `route` label of a request: its route template, or one bucket for everything else.
 
@@ -332,8 +329,9 @@ def _route_label() -> str:
     return rule.rule if rule is not None else UNMATCHED_ROUTE
 
 
-def _flushing(records: Iterator[bytes]) -> Iterator[bytes]:
-    """Yield each record as its own chunk; closing this closes `records` (aborts on disconnect)."""
+def _flushing(records: Iterator[bytes], on_close: Callable[[], None]) -> Iterator[bytes]:
+    """Yield each record as its own chunk; closing this closes `records` (aborts on disconnect), then
+    calls `on_close` (the access line, now that the outcome is known)."""
     try:
         for rec in records:
             if rec:
@@ -342,3 +340,4 @@ def _flushing(records: Iterator[bytes]) -> Iterator[bytes]:
         close = getattr(records, "close", None)
         if close is not None:
             close()
+        on_close()

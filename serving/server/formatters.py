@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,20 @@ def _json_scalar(x: object) -> str:
     if x is None:
         return "null"
     return json.dumps(x)
+
+
+# "max_tokens must be ...", "messages[0].content: only text ...": the field a message starts with.
+_PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*)(?::| must | is | holds )")
+
+
+def openai_error(status: int, message: str) -> dict:
+    """OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`), as vLLM answers:
+    `type` is `invalid_request_error` for 4xx and `server_error` for 5xx, `param` the request field
+    the message names (else null), `code` the HTTP status."""
+    match = _PARAM.match(message)
+    param = match.group(1) if match else None
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def _error_object(message: str) -> dict:
@@ -213,6 +228,13 @@ class Formatter:
             return samples
         return sorted(samples, key=lambda s: -sum(lp for lp in s.logprobs if lp is not None))
 
+    def _returned(self, r: Result) -> list[Sample]:
+        """The samples a /v1/completions or /generate answer holds: all n in index order, or with vLLM's
+        best_of > n the `keep_best` most likely, best first."""
+        if self.req.keep_best:
+            return self._ranked(r)[:self.req.keep_best]
+        return [r.sample(i) for i in range(r.n)]
+
     def _best_of_object(self, r: Result) -> dict:
         """n / best_of > 1 (LMI `_json_output_formatter_best_of`): the best sequence, and the others
         in details.best_of_sequences, each with its own generated_text."""
@@ -245,8 +267,9 @@ class Formatter:
         return _OPENAI_FINISH.get(reason, reason)
 
     def _usage(self, results: list[Result]) -> dict:
+        """Prompt and completion tokens; with best_of > n the returned samples' (vLLM V0 counts those)."""
         p = sum(len(r.prompt_token_ids) for r in results)
-        c = sum(r.num_output_tokens for r in results)
+        c = sum(len(s.token_ids) for r in results for s in self._returned(r))
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def _lp_entry(self, text: str, lp: float | None, top: dict[int, float] | None) -> dict:
@@ -332,11 +355,11 @@ class Formatter:
         if fmt == "completion":
             choices = []
             for p, r in enumerate(results):
-                for i in range(r.n):
-                    s = r.sample(i)
+                returned = self._returned(r)
+                for i, s in enumerate(returned):
                     prefix = r.prompt if self.req.echo else ""
                     logprobs = self._completion_logprobs(s, 0, len(s.token_ids), len(prefix))
-                    choices.append({"index": p * r.n + i, "text": prefix + s.text,
+                    choices.append({"index": p * len(returned) + i, "text": prefix + s.text,
                                     "logprobs": self._echo_logprobs(r, logprobs) if prefix else logprobs,
                                     "finish_reason": self._finish(s.finish_reason), "stop_reason": None})
             return dumps({**self._head("text_completion"), "choices": choices, "usage": self._usage(results)}).encode()
@@ -477,10 +500,9 @@ class Formatter:
             return (dumps(rec) + "\0").encode()
         raise AssertionError(f"{fmt} is not a streaming format")
 
-    @staticmethod
-    def _generate_object(r: Result) -> dict:
-        """vLLM `/generate`: `{"text": [prompt + completion, ...]}`, one per sample."""
-        return {"text": [r.prompt + r.sample(i).text for i in range(r.n)]}
+    def _generate_object(self, r: Result) -> dict:
+        """vLLM `/generate`: `{"text": [prompt + completion, ...]}`, one per sample returned."""
+        return {"text": [r.prompt + s.text for s in self._returned(r)]}
 
     def end(self, results: list[Result]) -> bytes:
         """Bytes after the last delta: the usage chunk and `[DONE]` on the /v1 SSE routes."""
@@ -491,6 +513,14 @@ class Formatter:
             out += self._sse({**self._head("chat.completion.chunk" if self.fmt == "chat_sse" else "text_completion"),
                               "choices": [], "usage": self._usage(results)})
         return (out + "data: [DONE]\n\n").encode()
+
+    def error_body(self, status: int, message: str) -> bytes:
+        """A whole failed answer as this route's API defines it: LMI's `{"error", "code"}` on
+        /invocations, OpenAI's error object on /v1 and /generate (the body of an answer whose 200 was
+        already sent by the opt-in plain heartbeat; the status itself says it otherwise)."""
+        if self.req.route == "invocations":
+            return dumps({"error": message, "code": status}).encode()
+        return dumps(openai_error(status, message)).encode()
 
     def error_record(self, r: Result, message: str) -> bytes:
         """A final record for a stream that failed before the engine said so (finish_reason error)."""

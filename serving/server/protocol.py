@@ -71,6 +71,9 @@ class GenerateRequest:
     tools: ToolSpec | None = None  # chat: functions the model may call (tool_calls in the answer)
     # LoRA adapter per prompt ("" = the base model); () = the base model for all, one name = for all.
     adapters: tuple[str, ...] = ()
+    # vLLM's best_of > n on /v1/completions and /generate: params.n = best_of samples are generated and
+    # only the `keep_best` most likely (highest cumulative logprob) are returned. 0: all of them.
+    keep_best: int = 0
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -403,7 +406,10 @@ _COMPLETIONS_KNOWN = _OPENAI_COMMON | {"prompt", "echo", "logprobs", "suffix"} |
 
 
 def _openai_params(body: dict, max_tokens: int | None, top_logprobs: int | None,
-                   lmi_route: bool, tools: ToolSpec | None = None, structured: bool = False) -> SamplingParams:
+                   lmi_route: bool, tools: ToolSpec | None = None, structured: bool = False,
+                   best_of_ok: bool = False) -> SamplingParams:
+    """vLLM / OpenAI sampling fields -> SamplingParams. With `best_of_ok` (completions, /generate) a
+    best_of above n generates best_of samples (`n` = best_of): the caller keeps the n best (`_keep_best`)."""
     kw = _common_sampling(body)
     if structured:  # chat and completions: response_format, guided_*, tool_choice required / named
         kw["guided_decoding"] = guided_from(body, tools)
@@ -419,8 +425,11 @@ def _openai_params(body: dict, max_tokens: int | None, top_logprobs: int | None,
             if best_of < n:
                 raise ValueError(f"best_of must be >= n, got best_of={best_of} n={n}")
             if best_of != n:
-                raise ValueError("best_of != n is not supported")
-            kw["best_of"] = best_of
+                if not best_of_ok:
+                    raise ValueError("best_of != n is not supported on this route (it is on /v1/completions "
+                                     "and /generate)")
+                kw["logprobs"] = 0  # the ranking reads each sampled token's logprob (`logprobs` may ask more)
+            kw["n"] = kw["best_of"] = best_of
     if top_logprobs is not None:
         kw["logprobs"] = top_logprobs
     bias = _logit_bias(body)
@@ -446,6 +455,18 @@ def _logit_bias(body: dict) -> dict | None:
             raise ValueError(f"logit_bias values must be finite numbers, got {_show(value)} for {_show(key)}")
         out[key] = max(-100.0, min(100.0, float(value)))
     return out
+
+
+def _keep_best(body: dict, params: SamplingParams, stream: bool) -> int:
+    """How many of the generated samples a best_of > n request returns (n), else 0 (all); as vLLM, a
+    stream cannot rank its samples before they end, so best_of > n is refused there."""
+    n = _get_int(body, "n", 1, 16) or 1
+    if params.n == n:
+        return 0
+    if stream:
+        raise ValueError(f"best_of ({params.n}) > n ({n}) needs a non-streaming request: the best samples "
+                         "are known only once all have ended")
+    return n
 
 
 def _stream_usage(body: dict) -> bool:
@@ -535,7 +556,7 @@ def parse_completions(body: dict) -> GenerateRequest:
     stream = _get_bool(body, "stream", False)
     max_tokens = _get_int(body, "max_tokens", 1)
     params = _openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, False,
-                            structured=True)
+                            structured=True, best_of_ok=True)
     if logprobs is not None and _get_bool(body, "echo", False):
         params = params.replace(prompt_logprobs=logprobs)  # echo: the prompt tokens' logprobs come first
     model = body.get("model")
@@ -545,7 +566,7 @@ def parse_completions(body: dict) -> GenerateRequest:
         route="completions", params=params, fmt="completion_sse" if stream else "completion",
         prompts=prompts, prompt_token_ids=ids, batch=len(prompts) + len(ids) > 1, details=True,
         echo=_get_bool(body, "echo", False), top_logprobs=logprobs, include_usage=_stream_usage(body),
-        continuous_usage=_continuous_usage(body), model=model,
+        continuous_usage=_continuous_usage(body), model=model, keep_best=_keep_best(body, params, stream),
         warnings=_warn_unknown(body, _COMPLETIONS_KNOWN, "completion fields"))
 
 
@@ -567,7 +588,7 @@ def parse_generate(body: dict) -> GenerateRequest:
         raise ValueError(f"prompt must be a non-empty string, got {_show(prompt)}")
     stream = _get_bool(body, "stream", False)
     max_tokens = _get_int(body, "max_tokens", 1)
-    params = _openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, None, False)
+    params = _openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, None, False, best_of_ok=True)
     warnings: tuple[str, ...] = ()
     beam = [k for k in _NO_BEAM_SEARCH if body.get(k) not in (None, False)]
     if beam:
@@ -576,7 +597,7 @@ def parse_generate(body: dict) -> GenerateRequest:
         logger.warning(warnings[-1])
     warnings += _warn_unknown(body, _GENERATE_KNOWN | set(_NO_BEAM_SEARCH), "generate fields")
     return GenerateRequest(route="generate", params=params, fmt="generate_stream" if stream else "generate",
-                           prompts=(prompt,), warnings=warnings)
+                           prompts=(prompt,), keep_best=_keep_best(body, params, stream), warnings=warnings)
 
 
 def parse_custom_attributes(header: str | None) -> dict[str, str]:

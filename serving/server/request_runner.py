@@ -23,6 +23,7 @@ from serving.config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState, RequestStream
 from serving.lora_request import UnknownAdapterError
+from serving.server.access_log import RequestRecord
 from serving.server.formatters import Formatter, Result
 from serving.server.metrics import Metrics
 from serving.outputs import StreamDelta
@@ -216,7 +217,9 @@ class RequestRunner:
             self._accept(job, delta)
             return delta
 
-    def _observe(self, jobs: list[_Job], start: float) -> None:
+    def _observe(self, jobs: list[_Job], start: float, record: RequestRecord | None = None) -> None:
+        if record is not None:
+            record.count(sum(j.result.num_output_tokens for j in jobs), self._failure(jobs))
         if self.metrics is None:
             return
         now = time.monotonic()
@@ -233,40 +236,43 @@ class RequestRunner:
                          created=int(time.time()), special_ids=self.special_ids(), decode_token=self.decode_token)
 
     # ---- plain -------------------------------------------------------------------------------------
-    def run_plain(self, req: GenerateRequest, request_id: str, gone: Callable[[], bool] | None = None
-                  ) -> tuple[int, bytes] | Iterator[bytes]:
-        """Run to completion: (status, body), errors -> HTTPError.
+    def run_plain(self, req: GenerateRequest, request_id: str, gone: Callable[[], bool] | None = None,
+                  record: RequestRecord | None = None) -> tuple[int, bytes] | Iterator[bytes]:
+        """Run to completion: (status, body); errors (a timeout: 504) -> HTTPError.
 
-        If it is not done after `heartbeat_s`, returns a byte iterator instead: status 200 is
-        committed, a space (valid leading JSON whitespace) is sent every `heartbeat_s` so clients
-        and proxies that drop idle connections keep it (this is not known to extend SageMaker's
-        60 s invocation limit: long generations belong on a stream), then the body (with
-        finish_reason "error" if it failed after that point). `gone()` (polled while waiting) says the client left:
-        the request is aborted at once rather than at the next failed write.
+        The status is not committed before the result is known, so a request that fails (past
+        `predict_timeout`, engine dead, drain) is a 5xx on every route, never a 200 with partial text.
+        Only with `plain_heartbeat` on (off by default) does a request not done after `heartbeat_s`
+        return a byte iterator instead: status 200 is committed, a space (valid leading JSON
+        whitespace) is sent every `heartbeat_s` for clients and proxies that drop idle connections,
+        then the body, or the route's error object if it failed after that point. `gone()` (polled
+        while waiting) says the client left: the request is aborted at once.
         """
         start = time.monotonic()
         prompts = self.prompts(req)
         jobs = self._submit(req, prompts)
         deadline = start + self.config.predict_timeout
+        until = start + self.heartbeat_s if self.heartbeat_s else deadline
         try:
-            done = self._collect(jobs, deadline, start + self.heartbeat_s, gone)
+            done = self._collect(jobs, deadline, until, gone)
         except ClientGone:
-            raise self._abandon(jobs, start) from None
+            raise self._abandon(jobs, start, record) from None
         if done:
-            return self._finish_plain(req, request_id, jobs, start)
-        return self._plain_with_heartbeat(req, request_id, jobs, start, deadline, gone)
+            return self._finish_plain(req, request_id, jobs, start, record)
+        return self._plain_with_heartbeat(req, request_id, jobs, start, deadline, gone, record)
 
-    def _abandon(self, jobs: list[_Job], start: float) -> HTTPError:
+    def _abandon(self, jobs: list[_Job], start: float, record: RequestRecord | None = None) -> HTTPError:
         """The client left before its answer started: abort its engine requests (their KV blocks are
         freed); returns the HTTPError(499) to raise, which the app records and cannot deliver."""
         _log_gone(jobs)
         self._release(jobs, len(jobs))
-        self._observe(jobs, start)
+        self._observe(jobs, start, record)
         return HTTPError(CLIENT_CLOSED, "the client closed the connection")
 
     @property
     def heartbeat_s(self) -> float:
-        return min(15.0, self.config.chunked_read_timeout / 4)
+        """Seconds between the spaces of a slow non-streamed answer; 0 = none (`plain_heartbeat` off)."""
+        return min(15.0, self.config.chunked_read_timeout / 4) if self.config.plain_heartbeat else 0.0
 
     def _collect(self, jobs: list[_Job], deadline: float, until: float,
                  gone: Callable[[], bool] | None = None) -> bool:
@@ -288,31 +294,39 @@ class RequestRunner:
                 job.result.fail(str(exc))
         return True
 
-    def _finish_plain(self, req: GenerateRequest, request_id: str, jobs: list[_Job], start: float
-                      ) -> tuple[int, bytes]:
+    @staticmethod
+    def _failure(jobs: list[_Job]) -> str | None:
+        """The first error of any sample, or None when every sample ended normally."""
+        return next((s.error or "generation failed" for j in jobs for s in j.result.samples.values()
+                     if s.finish_reason == "error"), None)
+
+    def _finish_plain(self, req: GenerateRequest, request_id: str, jobs: list[_Job], start: float,
+                      record: RequestRecord | None = None) -> tuple[int, bytes]:
         self._release(jobs, len(jobs))
-        self._observe(jobs, start)
-        errors = [s.error or "generation failed" for j in jobs for s in j.result.samples.values()
-                  if s.finish_reason == "error"]
-        if errors:
-            raise HTTPError(_status_of(errors[0]), errors[0])
+        self._observe(jobs, start, record)
+        error = self._failure(jobs)
+        if error is not None:
+            raise HTTPError(_status_of(error), error)
         return 200, self.formatter(req, request_id).body([j.result for j in jobs])
 
     def _plain_with_heartbeat(self, req: GenerateRequest, request_id: str, jobs: list[_Job], start: float,
-                              deadline: float, gone: Callable[[], bool] | None) -> Iterator[bytes]:
+                              deadline: float, gone: Callable[[], bool] | None,
+                              record: RequestRecord | None) -> Iterator[bytes]:
+        fmt = self.formatter(req, request_id)
         try:
             while not self._collect(jobs, deadline, time.monotonic() + self.heartbeat_s, gone):
                 yield b" "
-            yield self.formatter(req, request_id).body([j.result for j in jobs])
+            error = self._failure(jobs)  # 200 is sent: the body is the route's error object instead
+            yield fmt.body([j.result for j in jobs]) if error is None else fmt.error_body(_status_of(error), error)
         except ClientGone:
             _log_gone(jobs)
         finally:
             self._release(jobs, len(jobs))
-            self._observe(jobs, start)
+            self._observe(jobs, start, record)
 
     # ---- streams -----------------------------------------------------------------------------------
-    def run_stream(self, req: GenerateRequest, request_id: str, gone: Callable[[], bool] | None = None
-                   ) -> Iterator[bytes]:
+    def run_stream(self, req: GenerateRequest, request_id: str, gone: Callable[[], bool] | None = None,
+                   record: RequestRecord | None = None) -> Iterator[bytes]:
         """Start generating; wait for the first delta (so early errors get a status), then stream.
 
         The returned generator must be closed by the server (client gone -> GeneratorExit), which
@@ -326,14 +340,14 @@ class RequestRunner:
         try:
             first = self._next(jobs[0], deadline, gone)
         except ClientGone:
-            raise self._abandon(jobs, start) from None
+            raise self._abandon(jobs, start, record) from None
         except (TimeoutError, RuntimeError) as exc:
             self._release(jobs, len(jobs))
             raise HTTPError(_status_of(str(exc)), str(exc)) from None
         if first.finish_reason == "error" and not first.token_ids:
             self._release(jobs, len(jobs))
             raise HTTPError(500, first.error or "generation failed")
-        return self._stream(req, fmt, jobs, first, start, deadline, gone)
+        return self._stream(req, fmt, jobs, first, start, deadline, gone, record)
 
     @staticmethod
     def _catch_up(job: _Job, fmt: Formatter, p: int, rec: bytes, delta: StreamDelta | None,
@@ -348,7 +362,8 @@ class RequestRunner:
         return b"".join(out)
 
     def _stream(self, req: GenerateRequest, fmt: Formatter, jobs: list[_Job], first: StreamDelta,
-                start: float, deadline: float, gone: Callable[[], bool] | None = None) -> Iterator[bytes]:
+                start: float, deadline: float, gone: Callable[[], bool] | None = None,
+                record: RequestRecord | None = None) -> Iterator[bytes]:
         """The records of a stream, each flushed as soon as its delta is there.
 
         Coalescing: after the delta it waited for, a thread also takes the deltas already queued
@@ -382,7 +397,7 @@ class RequestRunner:
         finally:
             # Runs on normal end, on error, and when the client disconnects (GeneratorExit).
             self._release(jobs, len(jobs))
-            self._observe(jobs, start)
+            self._observe(jobs, start, record)
 
 
 def _log_gone(jobs: list[_Job]) -> None:

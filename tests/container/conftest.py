@@ -113,11 +113,37 @@ def _is_image_test(item: pytest.Item) -> bool:
     return Path(str(item.path)).resolve() == IMAGE_TESTS
 
 
+SKIP_VAR = "OPEN_LMI_SKIP_IMAGE_TESTS"  # =1: deselect test_image.py (no system packages, no image build)
+
+
+def _say(config: pytest.Config, line: str) -> None:
+    """A line on the terminal now, whatever the capture mode (said before the build starts)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line, yellow=True, bold=True)
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """test_image.py last (in its own order), so its build has the whole run to finish in."""
+    """test_image.py last (in its own order), so its build has the whole run to finish in; deselected
+    with OPEN_LMI_SKIP_IMAGE_TESTS=1; otherwise what its build will install is said before it starts."""
     image = [item for item in items if _is_image_test(item)]
-    if image:
-        items[:] = [item for item in items if not _is_image_test(item)] + image
+    if not image:
+        return
+    if os.environ.get(SKIP_VAR, "") not in ("", "0"):
+        items[:] = [item for item in items if not _is_image_test(item)]
+        config.hook.pytest_deselected(items=image)
+        _say(config, f"[image tests] {SKIP_VAR}={os.environ[SKIP_VAR]}: tests/container/test_image.py deselected "
+                     "(no system packages installed, no image built)")
+        return
+    items[:] = [item for item in items if not _is_image_test(item)] + image
+    if os.environ.get("OPEN_LMI_TEST_IMAGE"):
+        return
+    missing = [tool for tool in ("buildah", "podman", "debootstrap") if shutil.which(tool) is None]
+    install = (f"installs {', '.join(missing)} with apt-get (as root), " if missing else "")
+    _say(config, f"[image tests] tests/container/test_image.py builds the Dockerfile with buildah in the "
+                 f"background: {install}debootstraps Debian bookworm into "
+                 f"{os.environ.get('OPEN_LMI_CI_CACHE', '/var/cache/open-lmi-ci')} and builds a 3-6 GB image in "
+                 f"buildah's storage (needs ~12 GB free); {SKIP_VAR}=1 skips it")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

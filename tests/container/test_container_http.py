@@ -424,3 +424,35 @@ def test_sigterm_drains_in_flight_stream(server):
     assert server.proc.returncode is not None and took["s"] < 30
     with pytest.raises(requests.ConnectionError):
         requests.get(server.url + "/ping", timeout=2)
+
+
+def test_best_of_on_completions_and_generate_returns_the_most_likely_of_best_of_samples(server):
+    """vLLM's best_of > n: best_of samples are drawn (seeded: the same ones as n = best_of), the n with the
+    highest cumulative logprob come back, best first; streaming it is a 400 (the ranking needs them all)."""
+    base = {"model": "m", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 11,
+            "logprobs": 0}
+    url = server.url + "/v1/completions"
+    every = requests.post(url, json={**base, "n": 4}, timeout=120).json()["choices"]
+    totals = sorted((sum(c["logprobs"]["token_logprobs"]), c["text"]) for c in every)[::-1]
+    best = requests.post(url, json={**base, "n": 2, "best_of": 4}, timeout=120).json()
+    assert [c["text"] for c in best["choices"]] == [t for _, t in totals[:2]], (totals, best)
+    assert [c["index"] for c in best["choices"]] == [0, 1]
+    assert best["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in best["choices"])
+    gen = requests.post(server.url + "/generate", json={"prompt": "Once upon a time", "max_tokens": 6,
+                                                        "temperature": 1.0, "seed": 11, "best_of": 4}, timeout=120)
+    assert gen.status_code == 200 and gen.json() == {"text": ["Once upon a time" + totals[0][1]]}
+    r = requests.post(url, json={**base, "best_of": 3, "stream": True}, timeout=60)
+    assert r.status_code == 400 and "non-streaming" in r.json()["error"]["message"]
+
+
+def test_sdk_client_reports_the_finish_reason_without_asking_for_details(server):
+    """sdk's StreamingClient against the real server: finish_reason and token count, whole and streamed."""
+    from sdk.client import StreamingClient
+
+    client = StreamingClient.from_url(server.url)
+    whole = client.generate("The capital of France is", {"max_new_tokens": 5, "ignore_eos_token": True})
+    assert whole.finish_reason == "length" and whole.generated_tokens == 5, whole
+    streamed = client.stream("The capital of France is", {"max_new_tokens": 5, "ignore_eos_token": True}).result
+    assert streamed.finish_reason == "length" and streamed.generated_text == whole.generated_text, streamed
+    bare = client.generate("The capital of France is", {"max_new_tokens": 5, "details": False})
+    assert bare.finish_reason is None and bare.generated_text  # asked for the bare body: LMI sends no reason

@@ -51,8 +51,10 @@ def test_a_model_that_fails_to_load_stops_the_server_with_the_reason(tmp_path):
 def limited(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("limited")
     (cwd / "serving.properties").write_text("# the file wins over the environment\noption.predict_timeout=8\n")
+    # chunked_read_timeout 4: the opt-in plain heartbeat (off here) would commit 200 after 1 s, well
+    # before the 8 s predict_timeout; a plain request past that deadline must still be a 5xx.
     srv = LMIServer({"OPTION_PREDICT_TIMEOUT": "100", "SERVING_JOB_QUEUE_SIZE": str(QUEUE),
-                     "OPTION_TGI_COMPAT": "true"}, cwd, cwd / "serve.log")
+                     "OPTION_TGI_COMPAT": "true", "SERVING_CHUNKED_READ_TIMEOUT": "4"}, cwd, cwd / "serve.log")
     try:
         srv.wait(200)
         yield srv
@@ -103,6 +105,51 @@ def test_mid_stream_timeout_ends_with_an_error_record(limited):
                                                         "parameters": {"max_new_tokens": 3,
                                                                        "output_formatter": "jsonlines"}})
     check_jsonlines(ok)
+
+
+def test_plain_requests_past_predict_timeout_fail_visibly_on_every_route_and_are_logged(limited):
+    """No route answers a timed-out non-streamed request with 200 and partial text: each answers 504 in
+    its API's error shape (the openai client raises), and the log names the request id."""
+    import openai
+
+    limited.wait_idle()
+    long = {"max_tokens": 480, "ignore_eos": True}
+    posts = {"/invocations": {"inputs": "Tell a long story.", "parameters": {"max_new_tokens": 480,
+                                                                             "ignore_eos_token": True}},
+             "/generate": {"prompt": "Tell a long story.", **long}}
+    client = openai.OpenAI(base_url=limited.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    calls = {**{path: (lambda p=path, b=body: requests.post(limited.url + p, json=b, timeout=60))
+                for path, body in posts.items()},
+             "/v1/completions": lambda: client.completions.create(model="m", prompt="Tell a long story.",
+                                                                  max_tokens=480, extra_body={"ignore_eos": True}),
+             "/v1/chat/completions": lambda: client.chat.completions.create(
+                 model="m", messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=400,
+                 extra_body={"ignore_eos": True})}
+    from concurrent.futures import ThreadPoolExecutor
+
+    def call(fn):
+        try:
+            return fn()
+        except openai.APIStatusError as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(calls)) as pool:  # all four at once: one 8 s deadline, not four
+        answers = dict(zip(calls, pool.map(call, calls.values())))
+    for path, answer in answers.items():
+        if isinstance(answer, requests.Response):
+            status, headers, body = answer.status_code, answer.headers, answer.json()
+        else:
+            assert isinstance(answer, openai.InternalServerError), (path, answer)
+            status, headers, body = answer.status_code, answer.response.headers, answer.body
+            body = {"error": body}  # the client hands over the error object itself
+        assert status == 504, (path, status, body)
+        message = body["error"] if path == "/invocations" else body["error"]["message"]
+        assert "prediction timed out" in message, (path, body)
+        if path != "/invocations":
+            assert body["error"]["type"] == "server_error" and body["error"]["code"] == 504
+        rid = headers["x-request-id"]
+        assert limited.log_has(f"request {rid} {path} 504 tokens="), (path, limited.log()[-3000:])
+    limited.wait_idle(timeout=30)
 
 
 def test_full_queue_answers_503_ping_stays_fast_and_disconnects_clean_up(limited):

@@ -136,11 +136,32 @@ def test_custom_attributes_accepted_and_metrics():
 
 
 def test_slow_plain_request_sends_heartbeat_whitespace_then_json():
-    loop, client = make(SERVING_CHUNKED_READ_TIMEOUT="1")  # heartbeat every 0.25 s
+    loop, client = make(SERVING_CHUNKED_READ_TIMEOUT="1", SERVING_PLAIN_HEARTBEAT="true")  # a space every 0.25 s
     loop.delay = 0.1
     r = client.post("/invocations", json={"inputs": "x", "parameters": {"max_new_tokens": 8}})
     assert r.status_code == 200 and r.data.startswith(b" ") and json.loads(r.data) == {"generated_text": "abcdefgh"}
     assert not loop.active
+
+
+def test_slow_plain_request_without_the_heartbeat_commits_nothing_early():
+    loop, client = make(SERVING_CHUNKED_READ_TIMEOUT="1")  # the heartbeat is off by default
+    loop.delay = 0.1
+    r = client.post("/invocations", json={"inputs": "x", "parameters": {"max_new_tokens": 8}})
+    assert r.status_code == 200 and r.data == b'{"generated_text": "abcdefgh"}'
+
+
+@pytest.mark.parametrize("path, body, error", [
+    ("/invocations", {"inputs": "x", "parameters": {"max_new_tokens": 30}}, lambda j: j["error"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 30}, lambda j: j["error"]["message"]),
+    ("/generate", {"prompt": "x", "max_tokens": 30}, lambda j: j["error"]["message"]),
+])
+def test_heartbeat_answer_that_times_out_is_the_routes_error_object(path, body, error):
+    """With the opt-in heartbeat the 200 is sent; a failure after it is the route's error object, not text."""
+    loop, client = make(SERVING_CHUNKED_READ_TIMEOUT="1", SERVING_PLAIN_HEARTBEAT="true", OPTION_PREDICT_TIMEOUT="1")
+    loop.delay = 0.1  # 30 tokens: 3 s, past the 1 s predict_timeout
+    r = client.post(path, json=body)
+    assert r.status_code == 200 and r.data.startswith(b" ")
+    assert "prediction timed out" in error(json.loads(r.data)) and "text" not in json.loads(r.data)
 
 
 def test_text_plain_body_is_the_prompt():
