@@ -87,6 +87,8 @@ class ServingConfig:
     engine_process: bool = False
     threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
     graceful_timeout: float = 25.0
+    # Where the adapter management API may load adapters from (serving/adapter_allowlist.py); empty: that API is off.
+    runtime_adapter_sources: tuple[str, ...] = ()
     lora_extra_vocab_size: int = 256  # LMI / vLLM: accepted, logged; adapters adding tokens are refused
     # Engine copies behind the endpoint: visible GPUs // tensor_parallel_degree (1 on CPU).
     model_copies: int = 1
@@ -201,9 +203,14 @@ def read_properties(path: Path) -> dict[str, str]:
     backslash before any other character (`\\=`, `\\:`, `\\ `, `\\#`, `\\\\`) stands for that
     character, in keys and values. One difference, on purpose: trailing unescaped whitespace of a
     value is dropped (Java keeps it; `fp16 ` is never what anyone meant). A malformed `\\u` escape
-    is a ConfigError naming the file and line."""
+    is a ConfigError naming the file and line, a file that is not UTF-8 one naming the file."""
     out: dict[str, str] = {}
-    for n, line in enumerate(_logical_lines(path.read_text(encoding="utf-8")), 1):
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+                          "save serving.properties as UTF-8") from None
+    for n, line in enumerate(_logical_lines(text), 1):
         raw_key, raw_value = _split_key(line)
         where = f"{path} (entry {n})"
         key, _ = _unescape_props(raw_key, where)
@@ -341,6 +348,7 @@ def config_from_env(environ: Mapping[str, str]) -> ServingConfig:
     values = json.loads(text)
     engine = EngineConfig(**values.pop("engine"))
     sources = MappingProxyType(values.pop("sources"))
+    values["runtime_adapter_sources"] = tuple(values.get("runtime_adapter_sources", ()))  # JSON has lists
     return ServingConfig(engine=engine, sources=sources, **values)
 
 

@@ -1,0 +1,44 @@
+"""Refuse a checkpoint with NaN or Inf weights at load, naming the tensor (it would serve NaN logprobs
+and empty text with a 200).
+
+The check must cost little on a 70B, so it reads each loaded parameter once with one reduction
+that allocates nothing the size of the tensor: `torch.aminmax` (NaN propagates to both ends,
++Inf to the max, -Inf to the min), queued on the parameter's device for every parameter, and
+the host waits once, for all of them together (`torch.stack(...).cpu()`), not once per tensor.
+Measured on the CPU (one thread): 135M fp32 values in 0.07 s, where `isfinite().all()` took
+1.5 s (README, "Security"). Integer tensors (quantized words, g_idx) are skipped; their float
+scales are checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+
+class NonFiniteWeightsError(ValueError):
+    """A checkpoint tensor holds NaN or Inf; the message names it."""
+
+
+def check_finite(params: Iterable[tuple[str, torch.Tensor]], sources: Mapping[str, list[str]],
+                 where: str) -> None:
+    """Raise NonFiniteWeightsError naming every parameter of `params` holding a NaN or an Inf and
+    the checkpoint tensors (`sources[name]`) it was loaded from."""
+    names: list[str] = []
+    ends: list[torch.Tensor] = []
+    for name, param in params:
+        if not param.is_floating_point() or param.numel() == 0:
+            continue
+        low, high = torch.aminmax(param.detach().reshape(-1))
+        ends.append(torch.stack([low, high]).float())
+        names.append(name)
+    if not ends:
+        return
+    finite = torch.isfinite(torch.stack([e.to(ends[0].device) for e in ends])).all(dim=1).cpu()  # the one wait
+    bad = [names[i] for i in (~finite).nonzero().flatten().tolist()]
+    if bad:
+        shown = "; ".join(f"{n} (checkpoint tensor {', '.join(sources.get(n, [n]))})" for n in bad[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise NonFiniteWeightsError(f"checkpoint in {where} has NaN or Inf weights in {shown}{more}: refused "
+                                    "(the model would answer with NaN logprobs and empty text)")
