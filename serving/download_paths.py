@@ -62,7 +62,7 @@ def check_names(names: Iterable[str], what: str) -> None:
         for i in range(1, len(parts)):
             parent = "/".join(parts[:i])
             if parent in files:
-                raise UnsafePathError(f"{what} {parent!r} is a file and also the directory of {what} {name!r}: "
+                raise UnsafePathError(f"{what} {parent!r} is a file and also the directory of {name!r}: "
                                       "refused (they cannot both be written)")
 
 

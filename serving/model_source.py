@@ -175,7 +175,7 @@ def _checked_targets(uri: str, dest: Path, prefix: str, keys: list[str]) -> dict
                 raise UnsafePathError(f"{what} {rel!r} is inside this mirror's bookkeeping directory {_META_DIR}: "
                                       "refused")
             out[key] = (rel, destination(dest, rel, what))
-        check_names([rel for rel, _ in out.values()], f"S3 key of {uri}: name")
+        check_names(keys, f"S3 key of {uri}:")  # keys share the prefix: a clash of names is one of keys
     except UnsafePathError as exc:
         raise ModelSourceError(str(exc)) from None
     return out
