@@ -181,3 +181,16 @@ def test_rope_caches_are_sized_by_the_served_context_not_the_config(tiny_models,
     prompt = _prompts([20])[0]
     out = PagedDriver(r).generate([prompt], GREEDY, 4)
     assert out[0].num_output_tokens == 4  # and it serves
+
+
+def test_finite_check_covers_every_float_dtype_fp8_included():
+    from serving.executor.finite_weights import NonFiniteWeightsError, check_finite
+
+    fine = {"w8": torch.randn(100).to(torch.float8_e4m3fn), "w16": torch.randn(9, dtype=torch.bfloat16),
+            "idx": torch.arange(5), "empty": torch.empty(0)}
+    check_finite(fine.items(), {}, "m")  # integers skipped, fp8 reduced through fp16
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32):
+        bad = torch.randn(3 * 2**24 // 2)  # FP8: more than one chunk, the NaN in the last
+        bad[-1] = float("nan")
+        with pytest.raises(NonFiniteWeightsError, match=r"in bad \(checkpoint tensor ckpt.bad\)"):
+            check_finite([*fine.items(), ("bad", bad.to(dtype))], {"bad": ["ckpt.bad"]}, "m")
