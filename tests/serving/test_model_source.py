@@ -178,3 +178,22 @@ def test_unreadable_model_files_are_named_not_tracebacks(tmp_path):
     (tmp_path / "generation_config.json").write_text("7")
     with pytest.raises(ModelConfigError, match="generation_config.json holds a JSON int"):
         read_json_object(tmp_path / "generation_config.json")
+
+
+def test_a_hub_snapshot_reaching_outside_its_cache_is_refused(tmp_path, monkeypatch):
+    """The hub client checks file names itself; the finished snapshot is checked again here."""
+    from serving import model_files
+
+    (tmp_path / "outside").mkdir()
+
+    def snapshot(repo_id, revision=None, token=None, cache_dir=None):  # what a hostile snapshot would leave
+        snap = tmp_path / "dl" / "hub" / "snap"
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text(json.dumps(CONFIG))
+        (snap / "tokenizer.json").symlink_to(tmp_path / "outside" / "stolen")
+        return snap
+
+    monkeypatch.setattr(model_files, "resolve_model_dir", snapshot)
+    cfg = load_config({"HF_MODEL_ID": "org/model", "SERVING_DOWNLOAD_DIR": str(tmp_path / "dl")}, [])
+    with pytest.raises(ModelSourceError, match=r"hub model 'org/model': file tokenizer.json resolves to .*outside"):
+        resolve_model(cfg)
