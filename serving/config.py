@@ -473,10 +473,12 @@ def _log_lora(config: ServingConfig, log: logging.Logger) -> None:
     """What the LoRA options do here (and that lora_extra_vocab_size changes nothing)."""
     engine = config.engine
     if engine.enable_lora:
+        api = (f"more through POST /models/{config.served_model_name}/adapters from under "
+               f"{', '.join(config.runtime_adapter_sources)}" if config.runtime_adapter_sources else
+               "the adapter management API is off (OPTION_RUNTIME_ADAPTER_SOURCES unset: its routes answer 403)")
         log.info("LoRA adapters enabled: %d on the device at once, %d kept in host memory, rank <= %d; adapters "
-                 "under <model dir>/adapters/<name>/ are registered before /ping answers 200, more through "
-                 "POST /models/%s/adapters", engine.max_loras, engine.num_cpu_loras, engine.max_lora_rank,
-                 config.served_model_name)
+                 "under <model dir>/adapters/<name>/ are registered before /ping answers 200; %s",
+                 engine.max_loras, engine.num_cpu_loras, engine.max_lora_rank, api)
     if config.sources.get("lora_extra_vocab_size", "default") != "default":
         log.info("option.lora_extra_vocab_size=%d (%s) accepted and has no effect: adapters that add tokens to "
                  "the vocabulary (new embeddings or a trained lm_head) are refused when registered, whatever "

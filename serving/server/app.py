@@ -155,7 +155,8 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
 
     def management(route: str, model: str | None, call: Callable[[], tuple[int, dict]],
                    needs_engine: bool = False) -> Response:
-        """One management-API call: DJL's statuses (404 unknown model or adapter, 409 a name taken,
+        """One management-API call: 403 unless the operator set option.runtime_adapter_sources (or
+        for a `src` outside it), then DJL's statuses (404 unknown model or adapter, 409 a name taken,
         400 bad parameters or LoRA off) in this server's error shape."""
         try:
             management_on(config.runtime_adapter_sources)  # off unless the operator allows sources: 403
