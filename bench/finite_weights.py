@@ -38,7 +38,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for dtype in (torch.float32, torch.bfloat16):
             cast = {k: v.to(dtype) for k, v in tensors.items()}
-            check = _best(lambda: check_finite(cast.items(), {}, str(path)))
+            check = _best(lambda: check_finite(cast.items(), str(path)))
             naive = _best(lambda: [torch.isfinite(t).all().item() for t in cast.values()])
             print(f"{path.name}: {len(cast)} tensors, {values / 1e6:.1f}M values, {dtype}, {threads} thread(s): "
                   f"aminmax check {check * 1e3:.0f} ms, per-tensor isfinite().all().item() {naive * 1e3:.0f} ms")

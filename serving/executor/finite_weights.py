@@ -12,7 +12,7 @@ scales are checked; FP8 ones, which torch cannot reduce, are widened to fp16 a c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 
@@ -23,26 +23,25 @@ class NonFiniteWeightsError(ValueError):
     """A checkpoint tensor holds NaN or Inf; the message names it."""
 
 
-def check_finite(params: Iterable[tuple[str, torch.Tensor]], sources: Mapping[str, list[str]],
-                 where: str) -> None:
-    """Raise NonFiniteWeightsError naming every parameter of `params` holding a NaN or an Inf and
-    the checkpoint tensors (`sources[name]`) it was loaded from."""
+def check_finite(regions: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """Raise NonFiniteWeightsError naming every checkpoint tensor whose loaded values (`regions`:
+    (checkpoint tensor name(s), the loaded tensor or the rows of a parameter it filled)) hold a NaN
+    or an Inf."""
     names: list[str] = []
     flags: list[torch.Tensor] = []
-    for name, param in params:
-        if not param.is_floating_point() or param.numel() == 0:
+    for name, values in regions:
+        if not values.is_floating_point() or values.numel() == 0:
             continue
-        flags.append(torch.isfinite(_extremes(param.detach().reshape(-1))).all())
+        flags.append(torch.isfinite(_extremes(values.detach().reshape(-1))).all())
         names.append(name)
     if not flags:
         return
     finite = torch.stack([f.to(flags[0].device) for f in flags]).cpu()  # the one wait
     bad = [names[i] for i in (~finite).nonzero().flatten().tolist()]
     if bad:
-        shown = "; ".join(f"{n} (checkpoint tensor {', '.join(sources.get(n, [n]))})" for n in bad[:8])
-        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
-        raise NonFiniteWeightsError(f"checkpoint in {where} has NaN or Inf weights in {shown}{more}: refused "
-                                    "(the model would answer with NaN logprobs and empty text)")
+        shown = "; ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise NonFiniteWeightsError(f"checkpoint in {where} has NaN or Inf weights in checkpoint tensor {shown}: "
+                                    "refused (the model would answer with NaN logprobs and empty text)")
 
 
 def _extremes(flat: torch.Tensor) -> torch.Tensor:

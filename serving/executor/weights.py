@@ -91,7 +91,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     rename = getattr(model, "checkpoint_name", None)  # a model whose checkpoint nests or adds modules
     transform = getattr(model, "checkpoint_tensor", None)  # a model whose checkpoint lays a tensor out otherwise
     filled: dict[str, set[str | None]] = {}
-    sources: dict[str, list[str]] = {}  # our parameter -> the checkpoint tensors loaded into it
+    loads: dict[str, list[tuple[str | None, str]]] = {}  # our parameter -> (shard, checkpoint tensor) loaded into it
     unexpected: list[str] = []
     with torch.no_grad():
         for name, loaded in iterate_checkpoint(model_dir):
@@ -116,7 +116,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             except ValueError as e:
                 raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
             filled.setdefault(target, set()).add(shard)
-            sources.setdefault(target, []).append(checkpoint_name)
+            loads.setdefault(target, []).append((shard, checkpoint_name))
     if unexpected:
         raise ValueError(f"checkpoint has tensors the model does not expect: {unexpected[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''}")
@@ -124,9 +124,27 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                if not _complete(model, n, filled.get(n)) and not getattr(p, "optional_in_checkpoint", False)]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    check_finite(((n, params[n]) for n in filled), sources, str(model_dir))
+    check_finite(_loaded_regions(model, params, loads), str(model_dir))
     process_weights_after_loading(model)
     logger.info("loaded %d tensors from %s in %.2f s", len(params), model_dir, time.monotonic() - t0)
+
+
+def _loaded_regions(model: nn.Module, params: dict[str, nn.Parameter],
+                    loads: dict[str, list[tuple[str | None, str]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint tensor, what it filled) for the NaN/Inf check: the rows of its part in a packed
+    parameter (q_proj's rows of qkv_proj), else the whole parameter once, named by all it holds."""
+    for target, items in loads.items():
+        param = params[target]
+        offsets = getattr(model.get_submodule(target.rsplit(".", 1)[0]), "shard_offsets", None) \
+            if "." in target else None
+        rows = sum(size for _, size in offsets.values()) if offsets else None
+        if offsets and param.dim() and param.shape[0] == rows and all(
+                shard is not None and str(shard) in offsets for shard, _ in items):
+            for shard, name in items:
+                offset, size = offsets[str(shard)]
+                yield name, param.detach().narrow(0, offset, size)
+        else:
+            yield ", ".join(name for _, name in items), param
 
 
 def _complete(model: nn.Module, name: str, shards: set[str | None] | None) -> bool:

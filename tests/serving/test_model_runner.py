@@ -164,8 +164,9 @@ def test_nan_or_inf_weights_are_refused_at_load_naming_the_tensor(tiny_models, t
     name = sorted(n for n in tensors if n.endswith("k_proj.weight") or n.endswith("up_proj.weight"))[0]
     tensors[name][1, 2] = bad  # one value of a packed projection (q/k/v or gate/up in one parameter)
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"NaN or Inf weights in .*checkpoint tensor .*{name.replace('.', '[.]')}"):
+    with pytest.raises(ValueError, match=r"NaN or Inf weights in checkpoint tensor ([\w.]+): refused") as err:
         _runner(path)
+    assert err.match(rf"in checkpoint tensor {name.replace('.', '[.]')}: refused")  # that one alone, not q/v or gate
 
 
 def test_rope_caches_are_sized_by_the_served_context_not_the_config(tiny_models, tmp_path):  # noqa: F811
@@ -188,9 +189,9 @@ def test_finite_check_covers_every_float_dtype_fp8_included():
 
     fine = {"w8": torch.randn(100).to(torch.float8_e4m3fn), "w16": torch.randn(9, dtype=torch.bfloat16),
             "idx": torch.arange(5), "empty": torch.empty(0)}
-    check_finite(fine.items(), {}, "m")  # integers skipped, fp8 reduced through fp16
+    check_finite(fine.items(), "m")  # integers skipped, fp8 reduced through fp16
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32):
         bad = torch.randn(3 * 2**24 // 2)  # FP8: more than one chunk, the NaN in the last
         bad[-1] = float("nan")
-        with pytest.raises(NonFiniteWeightsError, match=r"in bad \(checkpoint tensor ckpt.bad\)"):
-            check_finite([*fine.items(), ("bad", bad.to(dtype))], {"bad": ["ckpt.bad"]}, "m")
+        with pytest.raises(NonFiniteWeightsError, match=r"in checkpoint tensor bad: refused"):
+            check_finite([*fine.items(), ("bad", bad.to(dtype))], "m")
