@@ -96,6 +96,8 @@ class ServingConfig:
     prefix_affinity: bool = True
     threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
     graceful_timeout: float = 25.0
+    # Where the adapter management API may load adapters from (serving/adapter_allowlist.py); empty: that API is off.
+    runtime_adapter_sources: tuple[str, ...] = ()
     lora_extra_vocab_size: int = 256  # LMI / vLLM: accepted, logged; adapters adding tokens are refused
     # Engine copies behind the endpoint: max_workers, else visible GPUs // tensor_parallel_degree (1 on CPU).
     model_copies: int = 1
@@ -210,9 +212,14 @@ def read_properties(path: Path) -> dict[str, str]:
     backslash before any other character (`\\=`, `\\:`, `\\ `, `\\#`, `\\\\`) stands for that
     character, in keys and values. One difference, on purpose: trailing unescaped whitespace of a
     value is dropped (Java keeps it; `fp16 ` is never what anyone meant). A malformed `\\u` escape
-    is a ConfigError naming the file and line."""
+    is a ConfigError naming the file and line, a file that is not UTF-8 one naming the file."""
     out: dict[str, str] = {}
-    for n, line in enumerate(_logical_lines(path.read_text(encoding="utf-8")), 1):
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+                          "save serving.properties as UTF-8") from None
+    for n, line in enumerate(_logical_lines(text), 1):
         raw_key, raw_value = _split_key(line)
         where = f"{path} (entry {n})"
         key, _ = _unescape_props(raw_key, where)
@@ -350,6 +357,7 @@ def config_from_env(environ: Mapping[str, str]) -> ServingConfig:
     values = json.loads(text)
     engine = EngineConfig(**values.pop("engine"))
     sources = MappingProxyType(values.pop("sources"))
+    values["runtime_adapter_sources"] = tuple(values.get("runtime_adapter_sources", ()))  # JSON has lists
     return ServingConfig(engine=engine, sources=sources, **values)
 
 
@@ -478,10 +486,12 @@ def _log_lora(config: ServingConfig, log: logging.Logger) -> None:
     """What the LoRA options do here (and that lora_extra_vocab_size changes nothing)."""
     engine = config.engine
     if engine.enable_lora:
+        api = (f"more through POST /models/{config.served_model_name}/adapters from under "
+               f"{', '.join(config.runtime_adapter_sources)}" if config.runtime_adapter_sources else
+               "the adapter management API is off (OPTION_RUNTIME_ADAPTER_SOURCES unset: its routes answer 403)")
         log.info("LoRA adapters enabled: %d on the device at once, %d kept in host memory, rank <= %d; adapters "
-                 "under <model dir>/adapters/<name>/ are registered before /ping answers 200, more through "
-                 "POST /models/%s/adapters", engine.max_loras, engine.num_cpu_loras, engine.max_lora_rank,
-                 config.served_model_name)
+                 "under <model dir>/adapters/<name>/ are registered before /ping answers 200; %s",
+                 engine.max_loras, engine.num_cpu_loras, engine.max_lora_rank, api)
     if config.sources.get("lora_extra_vocab_size", "default") != "default":
         log.info("option.lora_extra_vocab_size=%d (%s) accepted and has no effect: adapters that add tokens to "
                  "the vocabulary (new embeddings or a trained lm_head) are refused when registered, whatever "

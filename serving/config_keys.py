@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from serving.adapter_allowlist import OPTION as ALLOWLIST_OPTION
+from serving.adapter_allowlist import parse_allowlist
 from serving.engine_config import normalize_dtype
 from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
 
@@ -240,6 +242,9 @@ KEYS: tuple[Key, ...] = (
         16),
     Key("option.max_cpu_loras", "engine.max_cpu_loras", _optional_int(1),
         "a positive integer >= option.max_loras (adapters kept in host memory), or none", None),
+    Key(ALLOWLIST_OPTION, "runtime_adapter_sources", parse_allowlist,
+        "a comma-separated list of absolute directories and/or s3://bucket/prefix the adapter management API may "
+        "load from (unset: that API is off)", ()),
     Key("option.lora_extra_vocab_size", "lora_extra_vocab_size", _int(0, 1 << 20), "a non-negative integer", 256),
     Key("option.trust_remote_code", "trust_remote_code", _bool, "true|false", False),
     Key("option.quantize", "engine.quantization", parse_quantize_option,

@@ -51,14 +51,15 @@ class LoRARequest:
 
 
 class UnknownAdapterError(ValueError):
-    """A request named an adapter that is not registered; the message lists the known ones."""
+    """A request named an adapter that is not registered. `known` holds the registered names for the
+    caller; the message never lists them (it reaches HTTP clients, one tenant must not see another's)."""
 
     def __init__(self, name: str, known: Iterable[str], hint: str = "") -> None:
         self.name = name
         self.known = sorted(known)
         self.hint = hint
-        listed = ", ".join(repr(k) for k in self.known) if self.known else "none"
-        super().__init__(f"unknown adapter {name!r}; known adapters: {listed}" + (f" ({hint})" if hint else ""))
+        super().__init__(f"unknown adapter {name!r}: no adapter of that name is registered" +
+                         (f" ({hint})" if hint else ""))
 
     def __reduce__(self):  # noqa: ANN204 - rebuilt from its fields (it crosses the engine process's pipe)
         return (UnknownAdapterError, (self.name, self.known, self.hint))

@@ -101,6 +101,26 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
 _NULL_IS_DEFAULT = ("head_dim", "sliding_window_pattern", "rope_theta", "rope_local_base_freq", "hidden_activation")
 
 
+class ModelConfigError(ValueError):
+    """A model's JSON file (config.json, generation_config.json) is unreadable; the message names it."""
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """The JSON object in `path` (UTF-8). ModelConfigError naming the file when it is not UTF-8,
+    not JSON, or JSON that is not an object (a list, a number): never a traceback from deeper in."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ModelConfigError(f"{path} is not UTF-8 text (byte {exc.start}): not a JSON file") from None
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelConfigError(f"{path} holds a JSON {type(value).__name__}, not an object: not a model "
+                               "configuration") from None
+    return value
+
+
 @dataclass(frozen=True)
 class RopeArgs:
     """RoPE base and scaling. `scaling_type` is 'default' when there is no scaling."""
@@ -204,7 +224,7 @@ class ModelArgs:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model dir")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_json_object(path))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
@@ -560,7 +580,7 @@ def eos_token_ids(model_dir: Path, args: ModelArgs) -> tuple[int, ...]:
     ids = list(args.eos_token_ids)
     gen = Path(model_dir) / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = read_json_object(gen).get("eos_token_id")
         for t in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
             if int(t) not in ids:
                 ids.append(int(t))

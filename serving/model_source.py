@@ -10,13 +10,14 @@ model that needs remote code, since this server never executes it.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from serving.config import OPT_ML_MODEL, ServingConfig
+from serving.download_paths import S3_BUCKET, UnsafePathError, check_names, check_tree, destination
 from serving.gguf_convert import GGUFConversionError, gguf_model_dir, is_gguf_source
 
 logger = logging.getLogger("serving.model_source")
@@ -69,9 +70,12 @@ def check_no_remote_code(path: Path, trust_remote_code: bool) -> None:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelSourceError(f"{path} has no config.json: not a Hugging Face model directory")
-    cfg = json.loads(cfg_file.read_text())
-    from serving.model_config import UnsupportedModelError, check_supported
+    from serving.model_config import ModelConfigError, UnsupportedModelError, check_supported, read_json_object
 
+    try:
+        cfg = read_json_object(cfg_file)
+    except ModelConfigError as exc:
+        raise ModelSourceError(str(exc)) from None
     try:
         check_supported(cfg)
     except UnsupportedModelError as exc:
@@ -90,23 +94,39 @@ def _split_s3(uri: str) -> tuple[str, str]:
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise ModelSourceError(f"invalid S3 URI {uri!r}: expected s3://bucket/prefix")
+    if not S3_BUCKET.fullmatch(bucket):
+        raise ModelSourceError(f"invalid S3 URI {uri!r}: bucket name {bucket!r} is not a valid S3 bucket name")
     return bucket, prefix
+
+
+def s3_destination(uri: str, cache_dir: Path) -> Path:
+    """Where `s3://bucket/prefix` is mirrored: `cache_dir/s3/bucket/prefix`, checked to stay below
+    `cache_dir` (a prefix with '..', '.' or empty segments is refused, naming it)."""
+    bucket, prefix = _split_s3(uri)
+    name = f"s3/{bucket}" + (f"/{prefix.rstrip('/')}" if prefix.rstrip("/") else "")
+    try:
+        return destination(cache_dir, name, f"S3 prefix of {uri!r}:")
+    except UnsafePathError as exc:
+        raise ModelSourceError(str(exc)) from None
 
 
 def download_s3(uri: str, cache_dir: Path, *, endpoint_url: str | None = None, max_workers: int = 8,
                 client: object | None = None) -> Path:
     """Mirror `s3://bucket/prefix` into `cache_dir/s3/bucket/prefix`; returns that directory.
 
+    Every key is checked before anything is written (`serving/download_paths.py`): a key that is
+    absolute, holds '..', '.' or empty segments, names this mirror's bookkeeping directory, or
+    resolves outside the mirror (a symlink in the tree) fails the whole download, naming the key.
     Files already present with the same size (and the same ETag, when we recorded one) are
     skipped; each file is written to a temp name and renamed, so an interrupted run resumes.
     """
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
+    dest = s3_destination(uri, cache_dir)
     bucket, prefix = _split_s3(uri)
     if prefix and not prefix.endswith("/"):
         prefix += "/"
-    dest = cache_dir / "s3" / bucket / prefix.rstrip("/")
     s3 = client or boto3.session.Session().client("s3", endpoint_url=endpoint_url)
     try:
         objects = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
@@ -115,17 +135,19 @@ def download_s3(uri: str, cache_dir: Path, *, endpoint_url: str | None = None, m
         raise ModelSourceError(f"cannot list {uri}: {exc}") from None
     if not objects:
         raise ModelSourceError(f"no objects under {uri}")
+    targets = _checked_targets(uri, dest, prefix, [o["Key"] for o in objects])
+    tmp_dir = dest / _META_DIR / "tmp"
 
     def fetch(obj: dict) -> bool:
-        rel = obj["Key"][len(prefix):]
-        target = dest / rel
+        rel, target = targets[obj["Key"]]
         meta = dest / _META_DIR / (rel + ".etag")
         etag = obj.get("ETag", "").strip('"')
         if target.is_file() and target.stat().st_size == obj["Size"] and (
                 not meta.is_file() or meta.read_text() == etag):
             return False
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".part")
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_dir / f"{uuid.uuid4().hex}.part"  # never a key's name: keys under _META_DIR are refused
         s3.download_file(bucket, obj["Key"], str(tmp))
         os.replace(tmp, target)
         meta.parent.mkdir(parents=True, exist_ok=True)
@@ -141,6 +163,24 @@ def download_s3(uri: str, cache_dir: Path, *, endpoint_url: str | None = None, m
     return dest
 
 
+def _checked_targets(uri: str, dest: Path, prefix: str, keys: list[str]) -> dict[str, tuple[str, Path]]:
+    """{key: (name below the prefix, local path)}, every one checked to land inside `dest`; the
+    first key that would not fails the download (ModelSourceError naming it), before any write."""
+    out: dict[str, tuple[str, Path]] = {}
+    try:
+        for key in keys:
+            rel = key[len(prefix):]
+            what = f"S3 key {key!r} of {uri}: name"
+            if rel.split("/", 1)[0] == _META_DIR:
+                raise UnsafePathError(f"{what} {rel!r} is inside this mirror's bookkeeping directory {_META_DIR}: "
+                                      "refused")
+            out[key] = (rel, destination(dest, rel, what))
+        check_names(keys, f"S3 key of {uri}:")  # keys share the prefix: a clash of names is one of keys
+    except UnsafePathError as exc:
+        raise ModelSourceError(str(exc)) from None
+    return out
+
+
 # ---- Hugging Face hub --------------------------------------------------------------------------
 
 def download_hub(repo_id: str, revision: str | None, token: str | None, cache_dir: Path) -> Path:
@@ -151,13 +191,19 @@ def download_hub(repo_id: str, revision: str | None, token: str | None, cache_di
         except ImportError:
             resolve_model_dir = None
         if resolve_model_dir is not None:
-            return Path(resolve_model_dir(repo_id, revision=revision, token=token, cache_dir=str(cache_dir)))
-        from huggingface_hub import snapshot_download
+            path = Path(resolve_model_dir(repo_id, revision=revision, token=token, cache_dir=str(cache_dir)))
+        else:
+            from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=_HUB_PATTERNS,
-                                      cache_dir=str(cache_dir)))
+            path = Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=_HUB_PATTERNS,
+                                          cache_dir=str(cache_dir)))
     except Exception as exc:  # noqa: BLE001 - offline, 401, 404, DNS: all become one clear message
         raise ModelSourceError(
             f"cannot fetch model {repo_id!r} (revision {revision or 'main'}) from the Hugging Face hub: "
             f"{type(exc).__name__}: {exc}. Check HF_MODEL_ID, HF_TOKEN and network access, or point "
             f"HF_MODEL_ID at a local directory or an s3:// prefix.") from None
+    try:  # the hub client checks file names itself; this says so of the finished snapshot too
+        check_tree(path, cache_dir, f"hub model {repo_id!r}: file")
+    except UnsafePathError as exc:
+        raise ModelSourceError(str(exc)) from None
+    return path

@@ -10,10 +10,11 @@ No torch here: the config layer and the sizing tools import it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from serving.model_config import read_json_object
 
 QuantMethod = Literal["gptq", "awq", "fp8", "compressed-tensors"]  # the last: pack-quantized int weights
 
@@ -116,7 +117,7 @@ def checkpoint_quant_dict(model_dir: str | Path, config: dict[str, Any]) -> tupl
         return qc, "config.json quantization_config"
     path = Path(model_dir) / "quantize_config.json"  # AutoGPTQ's file, on older hub checkpoints
     if path.is_file():
-        d = json.loads(path.read_text())
+        d = read_json_object(path)
         return {"quant_method": "gptq", **d}, "quantize_config.json"
     return None, ""
 
@@ -282,7 +283,7 @@ def startup_summary(model_id: str | None, option: str | None) -> str:
     if not (path / "config.json").is_file():
         return f"option.quantize={option or 'unset'}; the checkpoint's quantization_config is checked when it is fetched"
     try:
-        quant = resolve_quantization(path, json.loads((path / "config.json").read_text()), option)
+        quant = resolve_quantization(path, read_json_object(path / "config.json"), option)
     except (QuantizationError, ValueError) as exc:
         return f"the model will not load: {exc}"
     return "unquantized" if quant is None else f"{quant.describe()} (from {quant.source})"

@@ -12,8 +12,8 @@ allocates it once: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_d
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from serving.engine_config import CacheConfig, EngineConfig
 from serving.model_files import resolve_model_dir
 from serving.executor.models import build_model
 from serving.executor import parallel
-from serving.model_config import check_supported, eos_token_ids
+from serving.model_config import check_supported, eos_token_ids, read_json_object
 from serving.model_config import ModelArgs
 from serving.executor.sampler import Sampler, generator_seed, to_device
 from serving.executor.batch_state import BatchState, WorkerSeq
@@ -64,24 +64,25 @@ class ModelRunner:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.model_dir = Path(model_dir) if model_dir is not None else resolve_model_dir(config.model, config.revision)
-        raw = json.loads((self.model_dir / "config.json").read_text())
+        raw = read_json_object(self.model_dir / "config.json")
         check_supported(raw)
         self.model_args = args = ModelArgs.from_dict(raw)
         self.device = device if device is not None else pick_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = _pick_dtype(config.dtype, args.torch_dtype, self.device)
-        self.max_model_len = _max_model_len(config.max_model_len, args)
-        self.max_num_batched_tokens = config.token_budget(self.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_dir, args)
         self.block_size = config.block_size
         self.vocab_size = args.vocab_size
         self.num_kv_heads = parallel.kv_heads_per_rank(args, world_size, rank)
+        self.max_model_len = _max_model_len(config.max_model_len, args, self._kv_tokens_in_device_memory())
+        self.max_num_batched_tokens = config.token_budget(self.max_model_len)
         self.batch = BatchState(config.max_num_seqs, min(1024, -(-self.max_model_len // self.block_size)), self.device)
         self._prev: StepOutput | None = None
         self._deferred: tuple | None = None  # a launched step waiting for its guided masks
         self.quant = resolve_quantization(self.model_dir, raw, config.quantization)
         check_device(self.quant, self.device)
+        # RoPE caches hold max_model_len rows (context_len); frequencies still follow the config's maximum.
         self.model = build_model(args, self.dtype, self.device, max(self.max_model_len, args.max_position_embeddings),
                                  quant=self.quant, context_len=self.max_model_len)
         if config.load_format == "dummy":
@@ -130,6 +131,15 @@ class ModelRunner:
         a = self.model_args
         elem = torch.empty(0, dtype=self.dtype).element_size()
         return 2 * a.num_hidden_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
+
+    def _kv_tokens_in_device_memory(self) -> int:
+        """Tokens whose KV would fill the whole device (GPU memory, or the host's RAM on the CPU):
+        no sequence can be longer, whatever the config's max_position_embeddings says."""
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return max(1, total // self.kv_block_bytes()) * self.block_size
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
@@ -443,8 +453,16 @@ def _pick_dtype(option: str, model_dtype: str | None, device: torch.device) -> t
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
-def _max_model_len(option: int | None, args: ModelArgs) -> int:
+def _max_model_len(option: int | None, args: ModelArgs, memory_tokens: int) -> int:
+    """option.max_model_len, else the config's max_position_embeddings, capped at `memory_tokens`
+    (the longest sequence whose KV fits the device): a config claiming 10**12 positions must not
+    size RoPE tables and block tables for them."""
     limit = args.max_position_embeddings
     if option is not None and option > limit:
         raise ValueError(f"max_model_len {option} exceeds the model's max_position_embeddings {limit}")
+    if option is None and limit > memory_tokens:
+        logger.warning("max_position_embeddings=%d is more tokens than the KV cache of one sequence could hold in "
+                       "this device's memory (%d): serving max_model_len=%d (set option.max_model_len to choose)",
+                       limit, memory_tokens, memory_tokens)
+        return memory_tokens
     return option or limit

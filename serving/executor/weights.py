@@ -20,7 +20,8 @@ Quantized layers: their tensors (qweight, scales, weight_scale, ...) load like a
 their loaders; a parameter marked `optional_in_checkpoint` may be absent (GPTQ's g_idx without
 desc_act, fp8 input scales); after loading (or the dummy fill, which draws packed int32 words and
 positive scales through each parameter's `fill_dummy`) every quantized layer converts its tensors
-to the kernels' layout once (`quant.process_weights_after_loading`).
+to the kernels' layout once (`quant.process_weights_after_loading`). Before that, a parameter
+holding NaN or Inf fails the load naming its checkpoint tensors (`finite_weights.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from serving.executor.finite_weights import check_finite
 from serving.executor.models.layers import TensorSlice
 from serving.executor.quant import process_weights_after_loading
 
@@ -89,9 +91,11 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     rename = getattr(model, "checkpoint_name", None)  # a model whose checkpoint nests or adds modules
     transform = getattr(model, "checkpoint_tensor", None)  # a model whose checkpoint lays a tensor out otherwise
     filled: dict[str, set[str | None]] = {}
+    loads: dict[str, list[tuple[str | None, str]]] = {}  # our parameter -> (shard, checkpoint tensor) loaded into it
     unexpected: list[str] = []
     with torch.no_grad():
         for name, loaded in iterate_checkpoint(model_dir):
+            checkpoint_name = name
             if rename is not None and (name := rename(name)) is None:
                 continue  # a tensor of a part this model does not run (a vision tower)
             if name.endswith(_SKIP_SUFFIXES) or (tied and name.startswith("lm_head.")):
@@ -112,6 +116,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             except ValueError as e:
                 raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
             filled.setdefault(target, set()).add(shard)
+            loads.setdefault(target, []).append((shard, checkpoint_name))
     if unexpected:
         raise ValueError(f"checkpoint has tensors the model does not expect: {unexpected[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''}")
@@ -119,8 +124,27 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                if not _complete(model, n, filled.get(n)) and not getattr(p, "optional_in_checkpoint", False)]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    check_finite(_loaded_regions(model, params, loads), str(model_dir))
     process_weights_after_loading(model)
     logger.info("loaded %d tensors from %s in %.2f s", len(params), model_dir, time.monotonic() - t0)
+
+
+def _loaded_regions(model: nn.Module, params: dict[str, nn.Parameter],
+                    loads: dict[str, list[tuple[str | None, str]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint tensor, what it filled) for the NaN/Inf check: the rows of its part in a packed
+    parameter (q_proj's rows of qkv_proj), else the whole parameter once, named by all it holds."""
+    for target, items in loads.items():
+        param = params[target]
+        offsets = getattr(model.get_submodule(target.rsplit(".", 1)[0]), "shard_offsets", None) \
+            if "." in target else None
+        rows = sum(size for _, size in offsets.values()) if offsets else None
+        if offsets and param.dim() and param.shape[0] == rows and all(
+                shard is not None and str(shard) in offsets for shard, _ in items):
+            for shard, name in items:
+                offset, size = offsets[str(shard)]
+                yield name, param.detach().narrow(0, offset, size)
+        else:
+            yield ", ".join(name for _, name in items), param
 
 
 def _complete(model: nn.Module, name: str, shards: set[str | None] | None) -> bool:

@@ -3,7 +3,9 @@
 `AdapterRegistry` keeps what the server registered on the engine (name -> source) and is the
 one writer of adapters: at start (`<model dir>/adapters/<name>/`, before /ping turns 200) and
 through DJL's management API (`POST|GET /models/{model}/adapters`, `GET|DELETE
-/models/{model}/adapters/{name}`; `management_*` below build its answers). `select_adapters`
+/models/{model}/adapters/{name}`; `management_*` below build its answers), which is off unless the
+operator allows sources (`serving/adapter_allowlist.py`); API registrations are journaled so a
+replaced worker registers them again (`serving/server/adapter_journal.py`). `select_adapters`
 merges the three ways a request names an adapter: the `adapter` custom attribute (SageMaker's
 way), LMI's body field `adapters`, and on `/v1/*` the `model` field (vLLM's way).
 """
@@ -16,10 +18,12 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from serving.adapter_allowlist import SourceNotAllowed, check_allowed
 from serving.adapter_source import check_adapter_name, fetch_adapter, find_adapters
 from serving.config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.lora_request import LoRARequest
+from serving.server.adapter_journal import AdapterJournal
 from serving.server.protocol import GenerateRequest
 
 logger = logging.getLogger("serving.server.adapters")
@@ -53,9 +57,10 @@ class AdapterRegistry:
     """The adapters registered on the engine. Registrations and removals are serialized; readers
     never wait (they read the current mapping)."""
 
-    def __init__(self, engine: EngineClient, config: ServingConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServingConfig, journal: AdapterJournal | None = None) -> None:
         self.engine = engine
         self.config = config
+        self.journal = journal  # API registrations, for a worker that replaces this one
         self._adapters: dict[str, Adapter] = {}
         self._write = threading.Lock()
         self._next_id = 1
@@ -82,13 +87,13 @@ class AdapterRegistry:
         return names
 
     def unknown(self, name: str) -> AdapterNotFound:
-        """The 404 of a request naming `name`, which is not registered: the known names, and why
-        there are none when LoRA is off. Never the base model in its place."""
+        """The 404 of a request naming `name`, which is not registered, and why none are when LoRA is
+        off. Never the base model in its place, and never the names that are registered: a client
+        of one adapter (one tenant) does not learn the others'."""
         if not self.enabled:
             return AdapterNotFound(f"unknown adapter {name!r}: LoRA adapters are not enabled on this server "
-                                   "(set OPTION_ENABLE_LORA=true / option.enable_lora=true); known adapters: none")
-        known = ", ".join(repr(n) for n in self.names()) or "none"
-        return AdapterNotFound(f"unknown adapter {name!r}; known adapters: {known} (the base model, "
+                                   "(set OPTION_ENABLE_LORA=true / option.enable_lora=true)")
+        return AdapterNotFound(f"unknown adapter {name!r}: no adapter of that name is registered (the base model, "
                                f"{self.config.served_model_name!r}, is used when no adapter is named)")
 
     def register(self, name: str, src: str) -> Adapter:
@@ -96,12 +101,7 @@ class AdapterRegistry:
 
         Raises AdapterConflict (the name is taken), ValueError (bad name, source or weights; the
         engine's own message for weights that do not fit the base model)."""
-        if not self.enabled:
-            raise ValueError("LoRA is not enabled: start the server with OPTION_ENABLE_LORA=true "
-                             "(option.enable_lora=true) to register adapters")
-        check_adapter_name(name)
-        if name in self.base_names():
-            raise ValueError(f"adapter name {name!r} is the base model's name: choose another")
+        self._check_new_name(name)
         with self._write:
             if name in self._adapters:
                 raise AdapterConflict(f"adapter {name!r} is already registered (from {self._adapters[name].src}); "
@@ -117,6 +117,26 @@ class AdapterRegistry:
         logger.info("adapter %s registered from %s", name, src)
         return adapter
 
+    def _check_new_name(self, name: str) -> None:
+        """ValueError unless LoRA is on and `name` may name an adapter."""
+        if not self.enabled:
+            raise ValueError("LoRA is not enabled: start the server with OPTION_ENABLE_LORA=true "
+                             "(option.enable_lora=true) to register adapters")
+        check_adapter_name(name)
+        if name in self.base_names():
+            raise ValueError(f"adapter name {name!r} is the base model's name: choose another")
+
+    def register_from_client(self, name: str, src: str) -> Adapter:
+        """`register` for the management API: `src` must lie under the operator's allow-list
+        (SourceNotAllowed, HTTP 403, otherwise), and the registration is recorded so that a worker
+        replacing this one registers it again (`serving/server/adapter_journal.py`)."""
+        self._check_new_name(name)  # 400 for a bad name before 403 for a source
+        check_allowed(src, self.config.runtime_adapter_sources)
+        adapter = self.register(name, src)
+        if self.journal is not None:
+            self.journal.record(name, src)
+        return adapter
+
     def unregister(self, name: str) -> Adapter:
         """Remove `name`: new requests on it get 404; requests already running on it finish on it."""
         with self._write:
@@ -125,17 +145,18 @@ class AdapterRegistry:
                 raise AdapterNotFound(f"The adapter {name} was not found")
             self._adapters = {k: v for k, v in self._adapters.items() if k != name}
             self.engine.remove_lora(name)
+            if self.journal is not None:
+                self.journal.forget(name)
         logger.info("adapter %s unregistered", name)
         return adapter
 
     def register_startup(self, model_dir: object) -> list[str]:
-        """Register every adapter under `<model_dir>/adapters/` (LMI's start-up layout); the first
-        that fails raises with its name (the start fails, as LMI's does). Without
-        option.enable_lora they are listed in a warning and left alone."""
+        """Register every adapter under `<model_dir>/adapters/` (LMI's start-up layout), then those
+        this server run registered through the API before this worker replaced a dead one (its
+        journal). The first that fails raises with its name (the start fails, as LMI's does).
+        Without option.enable_lora they are listed in a warning and left alone."""
         found = find_adapters(Path(model_dir)) if model_dir is not None else {}
-        if not found:
-            return []
-        if not self.enabled:
+        if found and not self.enabled:
             logger.warning("%d adapter(s) under %s/adapters are ignored because LoRA is off (%s): set "
                            "OPTION_ENABLE_LORA=true to serve them", len(found), model_dir, ", ".join(found))
             return []
@@ -144,9 +165,29 @@ class AdapterRegistry:
                 self.register(name, str(path))
             except ValueError as exc:  # AdapterSourceError, AdapterConflict, the engine's refusal
                 raise StartupAdapterError(f"cannot register adapter {name!r} found at start in {path}: {exc}") from None
-        logger.info("%d adapter(s) registered at start from %s/adapters: %s", len(found), model_dir,
-                    ", ".join(found))
-        return list(found)
+        if found:
+            logger.info("%d adapter(s) registered at start from %s/adapters: %s", len(found), model_dir,
+                        ", ".join(found))
+        restored = [name for name, src in (self.journal.entries() if self.journal and self.enabled else [])
+                    if self._restore(name, src)]
+        if restored:
+            logger.info("%d adapter(s) registered again after a worker restart (registered through the API "
+                        "earlier in this server run): %s", len(restored), ", ".join(restored))
+        return list(found) + restored
+
+    def _restore(self, name: str, src: str) -> bool:
+        """Register again an adapter the journal lists (False: already registered, as a start-up one)."""
+        if name in self._adapters:
+            logger.warning("adapter %s from %s, registered through the API earlier, is now a start-up adapter: "
+                           "kept as that", name, src)
+            return False
+        try:
+            check_allowed(src, self.config.runtime_adapter_sources)
+            self.register(name, src)
+        except (ValueError, SourceNotAllowed) as exc:
+            raise StartupAdapterError(f"cannot register again adapter {name!r} (registered through the API from "
+                                      f"{src} before this worker restarted): {exc}") from None
+        return True
 
 
 # ---- which adapter a request runs on -----------------------------------------------------------

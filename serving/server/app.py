@@ -2,9 +2,9 @@
 
 Routes: `GET /ping`, `POST /invocations` (LMI, TGI-compat and chat bodies), `GET /v1/models`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `POST /generate` (vLLM's legacy api_server),
-`GET /metrics`, and DJL's management API for LoRA adapters (`GET /models`, `GET|POST
+`GET /metrics`, `GET /models`, and DJL's management API for LoRA adapters (`GET|POST
 /models/{model}/adapters`, `GET|DELETE /models/{model}/adapters/{name}`; `/adapters[/{name}]` for
-the one model). Parsing is in `serving/server/protocol.py`, output bytes in
+the one model), which answers 403 unless the operator sets option.runtime_adapter_sources. Parsing is in `serving/server/protocol.py`, output bytes in
 `serving/server/formatters.py`, engine interaction in `serving/server/request_runner.py`, adapters
 in `serving/server/adapters.py`. Errors are `{"error", "code"}` JSON with a 4xx/5xx status (LMI's) on
 `/invocations`, OpenAI's `{"error": {"message", "type", "param", "code"}}` on `/v1/*` and `/generate`.
@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from serving.adapter_allowlist import SourceNotAllowed, management_on
 from serving.config import ServingConfig
 from serving.server.access_log import RequestRecord
 from serving.server.admission import Admission, Health
@@ -28,6 +29,7 @@ from serving.server.disconnect import probe_from_environ
 from serving.server.formatters import openai_error
 from serving.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.server.metrics import Metrics
+from serving.server.adapter_journal import AdapterJournal
 from serving.server.adapters import (
     AdapterConflict,
     AdapterNotFound,
@@ -90,7 +92,7 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
     metrics = Metrics(lambda: _stats(engine_loop), lambda: runner.inflight if runner else 0)
     runner = RequestRunner(engine_loop, config, metrics)
     app.extensions["runner"] = runner
-    adapters = AdapterRegistry(engine_loop, config)
+    adapters = AdapterRegistry(engine_loop, config, AdapterJournal(config.download_dir))
     app.extensions["adapters"] = adapters
 
     def route_of(method: str, path: str) -> str:
@@ -186,8 +188,13 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
 
     def management(route: str, model: str | None, call: Callable[[], tuple[int, dict]],
                    needs_engine: bool = False) -> Response:
-        """One management-API call: DJL's statuses (404 unknown model or adapter, 409 a name taken,
+        """One management-API call: 403 unless the operator set option.runtime_adapter_sources (or
+        for a `src` outside it), then DJL's statuses (404 unknown model or adapter, 409 a name taken,
         400 bad parameters or LoRA off) in this server's error shape."""
+        try:
+            management_on(config.runtime_adapter_sources)  # off unless the operator allows sources: 403
+        except SourceNotAllowed as exc:
+            return error(403, str(exc), route)
         busy = not_ready(route) if needs_engine else None
         if busy is not None:
             return busy
@@ -200,6 +207,8 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             return error(404, str(exc), route)
         except AdapterConflict as exc:
             return error(409, str(exc), route)
+        except SourceNotAllowed as exc:
+            return error(403, str(exc), route)
         except ValueError as exc:
             return error(400, str(exc), route)
         metrics.observe_request(route, status)
@@ -236,7 +245,7 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             if request.method == "GET":
                 return 200, list_page(adapters, request.args.get("limit"), request.args.get("next_page_token"))
             name, src = register_params(route)
-            adapters.register(name, src)
+            adapters.register_from_client(name, src)
             return 200, {"status": f"Adapter {name} registered"}
         return management(route, model, call, needs_engine=request.method == "POST")
 
@@ -247,6 +256,7 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             lora_on()
             if request.method == "DELETE":
                 adapters.unregister(name)
+                metrics.forget_adapter(name)  # its series goes too: names never pile up as labels
                 return 200, {"status": f"Adapter {name} unregistered"}
             adapter = adapters.get(name)
             if adapter is None:

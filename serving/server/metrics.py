@@ -82,6 +82,13 @@ class Metrics:
                                         registry=self.registry)
         self.registry.register(_EngineCollector(stats, inflight))
 
+    def forget_adapter(self, name: str) -> None:
+        """Drop the series of an adapter that was unregistered (no-op when it never served)."""
+        try:
+            self.adapter_requests.remove(name)
+        except KeyError:
+            pass
+
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 

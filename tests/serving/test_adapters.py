@@ -4,6 +4,7 @@ attribute, body `adapters`, /v1 `model`), the 404 with the known names, DJL's ma
 
 import json
 import logging
+import shutil
 
 import boto3
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from fake_engine_loop import FakeEngineLoop
 from serving.adapter_source import AdapterSourceError, fetch_adapter, find_adapters
 from serving.config import load_config
+from serving.config_keys import ConfigError
+from serving.server.adapter_journal import AdapterJournal
 from serving.server.adapters import AdapterRegistry, StartupAdapterError, header_adapter
 from serving.server.app import create_app
 
@@ -27,7 +30,7 @@ def peft_dir(path):
 def make(tmp_path, lora=True, adapters=("a1", "a2"), **env):
     loop = FakeEngineLoop()
     env = {"OPTION_ENABLE_LORA": str(lora).lower(), "SERVING_DOWNLOAD_DIR": str(tmp_path / "dl"),
-           "OPTION_SERVED_MODEL_NAME": "base", **env}
+           "OPTION_SERVED_MODEL_NAME": "base", "OPTION_RUNTIME_ADAPTER_SOURCES": str(tmp_path), **env}
     app = create_app(loop, load_config(env, []))
     if lora:
         for name in adapters:
@@ -100,7 +103,8 @@ def test_unknown_adapter_is_404_with_known_names_never_the_base(tmp_path):
         r = client.post(path, json=body, headers=headers)
         message = r.json["error"]["message"] if path.startswith("/v1") else r.json["error"]
         assert r.status_code == 404, (path, r.json)
-        assert message.startswith("unknown adapter 'nope'; known adapters: 'a1', 'a2'"), message
+        assert message.startswith("unknown adapter 'nope': no adapter of that name is registered"), message
+        assert "a1" not in message and "a2" not in message  # one tenant never learns the others' names
     assert loop.lora_names == []  # nothing ran, on the base model or any other
     _, off = make(tmp_path / "off", lora=False)
     r = off.post("/v1/completions", json={"model": "llama-2-13b-chat-hf", "prompt": "x", "max_tokens": 1})
@@ -137,7 +141,7 @@ def test_management_api(tmp_path):
     r = client.delete("/models/base/adapters/n1")
     assert r.status_code == 200 and r.json == {"status": "Adapter n1 unregistered"} and "n1" not in loop.loras
     r = client.post("/invocations", json={"inputs": "x"}, headers={HEADER: "adapter=n1"})
-    assert r.status_code == 404 and "known adapters: 'n2'" in r.json["error"]
+    assert r.status_code == 404 and "unknown adapter 'n1'" in r.json["error"] and "n2" not in r.json["error"]
     assert client.get("/models").json == {"models": [{"modelName": "base", "modelUrl": "", "status": "READY"}]}
 
 
@@ -148,7 +152,10 @@ def test_management_api(tmp_path):
     ("POST", "/models/base/adapters?name=base&src=/tmp", 400, "the base model's name"),
     ("POST", "/models/base/adapters?name=a1&src={tmp}/a2", 409, "already registered"),
     ("POST", "/models/base/adapters?name=z&src={tmp}/missing", 400, "is not a directory"),
-    ("POST", "/models/base/adapters?name=z&src=https://x/y", 400, "neither a local directory nor an s3://"),
+    ("POST", "/models/base/adapters?name=z&src=https://x/y", 403, "not under any of the places "
+                                                                    "OPTION_RUNTIME_ADAPTER_SOURCES"),
+    ("POST", "/models/base/adapters?name=z&src=/tmp", 403, "'/tmp' is not under any of the places"),
+    ("POST", "/models/base/adapters?name=z&src={tmp}/../x", 403, "is not under any of the places"),
     ("POST", "/models/other/adapters?name=z&src={tmp}/a2", 404, "The model other was not found"),
     ("GET", "/models/base/adapters/zz", 404, "The adapter zz was not found"),
     ("DELETE", "/adapters/zz", 404, "The adapter zz was not found"),
@@ -233,7 +240,8 @@ def test_adapters_from_s3(s3_endpoint, tmp_path):
     assert (path / "adapter_model.safetensors").read_bytes() == b"w2"
     with pytest.raises(AdapterSourceError, match="adapter 'x': no objects under s3://lora-test/none"):
         fetch_adapter("x", "s3://lora-test/none/", tmp_path, endpoint_url=s3_endpoint)
-    loop, client = make(tmp_path / "http", adapters=(), AWS_ENDPOINT_URL_S3=s3_endpoint)  # through the API
+    loop, client = make(tmp_path / "http", adapters=(), AWS_ENDPOINT_URL_S3=s3_endpoint,  # through the API
+                        OPTION_RUNTIME_ADAPTER_SOURCES="s3://lora-test/loras")
     r = client.post("/models/base/adapters?name=chat&src=s3://lora-test/loras/chat")
     assert r.status_code == 200 and loop.loras["chat"].lora_path == str(tmp_path / "http/dl/s3/lora-test/loras/chat")
     assert client.get("/adapters/chat").json == {"name": "chat", "src": "s3://lora-test/loras/chat"}
@@ -254,3 +262,83 @@ def test_ping_is_200_only_once_start_up_adapters_are_registered():
     served.startup_error = StartupAdapterError("cannot register adapter 'x' found at start in /m/adapters/x: ...")
     r = client.get("/ping")
     assert r.status_code == 500 and "cannot register adapter 'x'" in r.json["error"]
+
+
+def test_management_api_is_403_unless_the_operator_allows_sources(tmp_path):
+    loop, client = make(tmp_path, adapters=(), OPTION_RUNTIME_ADAPTER_SOURCES="")  # the default: unset
+    src = peft_dir(tmp_path / "ok")
+    for method, path in [("POST", f"/models/base/adapters?name=n&src={src}"), ("POST", f"/adapters?name=n&src={src}"),
+                         ("GET", "/adapters"), ("GET", "/models/base/adapters"), ("GET", "/adapters/n"),
+                         ("DELETE", "/models/base/adapters/n")]:
+        r = client.open(path, method=method)
+        assert r.status_code == 403 and "OPTION_RUNTIME_ADAPTER_SOURCES" in r.json["error"], (path, r.json)
+    assert loop.loras == {} and not (tmp_path / "dl").exists()
+    registry = AdapterRegistry(FakeEngineLoop(), load_config({"OPTION_ENABLE_LORA": "true"}, []))
+    peft_dir(tmp_path / "model" / "adapters" / "s1")
+    assert registry.register_startup(tmp_path / "model") == ["s1"]  # start-up adapters need no option
+
+
+def test_allow_list_is_enforced(tmp_path):
+    allowed = tmp_path / "allowed"
+    peft_dir(allowed / "a")
+    peft_dir(tmp_path / "elsewhere" / "b")
+    (allowed / "link").symlink_to(tmp_path / "elsewhere" / "b", target_is_directory=True)  # points out
+    peft_dir(tmp_path / "allowed-not" / "c")  # a sibling whose name starts like the allowed dir
+    loop, client = make(tmp_path, adapters=(), OPTION_RUNTIME_ADAPTER_SOURCES=f"{allowed},s3://bkt/loras")
+    assert client.post(f"/adapters?name=a&src={allowed / 'a'}").status_code == 200
+    for src in [tmp_path / "elsewhere" / "b", allowed / "link", f"{allowed}/../elsewhere/b",
+                tmp_path / "allowed-not" / "c", "s3://bkt/loras-evil/x", "s3://bkt/loras/../../x", "s3://other/loras",
+                "s3://bkt/loras//x", "file:///etc", "~/x"]:
+        r = client.post("/adapters", query_string={"name": "x", "src": str(src)})
+        assert r.status_code == 403 and "OPTION_RUNTIME_ADAPTER_SOURCES" in r.json["error"], (src, r.json)
+    assert list(loop.loras) == ["a"]
+    with pytest.raises(ConfigError, match="OPTION_RUNTIME_ADAPTER_SOURCES='relative/dir' is invalid"):
+        load_config({"OPTION_RUNTIME_ADAPTER_SOURCES": "relative/dir"}, [])
+    with pytest.raises(ConfigError, match="has an empty, '.' or '..' segment"):
+        load_config({"OPTION_RUNTIME_ADAPTER_SOURCES": "s3://b/x/../y"}, [])
+
+
+def test_adapters_registered_through_the_api_come_back_in_a_replacing_worker(tmp_path, caplog):
+    """A worker that replaces a dead one registers, behind /ping's 503, the adapters this server run
+    registered over HTTP (and not those deleted); one whose source is gone fails the start, named."""
+    loop, client = make(tmp_path, adapters=())
+    for name in ("k1", "k2", "k3"):
+        assert client.post(f"/adapters?name={name}&src={peft_dir(tmp_path / name)}").status_code == 200
+    assert client.delete("/adapters/k2").status_code == 200
+    config = client.application.extensions["adapters"].config
+    fresh = FakeEngineLoop()  # the new worker's engine: nothing registered on it yet
+    registry = AdapterRegistry(fresh, config, AdapterJournal(config.download_dir))
+    with caplog.at_level(logging.INFO):
+        assert registry.register_startup(None) == ["k1", "k3"]
+    assert sorted(fresh.loras) == ["k1", "k3"] and "registered again after a worker restart" in caplog.text
+    shutil.rmtree(tmp_path / "k3")
+    with pytest.raises(StartupAdapterError, match="cannot register again adapter 'k3'.*is not a directory"):
+        AdapterRegistry(FakeEngineLoop(), config, AdapterJournal(config.download_dir)).register_startup(None)
+
+
+def test_metric_series_of_a_deleted_adapter_goes(tmp_path):
+    loop, client = make(tmp_path)
+    for _ in range(3):  # register/use/delete cycles never pile up series
+        assert client.post("/invocations", json={"inputs": "x"}, headers={HEADER: "adapter=a1"}).status_code == 200
+        assert 'lmi_adapter_requests_total{adapter="a1"}' in client.get("/metrics").text
+        assert client.delete("/adapters/a1").status_code == 200
+        assert 'adapter="a1"' not in client.get("/metrics").text
+        assert client.post(f"/adapters?name=a1&src={tmp_path / 'a1'}").status_code == 200
+    assert client.delete("/adapters/a2").status_code == 200  # never served: nothing to drop
+
+
+def test_s3_adapter_keys_leaving_the_download_dir_are_refused(s3_endpoint, tmp_path):
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="lora-evil")
+    for key, data in {"x/adapter_config.json": b'{"r": 8}', "x/adapter_model.safetensors": b"w",
+                      "x/../../../../../victim": b"OVERWRITTEN by s3://lora-evil/x"}.items():
+        s3.put_object(Bucket="lora-evil", Key=key, Body=data)
+    (tmp_path / "victim").write_text("original")
+    loop, client = make(tmp_path / "srv", adapters=(), AWS_ENDPOINT_URL_S3=s3_endpoint,
+                        OPTION_RUNTIME_ADAPTER_SOURCES="s3://lora-evil")
+    r = client.post("/adapters?name=x&src=s3://lora-evil/x")
+    assert r.status_code == 400 and "S3 key 'x/../../../../../victim'" in r.json["error"], r.json
+    r = client.post("/adapters?name=y&src=s3://lora-evil/../../../victim")
+    assert r.status_code == 403, r.json
+    assert (tmp_path / "victim").read_text() == "original" and loop.loras == {}
+    assert not (tmp_path / "srv" / "dl").exists() or not any(p.is_file() for p in (tmp_path / "srv" / "dl").rglob("*"))

@@ -1,6 +1,7 @@
 """load_config: LMI precedence, name mapping, TGI aliases, and every invalid-value message."""
 
 import logging
+import re
 
 import pytest
 
@@ -324,3 +325,10 @@ def test_max_cpu_loras_below_max_loras_names_both():
     with pytest.raises(ConfigError, match=r"env OPTION_MAX_CPU_LORAS: option.max_cpu_loras=2 is less than "
                                           r"option.max_loras=4 \(default\)"):
         load_config({"OPTION_MAX_CPU_LORAS": "2"}, [])
+
+
+def test_properties_file_that_is_not_utf8_names_the_file(tmp_path):
+    p = tmp_path / "serving.properties"
+    p.write_bytes(b"option.model_id=caf\xe9\noption.dtype=fp16\n")  # Latin-1, as some editors save it
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(p))} is not UTF-8 text \(byte 19"):
+        load_config({}, [p])

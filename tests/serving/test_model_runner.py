@@ -3,6 +3,8 @@ generate (batched and alone, chunked prefill), logprobs, prompt logprobs, seeds,
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from paged_driver import PagedDriver
@@ -138,3 +140,58 @@ def test_bfloat16_runs_and_stays_close(tiny_models):  # noqa: F811
     (a,) = d32.logits([(d32.add(prompt[0]), 12)]).values()
     (b,) = d16.logits([(d16.add(prompt[0]), 12)]).values()
     assert (a - b).abs().max() < 0.25 * a.abs().max()
+
+
+def _copy_with(src, dst, config_changes=None):
+    """A copy of the tiny model dir at `dst`, config.json updated with `config_changes`."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    if config_changes:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config_changes}))
+    return dst
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_or_inf_weights_are_refused_at_load_naming_the_tensor(tiny_models, tmp_path, bad):  # noqa: F811
+    from safetensors.torch import load_file, save_file
+
+    path = _copy_with(tiny_models("llama"), tmp_path / "m")
+    shard = sorted(path.glob("*.safetensors"))[-1]
+    tensors = load_file(str(shard))
+    name = sorted(n for n in tensors if n.endswith("k_proj.weight") or n.endswith("up_proj.weight"))[0]
+    tensors[name][1, 2] = bad  # one value of a packed projection (q/k/v or gate/up in one parameter)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"NaN or Inf weights in checkpoint tensor ([\w.]+): refused") as err:
+        _runner(path)
+    assert err.match(rf"in checkpoint tensor {name.replace('.', '[.]')}: refused")  # that one alone, not q/v or gate
+
+
+def test_rope_caches_are_sized_by_the_served_context_not_the_config(tiny_models, tmp_path):  # noqa: F811
+    """max_position_embeddings: 10**12 must not size anything by it (it once tried to allocate 8 TB)."""
+    path = _copy_with(tiny_models("llama"), tmp_path / "m", {"max_position_embeddings": 10**12})
+    r = _runner(path)
+    kv_token_bytes = r.kv_block_bytes() // r.block_size
+    assert r.max_model_len < 10**12 and r.max_model_len * kv_token_bytes <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")  # capped at the tokens whose KV the whole memory could hold
+    assert r.model.model.cos_sin_cache.shape[0] == r.max_model_len
+    r = _runner(path, max_model_len=96)
+    assert r.max_model_len == 96 and r.model.model.cos_sin_cache.shape[0] == 96
+    prompt = _prompts([20])[0]
+    out = PagedDriver(r).generate([prompt], GREEDY, 4)
+    assert out[0].num_output_tokens == 4  # and it serves
+
+
+def test_finite_check_covers_every_float_dtype_fp8_included():
+    from serving.executor.finite_weights import NonFiniteWeightsError, check_finite
+
+    fine = {"w8": torch.randn(100).to(torch.float8_e4m3fn), "w16": torch.randn(9, dtype=torch.bfloat16),
+            "idx": torch.arange(5), "empty": torch.empty(0)}
+    check_finite(fine.items(), "m")  # integers skipped, fp8 reduced through fp16
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32):
+        bad = torch.randn(3 * 2**24 // 2)  # FP8: more than one chunk, the NaN in the last
+        bad[-1] = float("nan")
+        with pytest.raises(NonFiniteWeightsError, match=r"in checkpoint tensor bad: refused"):
+            check_finite([*fine.items(), ("bad", bad.to(dtype))], "m")

@@ -115,12 +115,14 @@ def build_cos_sin_cache(
     rope: RopeArgs, head_dim: int, max_position: int, device: torch.device | str = "cpu",
     context_len: int | None = None,
 ) -> torch.Tensor:
-    """[max_position, rot_dim] float32: cos(pos * f) | sin(pos * f), rot_dim = head_dim * partial.
+    """[P, rot_dim] float32: cos(pos * f) | sin(pos * f), rot_dim = head_dim * partial.
 
-    `context_len`: the longest sequence served (default `max_position`); picks LongRoPE's factors."""
+    `context_len`: the longest sequence served (default `max_position`); picks LongRoPE's factors
+    and is P, the rows built (positions past it are never read): the config's `max_position`
+    only shapes the frequencies, so a config claiming 10**12 positions allocates nothing for them."""
     rot_dim = int(head_dim * rope.partial_rotary_factor)
     inv_freq = inverse_frequencies(rope, rot_dim, max_position, context_len)
-    positions = torch.arange(max_position, dtype=torch.int64).float()
+    positions = torch.arange(context_len or max_position, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]  # [P, rot_dim // 2], as HF: pos.float() * inv_freq
     cos, sin = freqs.cos(), freqs.sin()
     scale = cos_sin_scale(rope)
