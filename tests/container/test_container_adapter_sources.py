@@ -4,10 +4,10 @@ unless the operator sets OPTION_RUNTIME_ADAPTER_SOURCES and then loads only from
 adapters registered over HTTP come back when gunicorn replaces a dead worker, and a fuzz run over
 registration bodies never writes outside the download directory nor leaves the server unhealthy.
 
-Two servers start together: `open` (model from S3, LoRA on, the option allowing one local dir
-and one S3 prefix) and `evil` (the option unset, as by default; its S3 model prefix holds a key
-climbing out of the mirror: the start fails naming the key, and the server stays up answering
-/ping 500, so it also shows the management routes' 403 without paying for a third model load).
+Three servers start together: `open` (model from S3, LoRA on, the option allowing one local dir
+and one S3 prefix), `closed` (the local model, the option unset, as by default: the management
+routes' 403) and `evil` (its S3 model prefix holds a key climbing out of the mirror: the start
+fails naming the key and `serve` exits).
 """
 
 from __future__ import annotations
@@ -89,14 +89,17 @@ def world(tmp_path_factory, lora_adapters, monkeypatch_module):  # noqa: F811
         "open": {**common, "HF_MODEL_ID": "s3://models/tiny/", "SERVING_DOWNLOAD_DIR": str(root / "open-dl"),
                  OPTION: f"{local},s3://loras/allowed"},
         "evil": {**common, "HF_MODEL_ID": "s3://evil/m/", "SERVING_DOWNLOAD_DIR": str(root / "evil-dl")},
+        "closed": {**common, "HF_MODEL_ID": str(base), "SERVING_DOWNLOAD_DIR": str(root / "closed-dl")},
     }
     servers = {}
     try:
         for name, env in specs.items():
             (root / name).mkdir()
             servers[name] = LMIServer(env, root / name, root / name / "serve.log")
-        servers["evil"].wait(500)
+        evil_reason = servers["evil"].wait_failed_start()
         servers["open"].wait(200)
+        servers["closed"].wait(200)
+        servers["evil"].failed_start_reason = evil_reason
         yield root, servers, adapters, s3
     finally:
         for srv in servers.values():
@@ -112,21 +115,21 @@ def monkeypatch_module():
 
 
 def _outside_download_dirs(root: Path) -> dict[str, bytes]:
-    return _files(root, tuple(root / f"{n}-dl" for n in ("open", "evil")) +
-                  tuple(root / n / "serve.log" for n in ("open", "evil")))
+    return _files(root, tuple(root / f"{n}-dl" for n in ("open", "evil", "closed")) +
+                  tuple(root / n / "serve.log" for n in ("open", "evil", "closed")))
 
 
 def test_a_model_key_leaving_the_mirror_fails_the_start_naming_it(world):
     root, servers, *_ = world
-    body = requests.get(servers["evil"].url + "/ping", timeout=5).json()
-    assert body["status"] == "Unhealthy" and f"S3 key {MODEL_KEY!r}" in body["error"], body
+    reason = servers["evil"].failed_start_reason
+    assert f"S3 key {MODEL_KEY!r}" in reason, reason
     assert (root / "victim").read_text() == "original"
     assert not list((root / "evil-dl").rglob("config.json"))  # refused before any write
 
 
 def test_management_routes_are_403_by_default(world):
     _, servers, adapters, _ = world
-    url = servers["evil"].url  # the option unset; the 403 comes before anything looks at the engine
+    url = servers["closed"].url  # the option unset
     for method, path in [("POST", f"/models/{SERVED}/adapters?name=a&src={adapters['r8']}"),
                          ("POST", "/adapters?name=a&src=s3://loras/allowed/r8"), ("GET", f"/models/{SERVED}/adapters"),
                          ("GET", "/adapters/a"), ("DELETE", "/adapters/a")]:
