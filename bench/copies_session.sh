@@ -53,9 +53,13 @@ stop_server() {
 
 load() {  # label, bench/serving.py args...
   local label=$1; shift
+  python3 bench/proc_cpu.py --after 8 --interval 5 >"$OUT/$label.cpu" 2>&1 &
+  local cpid=$!
   timeout 150 python3 bench/serving.py --url http://127.0.0.1:$PORT --dataset synthetic --procs 4 \
     --ping-interval 0.1 --out "$OUT/$label.json" "$@" >"$OUT/$label.log" 2>&1
-  summary+=("  $label ($*):" "$(grep -E '^rate|^ttft|^tpot|^shed|^/ping' "$OUT/$label.log" | sed 's/^/    /')")
+  wait "$cpid"
+  summary+=("  $label ($*):" "$(grep -E '^rate|^ttft|^tpot|^shed|^/ping' "$OUT/$label.log" | sed 's/^/    /')"
+            "    CPU over 5 s of the load:" "$(head -6 "$OUT/$label.cpu" | sed 's/^/    /')")
 }
 
 for stage in $STAGES; do
@@ -113,6 +117,13 @@ PY
         done
         summary+=("  py-spy: $(tail -2 "$OUT/pyspy.log" | tr '\n' ' ')")
       }
+      stop_server ;;
+    onefull)  # one copy offered the two-copy load: the saturated baseline at the same offered rate
+      start_server onefull SERVING_MAX_WORKERS=1 && load onefull_sat --rate 128 --num-prompts 1536
+      stop_server ;;
+    twomp)  # two engine processes, each with its model's host work in a worker process of its own
+      start_server twomp SERVING_MAX_WORKERS=2 OPTION_DISTRIBUTED_EXECUTOR_BACKEND=mp && \
+        load twomp_sat --rate 128 --num-prompts 1536
       stop_server ;;
     threads)
       start_server threads SERVING_MAX_WORKERS=2 OPTION_ENGINE_PROCESS=false && load threads_sat --rate 128 --num-prompts 1536
