@@ -391,7 +391,7 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
             PREFILL_TOKENS_WHILE_DECODING if engine_kwargs["enable_chunked_prefill"] else 0)
     if engine_kwargs["distributed_executor_backend"] is None:  # the server's default (see config_keys)
         engine_kwargs["distributed_executor_backend"] = (
-            SERVER_EXECUTOR_BACKEND if tp > 1 or (gpus and not values["engine_process"]) else "uni")
+            SERVER_EXECUTOR_BACKEND if tp > 1 or gpus else "uni")
     model_id = values["model_id"]
     engine_kwargs["model"] = model_id
     engine_kwargs["revision"] = values["revision"]

@@ -105,7 +105,9 @@ PREFILL_TOKENS_WHILE_DECODING = 256
 # (step inputs, graph launches) runs in its own process, so it never waits for the GIL that every
 # streaming HTTP thread takes once per token. A fresh 8B server at 16 req/s measured TPOT p50
 # 12.0 -> 8.3 ms and ITL p99 32.5 -> 16.4 ms with it (bench/RESULTS.md run 16). With the whole engine
-# in its own process (option.engine_process=true, serving/engine/engine_process.py) one rank stays "uni".
+# in its own process (option.engine_process, the default for several copies) it is "mp" too: with "uni"
+# each copy's engine core ran scheduling, detokenization and the model's host work on one thread and sat
+# at 100 % of a core at saturation (bench/RESULTS.md run 22).
 SERVER_EXECUTOR_BACKEND = "mp"
 CHAT_TEMPLATE_MAX_BYTES = 256 * 1024  # the largest hub chat templates are ~20 KB
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # not in a text file

@@ -112,7 +112,10 @@ class EngineProcess:
                 if self.closing:
                     return
                 self._conn = parent_conn
-                self._proc = ctx.Process(target=_child_main, name="engine-core", daemon=True,
+                # Not a multiprocessing daemon: the engine core may start the model's rank processes
+                # (tensor parallelism, the mp executor), which daemons may not. It still dies with this
+                # process (PR_SET_PDEATHSIG in the child) and is stopped by close().
+                self._proc = ctx.Process(target=_child_main, name="engine-core", daemon=False,
                                          args=(config, self.devices, self.max_queue_size, child_conn, os.getpid()))
                 self._proc.start()
             child_conn.close()

@@ -150,3 +150,25 @@ def test_a_copy_that_fails_to_load_stops_the_server_within_seconds(tmp_path):
         srv.stop()
     assert time.monotonic() - t0 < 90
     assert 200 not in srv.ping_history and reason
+
+
+def test_two_copies_of_tensor_parallel_two_start_and_serve(tmp_path, tiny_models):
+    """Each copy's engine process starts its own two rank processes (the engine process may have
+    children); both copies answer, with the same greedy tokens."""
+    srv = LMIServer({"SERVING_MAX_WORKERS": "2", "TENSOR_PARALLEL_DEGREE": "2", "HF_MODEL_ID": str(tiny_models("llama")),
+                     "OPTION_MAX_MODEL_LEN": "128"}, tmp_path, tmp_path / "serve.log")
+    try:
+        srv.wait(200, timeout=180)
+        results: list[requests.Response] = []
+        threads = [threading.Thread(target=lambda: results.append(_generate(srv.url, "hello world", 6)))
+                   for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.status_code for r in results] == [200] * 6, [r.text for r in results]
+        assert len({r.json()["generated_text"] for r in results}) == 1
+        m = srv.metrics()
+        assert all(m.get(f'lmi_copy_routed_requests_total{{copy="{i}"}}', 0) >= 1 for i in range(2)), m
+    finally:
+        srv.stop()

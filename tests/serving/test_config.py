@@ -76,15 +76,16 @@ def test_executor_backend_is_worker_processes_on_gpus_unless_set():
         backend({"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "uni", "TENSOR_PARALLEL_DEGREE": "2"}, 2)
 
 
-def test_engine_process_is_auto_on_for_several_copies_and_keeps_one_rank_in_it():
+def test_engine_process_is_auto_on_for_several_copies_with_the_model_in_worker_processes_on_gpus():
     cfg = lambda env, gpus: load_config(env, [], gpu_count=lambda: gpus)  # noqa: E731
     assert cfg({}, 1).engine_process is False and cfg({}, 0).engine_process is False
     on = cfg({"OPTION_ENGINE_PROCESS": "true"}, 1)
-    assert on.engine_process is True and on.engine.distributed_executor_backend == "uni"  # no third process
+    assert on.engine_process is True and on.engine.distributed_executor_backend == "mp"  # model host work apart
+    assert cfg({"OPTION_ENGINE_PROCESS": "true", "OPTION_DEVICE": "cpu"}, 1).engine.distributed_executor_backend == "uni"
     assert cfg({"OPTION_ENGINE_PROCESS": "true", "TENSOR_PARALLEL_DEGREE": "2"}, 2).engine.distributed_executor_backend == "mp"
     copies = cfg({"TENSOR_PARALLEL_DEGREE": "1"}, 4)  # 4 copies, each engine in its own process with its rank
     assert copies.model_copies == 4 and copies.engine_process is True
-    assert copies.engine.distributed_executor_backend == "uni"
+    assert copies.engine.distributed_executor_backend == "mp"
     assert copies.copy_devices() == [("cuda:0",), ("cuda:1",), ("cuda:2",), ("cuda:3",)]
     assert "auto" in copies.sources["engine_process"]
     threads = cfg({"TENSOR_PARALLEL_DEGREE": "2", "OPTION_ENGINE_PROCESS": "false"}, 4)
