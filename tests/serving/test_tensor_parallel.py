@@ -40,6 +40,9 @@ SMOLLM2_ATOL, SMOLLM2_RTOL = 2e-4, 1e-4
 TP_MODELS: dict[str, tuple[str, dict[str, object]]] = {
     "qwen2_kv2_bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=48, vocab_size=1024,
                                      tie_word_embeddings=False)),
+    # Degree 8 (a whole 8-GPU instance): 2 KV heads for 8 ranks (each held by 4), an odd vocab padded per rank
+    "llama_tp8_kv2_odd_vocab": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, hidden_size=128,
+                                              intermediate_size=256, vocab_size=1001)),
     "llama_kv1_tied_odd_vocab_biases": ("llama", dict(num_key_value_heads=1, vocab_size=1001, tie_word_embeddings=True,
                                                      attention_bias=True, mlp_bias=True)),
     "phi3_fused_kv1_odd_vocab": ("phi3", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64,
@@ -254,7 +257,7 @@ def _prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(TP_MODELS))
+@pytest.mark.parametrize("name", sorted(set(TP_MODELS) - {"llama_tp8_kv2_odd_vocab"}))  # that one: degree 8 below
 def test_tp2_matches_single_process(tp_models, tmp_path, name):
     path = tp_models(name)
     vocab = ModelArgs.from_dir(path).vocab_size
@@ -265,6 +268,24 @@ def test_tp2_matches_single_process(tp_models, tmp_path, name):
 def test_tp4_kv_heads_shared_by_rank_pairs(tp_models, tmp_path):
     _check_tp_matches_single(tp_models("qwen2_kv2_bias"), 4, _prompts([7, 12], 1024, seed=1), decode_steps=3,
                              tmp=tmp_path)
+
+
+@pytest.mark.slow
+def test_tp8_two_kv_heads_each_held_by_four_ranks_odd_vocab(tp_models, tmp_path):
+    """Degree 8 with gloo, as `TENSOR_PARALLEL_DEGREE=max` runs on an 8-GPU instance."""
+    _check_tp_matches_single(tp_models("llama_tp8_kv2_odd_vocab"), 8, _prompts([7, 12], 1001, seed=3), decode_steps=3,
+                             tmp=tmp_path)
+
+
+def test_a_70b_shape_splits_over_eight_ranks():
+    """Llama-3-70B's shape at degree 8: 8 query heads and 1 KV head a rank, the vocab in equal eighths."""
+    args = _args(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                 vocab_size=128256, num_hidden_layers=1)
+    validate_tensor_parallel(args, 8)
+    shards = [attention_shard(64, 8, TPShard(r, 8)) for r in range(8)]
+    assert [(a.num_heads, a.num_kv_heads, a.q_head_start, a.kv_head_start) for a in shards] == \
+        [(8, 1, 8 * r, r) for r in range(8)]
+    assert parallel.vocab_per_rank(128256, 8) == 16032 and [kv_heads_per_rank(args, 8, r) for r in range(8)] == [1] * 8
 
 
 @pytest.mark.slow
