@@ -74,10 +74,15 @@ def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, TensorSlice
 
     Nothing is read until the slice is indexed (`slice[a:b]`, `slice[:, a:b]`, `slice[:]`).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as exc:  # truncated, empty or not safetensors: name the file
+            raise ValueError(f"cannot read the checkpoint file {path}: {exc} (incomplete download or not a "
+                             "safetensors file?)") from None
+        with f:
             for name in f.keys():
                 yield name, f.get_slice(name)
 

@@ -47,6 +47,43 @@ def test_a_model_that_fails_to_load_stops_the_server_with_the_reason(tmp_path):
     assert "BloomForCausalLM" in reason and "not supported" in reason
 
 
+def _broken_models(root: Path, good: Path) -> dict[str, tuple[Path, dict[str, str]]]:
+    """Checkpoints (and one setting) that must each fail the start: name -> (model dir, extra env)."""
+    import shutil
+
+    out: dict[str, tuple[Path, dict[str, str]]] = {}
+    for name in ("truncated", "empty", "vocab", "kv"):
+        shutil.copytree(good, root / name)
+        out[name] = (root / name, {})
+    for shard in sorted((root / "truncated").glob("*.safetensors")):
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    for shard in sorted((root / "empty").glob("*.safetensors")):
+        shard.write_bytes(b"")
+    config = json.loads((root / "vocab" / "config.json").read_text())
+    (root / "vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] * 2}))
+    out["kv"] = (root / "kv", {"OPTION_KV_CACHE_MEMORY_GB": "100000"})  # 100 TB of KV cache
+    return out
+
+
+def test_each_broken_checkpoint_stops_the_server_within_seconds(tmp_path, tiny_models):
+    """Truncated or empty safetensors, a vocab that does not match the weights, a KV budget of 100 TB:
+    each start fails with its reason on one line and `serve` exits 3 (started together)."""
+    servers = {name: LMIServer({"HF_MODEL_ID": str(path), **env}, tmp_path, tmp_path / f"{name}.log")
+               for name, (path, env) in _broken_models(tmp_path, tiny_models("llama")).items()}
+    t0 = time.monotonic()
+    try:
+        reasons = {name: srv.wait_failed_start(timeout=120) for name, srv in servers.items()}
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    assert time.monotonic() - t0 < 120
+    assert all(200 not in srv.ping_history for srv in servers.values())
+    for name in ("truncated", "empty"):
+        assert f"cannot read the checkpoint file {tmp_path / name}" in reasons[name], reasons
+    assert "model.embed_tokens.weight" in reasons["vocab"] and "!= parameter shape" in reasons["vocab"], reasons
+    assert "allocate" in reasons["kv"], reasons
+
+
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("limited")
