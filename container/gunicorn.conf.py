@@ -36,7 +36,7 @@ def post_worker_init(worker):  # noqa: ANN001, ANN201 - gunicorn hook
     from serving.server import wsgi
 
     worker.configure(max_body_size=wsgi.config.max_request_size,
-                     on_drain=wsgi.app.extensions["runner"].begin_drain)
+                     on_drain=wsgi.app.extensions["runner"].begin_drain, write_timeout=wsgi.config.write_timeout)
     wsgi.start()
 
 

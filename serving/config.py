@@ -71,6 +71,7 @@ class ServingConfig:
     model_loading_timeout: float = 1200.0
     chunked_read_timeout: float = 60.0
     max_request_size: int = 6 * 1024 * 1024  # SageMaker's InvokeEndpoint body limit
+    write_timeout: float = 30.0  # a client that takes no byte for this long is cut off (its request aborted)
     output_formatter: str | None = None
     tgi_compat: bool = False
     chat_template: str | None = None

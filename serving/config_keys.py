@@ -258,6 +258,7 @@ KEYS: tuple[Key, ...] = (
     Key("option.predict_timeout", "predict_timeout", _float(1.0, 1e7), "seconds (a positive number)", 240.0),
     Key("job_queue_size", "job_queue_size", _int(1, 100000), "an integer 1..100000", 1000),
     Key("chunked_read_timeout", "chunked_read_timeout", _float(1.0, 1e7), "seconds (a positive number)", 60.0),
+    Key("write_timeout", "write_timeout", _float(1.0, 3600.0), "seconds in [1, 3600]", 30.0),
     Key("max_request_size", "max_request_size", _int(1), "a positive number of bytes", 6 * 1024 * 1024),
     Key("option.s3_endpoint_url", "s3_endpoint_url", _str, "an http(s) URL of an S3 API"),
     Key("download_dir", "download_dir", _str, "a directory for downloaded models", "/tmp/open-lmi/download"),

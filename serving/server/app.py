@@ -103,10 +103,10 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
         length = request.content_length
         limit = config.max_request_size
         if length is not None and length > limit:
-            return error(400, f"the request body is {length} bytes; the limit is {limit}", route)
+            return error(413, f"the request body is {length} bytes; the limit is {limit}", route)
         raw = request.stream.read(limit + 1)
         if len(raw) > limit:
-            return error(400, f"the request body is over the limit of {limit} bytes", route)
+            return error(413, f"the request body is over the limit of {limit} bytes", route)
         try:
             if request.mimetype == "text/plain":  # LMI: a text body is the prompt
                 return {"inputs": raw.decode("utf-8")}

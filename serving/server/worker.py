@@ -4,6 +4,10 @@
   only once the head and the whole body are there, so connections that trickle bytes or stall
   mid-body hold no thread and `/ping` (SageMaker's health signal) keeps answering; past their
   deadlines they are answered 408 and closed.
+- A thread never waits on its client for long: a response write (a stream's next record) or a
+  read that makes no progress for `write_timeout` s fails (SO_SNDTIMEO / SO_RCVTIMEO), the
+  response is cut and closed, and closing its body iterator aborts the request in the engine
+  (its KV blocks are freed): a client that stops reading holds no thread, queue slot or KV.
 - gunicorn's own error answers (400 bad request, 414, 431, 501, ...) are the container's JSON
   `{"error", "code"}`, not HTML.
 - SIGTERM: `on_drain(deadline)` is called so every open request ends with a final record before
@@ -14,9 +18,11 @@
 
 from __future__ import annotations
 
+import errno
 import resource
 import selectors
 import socket
+import struct
 import time
 from collections.abc import Callable
 from functools import partial
@@ -90,6 +96,7 @@ class LMIWorker(ThreadWorker):
         super().__init__(*args, **kwargs)
         self.max_body_size = 6 * 1024 * 1024
         self.on_drain: Callable[[float], None] | None = None
+        self.write_timeout = 30.0
         self._readers: dict[object, RequestReader] = {}  # connection -> its request so far
         self._buffered = 0  # bytes held by all readers
         self._next_sweep = 0.0
@@ -101,11 +108,14 @@ class LMIWorker(ThreadWorker):
         # TLS and HTTP/2 prior knowledge read the socket themselves: those keep gunicorn's path.
         self._preread = not cfg.is_ssl and cfg.http2_cleartext == "off"
 
-    def configure(self, *, max_body_size: int, on_drain: Callable[[float], None] | None) -> None:
-        """Set the body size limit (bodies are buffered up to it) and the SIGTERM drain callback
-        (called from the signal handler with the deadline, in time.monotonic())."""
+    def configure(self, *, max_body_size: int, on_drain: Callable[[float], None] | None,
+                  write_timeout: float = 30.0) -> None:
+        """Set the body size limit (bodies are buffered up to it), the SIGTERM drain callback
+        (called from the signal handler with the deadline, in time.monotonic()) and the longest a
+        thread waits on its client (`write_timeout`, seconds)."""
         self.max_body_size = max_body_size
         self.on_drain = on_drain
+        self.write_timeout = write_timeout
 
     def init_process(self) -> None:
         util.write_error = _write_json_error  # the one writer of gunicorn's own error answers
@@ -209,7 +219,31 @@ class LMIWorker(ThreadWorker):
             conn.sock.setblocking(True)
             conn.init()  # plain TCP: only builds the parser
             conn.parser.unreader.unread(data)
+        self._bound_stalls(conn.sock)
         return super().handle(conn)
+
+    def _bound_stalls(self, sock: socket.socket) -> None:
+        """Blocking sends and receives on `sock` give up after `write_timeout` s without progress
+        (kernel timeouts: they hold whatever gunicorn does to the socket's blocking mode)."""
+        seconds = int(self.write_timeout)
+        tv = struct.pack("ll", seconds, int((self.write_timeout - seconds) * 1e6))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        except OSError:  # already gone: the request fails on its own
+            pass
+
+    def handle_request(self, req, conn):  # noqa: ANN001, ANN201 - runs on a pool thread
+        try:
+            return super().handle_request(req, conn)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK) and not isinstance(exc, TimeoutError):
+                raise
+            # The client took nothing for write_timeout s: its body iterator was closed (the engine
+            # request aborted) on the way here; one line, not gunicorn's traceback; close.
+            self.log.warning("%s %s: the client took no response byte for %g s; response cut, request aborted",
+                             req.method, req.path, self.write_timeout)
+            return False
 
     def murder_pending(self) -> None:
         """gunicorn's sweep of idle connections, plus the read deadlines of requests in progress."""
