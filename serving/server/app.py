@@ -45,6 +45,7 @@ from serving.server.protocol import (
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState
 from serving.server.request_runner import HTTPError, RequestRunner
+from serving.server.write_stall import WriteStall, stall_from_environ
 
 logger = logging.getLogger("serving.server.app")
 UNMATCHED_ROUTE = "unmatched"  # the metrics route label of requests no route/method matched
@@ -124,6 +125,7 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
         request_id = uuid.uuid4().hex
         headers = {"x-request-id": request_id, **_NO_CACHE}
         gone = probe_from_environ(request.environ)  # a client that leaves aborts its request at once
+        stall = stall_from_environ(request.environ, config.write_timeout)  # one that stops reading, too
         try:
             req = select_adapters(parse(body), request.headers.get(CUSTOM_ATTRIBUTES), adapters,
                                   model_field=route in _MODEL_FIELD_ROUTES)
@@ -134,7 +136,7 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
                 records = runner.run_stream(req, request_id, gone)
                 metrics.observe_request(route, 200)
                 fmt_type = runner.formatter(req, request_id).content_type
-                return Response(_flushing(records), 200, content_type=fmt_type,
+                return Response(_flushing(records, stall), 200, content_type=fmt_type,
                                 headers={**headers, "X-Accel-Buffering": "no"}, direct_passthrough=True)
             out = runner.run_plain(req, request_id, gone)
             content_type = runner.formatter(req, request_id).content_type
@@ -142,7 +144,7 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
                 metrics.observe_request(route, out[0])
                 return Response(out[1], out[0], content_type=content_type, headers=headers)
             metrics.observe_request(route, 200)  # slow: 200 committed, heartbeats, then the body
-            return Response(_flushing(out), 200, content_type=content_type, headers=headers,
+            return Response(_flushing(out, stall), 200, content_type=content_type, headers=headers,
                             direct_passthrough=True)
         except AdapterNotFound as exc:
             return error(404, str(exc), route)
@@ -314,11 +316,15 @@ def _route_label() -> str:
     return rule.rule if rule is not None else UNMATCHED_ROUTE
 
 
-def _flushing(records: Iterator[bytes]) -> Iterator[bytes]:
-    """Yield each record as its own chunk; closing this closes `records` (aborts on disconnect)."""
+def _flushing(records: Iterator[bytes], stall: WriteStall | None = None) -> Iterator[bytes]:
+    """Yield each record as its own chunk; closing this closes `records` (aborts on disconnect).
+    `stall` raises ClientNotReading (the response is cut, the request aborted) when the client
+    stopped taking bytes."""
     try:
         for rec in records:
             if rec:
+                if stall is not None:
+                    stall.check(len(rec))
                 yield rec
     finally:
         close = getattr(records, "close", None)

@@ -5,9 +5,11 @@
   mid-body hold no thread and `/ping` (SageMaker's health signal) keeps answering; past their
   deadlines they are answered 408 and closed.
 - A thread never waits on its client for long: a response write (a stream's next record) or a
-  read that makes no progress for `write_timeout` s fails (SO_SNDTIMEO / SO_RCVTIMEO), the
-  response is cut and closed, and closing its body iterator aborts the request in the engine
-  (its KV blocks are freed): a client that stops reading holds no thread, queue slot or KV.
+  read that makes no progress for `write_timeout` s fails (SO_SNDTIMEO / SO_RCVTIMEO; a client
+  that stopped reading while the send buffer still absorbs the writes is noticed by
+  serving/server/write_stall.py), the response is cut and closed, and closing its body iterator
+  aborts the request in the engine (its KV blocks are freed): a client that stops reading holds
+  no thread, queue slot or KV.
 - gunicorn's own error answers (400 bad request, 414, 431, 501, ...) are the container's JSON
   `{"error", "code"}`, not HTML.
 - SIGTERM: `on_drain(deadline)` is called so every open request ends with a final record before
