@@ -10,6 +10,10 @@
   serving/server/write_stall.py), the response is cut and closed, and closing its body iterator
   aborts the request in the engine (its KV blocks are freed): a client that stops reading holds
   no thread, queue slot or KV.
+- Its heartbeat (gunicorn's tmp file) is touched every HEARTBEAT_S by a thread of its own while
+  the main loop has run within _LOOP_STALL_S: the arbiter's short `timeout` then catches a stopped
+  or frozen process in seconds, and serving/server/health_guard.py (in the arbiter) answers 503
+  meanwhile.
 - gunicorn's own error answers (400 bad request, 414, 431, 501, ...) are the container's JSON
   `{"error", "code"}`, not HTML.
 - SIGTERM: `on_drain(deadline)` is called so every open request ends with a final record before
@@ -25,6 +29,7 @@ import resource
 import selectors
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -33,10 +38,12 @@ from http import HTTPStatus
 from gunicorn import util
 from gunicorn.workers.gthread import ThreadWorker
 
+from serving.server.health_guard import HEARTBEAT_S
 from serving.server.request_reader import RequestReader
 from serving.server.request_runner import HTTPError
 
 _SWEEP_S = 0.25  # how often the read deadlines are checked
+_LOOP_STALL_S = 120.0  # the heartbeat stops once the main loop has not run for this long (stuck)
 _DRAIN_MARGIN_S = 3.0  # time left after the drain deadline for final records and the exit
 _MAX_MESSAGE = 300  # characters of an error message (gunicorn's quote the request line)
 # Sent when a head asks for it and its body is still to come (gunicorn sends its own once the body
@@ -99,6 +106,7 @@ class LMIWorker(ThreadWorker):
         self.max_body_size = 6 * 1024 * 1024
         self.on_drain: Callable[[float], None] | None = None
         self.write_timeout = 30.0
+        self._loop_ran = time.monotonic()
         self._readers: dict[object, RequestReader] = {}  # connection -> its request so far
         self._buffered = 0  # bytes held by all readers
         self._next_sweep = 0.0
@@ -122,7 +130,26 @@ class LMIWorker(ThreadWorker):
     def init_process(self) -> None:
         util.write_error = _write_json_error  # the one writer of gunicorn's own error answers
         _raise_fd_limit(self.cfg.worker_connections + 256)
+        self._loop_ran = time.monotonic()
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         super().init_process()
+
+    # ---- heartbeat ------------------------------------------------------------------------------
+    def notify(self) -> None:
+        """gunicorn's main loop calls this every turn: note that it ran."""
+        self._loop_ran = time.monotonic()
+        super().notify()
+
+    def _beat(self) -> None:
+        """Touch the heartbeat while the main loop runs (loading the app included): what stops it
+        is the process stopping, freezing or holding the GIL, or the loop stuck for _LOOP_STALL_S."""
+        while True:
+            time.sleep(HEARTBEAT_S)
+            if time.monotonic() - self._loop_ran < _LOOP_STALL_S:
+                try:
+                    self.tmp.notify()
+                except (OSError, ValueError):  # closed: the worker is exiting
+                    return
 
     # ---- SIGTERM --------------------------------------------------------------------------------
     def handle_exit(self, sig, frame) -> None:  # noqa: ANN001
