@@ -7,7 +7,8 @@ compiled form stays in memory: so
 - compiles run in child processes (`python -m serving.engine.grammar_compiler`, niced, at most
   `workers` at once, no cache of their own): the GIL, the engine thread and the other requests'
   threads never wait on one; one that runs past `timeout` seconds is killed (ValueError -> 400,
-  its memory goes with it), and so is one whose request is cancelled while it waits (`cancelled`);
+  its memory goes with it), and so is one whose request is cancelled while it waits (`cancelled`,
+  or the probe the caller set in `COMPILE_CANCELLED`: the HTTP edge sets "the client left");
 - compiled grammars come back serialized (xgrammar's JSON form) and are kept in one LRU cache
   bounded in bytes (`cache_bytes`, by xgrammar's own size of each); a grammar bigger than a
   quarter of the cache is refused.
@@ -17,6 +18,7 @@ compiled form stays in memory: so
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -27,9 +29,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from serving.sampling_params import GuidedDecodingParams
 
+logger = logging.getLogger("serving.engine.grammar_compiler")
+# Set by a caller (serving/server/app.py) around requests it submits: "cancel my compile now?".
+COMPILE_CANCELLED: ContextVar[Callable[[], bool] | None] = ContextVar("compile_cancelled", default=None)
 _START_TIMEOUT_S = 120.0  # a child's start (it imports xgrammar and torch): not counted in `timeout`
 _POLL_S = 0.25  # how often a waiting compile asks whether its request was cancelled
 
@@ -141,7 +147,7 @@ class CompiledGrammarCache:
         if kind == "json_object":
             compiled = self._local.compile_builtin_json_grammar()
         else:
-            compiled = self._compile_in_child(g.kind, kind, text, cancelled)
+            compiled = self._compile_in_child(g.kind, kind, text, cancelled or COMPILE_CANCELLED.get())
         if self._check is not None:
             self._check(g, compiled)
         self._keep(g, compiled)
@@ -156,16 +162,13 @@ class CompiledGrammarCache:
             if not child.ready:  # its start (imports) is not the grammar's time
                 if child.receive(time.monotonic() + _START_TIMEOUT_S, cancelled) is None:
                     child = None
-                    raise CompileBusy("the grammar compile process did not start in time")
+                    raise self._stopped(label, cancelled, starting=True)
                 child.ready = True
             child.send({"kind": kind, "text": text})
             reply = child.receive(time.monotonic() + self.timeout, cancelled)
             if reply is None:
                 child = None  # killed, and its memory with it
-                if cancelled is not None and cancelled():
-                    raise ValueError("the request was cancelled while its grammar compiled")
-                raise ValueError(f"the guided decoding {label} did not compile within {self.timeout:g} s "
-                                 "(option.guided_decoding_compile_timeout): simplify it")
+                raise self._stopped(label, cancelled, starting=False)
             if "error" in reply:
                 raise ValueError(f"invalid guided decoding {label}: {reply['error']}")
             return self._xgr.CompiledGrammar.deserialize_json(reply["grammar"], self._info)
@@ -174,6 +177,16 @@ class CompiledGrammarCache:
                 with self._lock:
                     self._idle.append(child)
             self._slots.release()
+
+    def _stopped(self, label: str, cancelled: Callable[[], bool] | None, starting: bool) -> Exception:
+        """The error for a compile whose process was killed: cancelled, not started, or too slow."""
+        if cancelled is not None and cancelled():
+            logger.info("a guided decoding %s compile was cancelled (its client left)", label)
+            return ValueError("the request was cancelled while its grammar compiled")
+        if starting:
+            return CompileBusy("the grammar compile process did not start in time")
+        return ValueError(f"the guided decoding {label} did not compile within {self.timeout:g} s "
+                          "(option.guided_decoding_compile_timeout): simplify it")
 
     def _take_child(self) -> _Child:
         with self._lock:

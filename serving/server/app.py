@@ -12,6 +12,7 @@ in `serving/server/adapters.py`. Errors are `{"error", "code"}` JSON with a 4xx/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -23,6 +24,7 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from serving.config import ServingConfig
+from serving.engine.grammar_compiler import COMPILE_CANCELLED
 from serving.server.disconnect import probe_from_environ
 from serving.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.server.metrics import Metrics
@@ -132,13 +134,13 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             if req.adapters:
                 logger.info("request %s on adapter(s) %s", request_id,
                             ", ".join(dict.fromkeys(a or "(base)" for a in req.adapters)))
+            with _compiles_cancelled_by(gone):  # a grammar compile ends when its client leaves
+                out = (runner.run_stream if req.stream else runner.run_plain)(req, request_id, gone)
             if req.stream:
-                records = runner.run_stream(req, request_id, gone)
                 metrics.observe_request(route, 200)
                 fmt_type = runner.formatter(req, request_id).content_type
-                return Response(_flushing(records, stall), 200, content_type=fmt_type,
+                return Response(_flushing(out, stall), 200, content_type=fmt_type,
                                 headers={**headers, "X-Accel-Buffering": "no"}, direct_passthrough=True)
-            out = runner.run_plain(req, request_id, gone)
             content_type = runner.formatter(req, request_id).content_type
             if isinstance(out, tuple):
                 metrics.observe_request(route, out[0])
@@ -314,6 +316,16 @@ def _route_label() -> str:
     """
     rule = request.url_rule
     return rule.rule if rule is not None else UNMATCHED_ROUTE
+
+
+@contextlib.contextmanager
+def _compiles_cancelled_by(gone: Callable[[], bool] | None) -> Iterator[None]:
+    """Grammar compiles started in this block (on this thread) are cancelled once `gone()`."""
+    token = COMPILE_CANCELLED.set(gone)
+    try:
+        yield
+    finally:
+        COMPILE_CANCELLED.reset(token)
 
 
 def _flushing(records: Iterator[bytes], stall: WriteStall | None = None) -> Iterator[bytes]:
