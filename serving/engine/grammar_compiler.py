@@ -3,7 +3,8 @@
 It exists because a constraint is client input whose compile cost has no useful bound of its own
 (a 28 KB JSON schema can compile for minutes, a 2 MB enum for a quarter of an hour) and whose
 compiled form stays in memory: so
-- a constraint's text over `max_bytes` is refused before anything is compiled (ValueError -> 400);
+- a constraint's text over `max_bytes` is refused before anything is compiled (ValueError -> 400),
+  and so is a JSON schema that plainly admits no value (serving/engine/schema_check.py);
 - compiles run in child processes (`python -m serving.engine.grammar_compiler`, niced, at most
   `workers` at once, no cache of their own): the GIL, the engine thread and the other requests'
   threads never wait on one; one that runs past `timeout` seconds is killed (ValueError -> 400,
@@ -31,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from contextvars import ContextVar
 
+from serving.engine.schema_check import schema_contradiction
 from serving.sampling_params import GuidedDecodingParams
 
 logger = logging.getLogger("serving.engine.grammar_compiler")
@@ -144,6 +146,13 @@ class CompiledGrammarCache:
         if size > self.max_bytes:
             raise ValueError(f"the guided decoding {g.kind} is {size} bytes; the limit is {self.max_bytes} "
                              "(option.guided_decoding_max_bytes)")
+        if kind == "json":
+            try:
+                why = schema_contradiction(json.loads(text))
+            except ValueError as exc:
+                raise ValueError(f"invalid guided decoding json: {exc}") from None
+            if why is not None:
+                raise ValueError(f"the guided decoding json admits no value ({why})")
         if kind == "json_object":
             compiled = self._local.compile_builtin_json_grammar()
         else:

@@ -204,10 +204,25 @@ def test_a_grammar_compile_ends_when_its_client_leaves(server):
     {"type": "object", "properties": {"a": False}, "required": ["a"]},
     {"type": "array", "minItems": 3, "maxItems": 1},
     {"type": "string", "minLength": 5, "maxLength": 2},
+    # Contradictions xgrammar compiles anyway (it would write `{}` or a number):
+    {"type": "object", "additionalProperties": False, "required": ["a"]},
+    {"type": []},
+    {"const": 1, "type": "string"},
+    {"enum": [1, 2], "type": "string"},
+    {"type": "object", "required": ["a"],
+     "properties": {"a": {"type": "object", "properties": {"b": False}, "required": ["b"]}}},
+    {"allOf": [{"type": "object"}, {"type": "integer", "enum": ["x"]}]},
 ])
 def test_unsatisfiable_schemas_are_refused(server, schema):
     r = _completion(server, {"prompt": "x", **_schema(schema)})
     assert r.status_code == 400 and "guided decoding json" in r.json()["error"]["message"], r.text
+
+
+def test_a_contradiction_in_an_optional_place_is_no_refusal(server):
+    schema = {"type": "object", "properties": {"a": {"anyOf": [{"type": []}, {"type": "integer"}]},
+                                               "b": {"const": 1, "type": "string"}}, "required": ["a"]}
+    r = _completion(server, {"prompt": "x", "max_tokens": 12, **_schema(schema)})
+    assert r.status_code == 200, r.text
 
 
 def test_a_grammar_admitting_no_output_is_refused(server):
@@ -271,27 +286,31 @@ def test_int8_weights_without_a_quantization_config_are_refused(tmp_path):
 
 def test_a_stopped_worker_gets_ping_answered_503_within_2_s_and_is_replaced(server):
     """SIGSTOP the one worker: every /ping is answered 503 within 2 s (by the arbiter), and the
-    arbiter replaces the worker (gunicorn timeout 15 s), whose model then loads again."""
+    arbiter replaces the worker once its heartbeat is 15 s old (gunicorn's timeout); the new one
+    loads the model again (not waited for here: ~25 s to /ping 200 on this box)."""
     booted = [line for line in server.log().splitlines() if "Booting worker with pid:" in line]
     worker = int(booted[-1].rsplit(":", 1)[1])
     os.kill(worker, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
         waits, statuses = [], []
-        while time.monotonic() - t0 < 8:
+        while time.monotonic() - t0 < 4:
             r = requests.get(server.url + "/ping", timeout=10)
             waits.append(r.elapsed.total_seconds())
             statuses.append(r.status_code)
-            time.sleep(0.5)
+            time.sleep(0.25)
         assert set(statuses) == {503} and max(waits) < 2, (statuses, waits)
         assert "not answered" in r.json()["error"]
-        server.wait(200, timeout=120)
+        assert server.log_has(f"WORKER TIMEOUT (pid:{worker})", timeout=30)
         replaced = time.monotonic() - t0
+        new_worker = "Booting worker with pid: "
+        deadline = time.monotonic() + 10
+        while server.log().count(new_worker) == len(booted):
+            assert time.monotonic() < deadline, "no new worker was started"
+            time.sleep(0.2)
     finally:
         try:
             os.kill(worker, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    assert server.log_has(f"WORKER TIMEOUT (pid:{worker})")
-    _small_request_ok(server)
-    print(f"/ping while stopped: at most {max(waits):.2f} s; healthy again after {replaced:.1f} s")
+    print(f"/ping while stopped: at most {max(waits):.2f} s; worker replaced after {replaced:.1f} s")
