@@ -173,13 +173,15 @@ class CompiledGrammarCache:
                     child = None
                     raise self._stopped(label, cancelled, starting=True)
                 child.ready = True
-            child.send({"kind": kind, "text": text})
+            child.send({"kind": kind, "text": text, "max_size": self.cache_bytes // 4})
             reply = child.receive(time.monotonic() + self.timeout, cancelled)
             if reply is None:
                 child = None  # killed, and its memory with it
                 raise self._stopped(label, cancelled, starting=False)
             if "error" in reply:
                 raise ValueError(f"invalid guided decoding {label}: {reply['error']}")
+            if "too_big" in reply:  # never brought into this process
+                raise self._too_big(label, reply["too_big"])
             return self._xgr.CompiledGrammar.deserialize_json(reply["grammar"], self._info)
         finally:
             if child is not None:
@@ -197,6 +199,10 @@ class CompiledGrammarCache:
         return ValueError(f"the guided decoding {label} did not compile within {self.timeout:g} s "
                           "(option.guided_decoding_compile_timeout): simplify it")
 
+    def _too_big(self, label: str, size: int) -> ValueError:
+        return ValueError(f"the guided decoding {label} compiles to {size} bytes, over the limit of "
+                          f"{self.cache_bytes // 4}: simplify it")
+
     def _take_child(self) -> _Child:
         with self._lock:
             while self._idle:
@@ -209,8 +215,7 @@ class CompiledGrammarCache:
     def _keep(self, g: GuidedDecodingParams, compiled: object) -> None:
         size = int(compiled.memory_size_bytes)  # type: ignore[attr-defined]
         if size > self.cache_bytes // 4:
-            raise ValueError(f"the guided decoding {g.kind} compiles to {size} bytes, over the limit of "
-                             f"{self.cache_bytes // 4}: simplify it")
+            raise self._too_big(g.kind, size)
         with self._lock:
             if g in self._cache:
                 return
@@ -262,7 +267,8 @@ def _child_main() -> None:
                 compiled = compiler.compile_regex(text)
             else:
                 compiled = compiler.compile_grammar(text)
-            send({"grammar": compiled.serialize_json()})
+            size = int(compiled.memory_size_bytes)
+            send({"too_big": size} if size > message["max_size"] else {"grammar": compiled.serialize_json()})
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError variants
             send({"error": str(exc)})
 
