@@ -41,7 +41,7 @@ def server(tmp_path_factory):
     env = {"SERVING_THREADS": str(THREADS), "SERVING_JOB_QUEUE_SIZE": str(QUEUE),
            "SERVING_WRITE_TIMEOUT": f"{WRITE_TIMEOUT:g}", "SERVING_MAX_REQUEST_SIZE": "65536",
            "OPTION_GUIDED_DECODING_COMPILE_TIMEOUT": f"{COMPILE_TIMEOUT:g}",
-           "OPTION_GUIDED_DECODING_MAX_BYTES": str(MAX_GRAMMAR_BYTES)}
+           "OPTION_GUIDED_DECODING_MAX_BYTES": str(MAX_GRAMMAR_BYTES), "OPTION_ENABLE_LORA": "true"}
     with running_server(tmp_path_factory, env, "hostile") as srv:
         yield srv
 
@@ -261,6 +261,29 @@ def test_log_probabilities_are_always_valid_json(server):
 def test_token_ids_past_any_vocabulary_are_400(server, body):
     r = _completion(server, body)
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"], r.text
+
+
+_GOOD_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+
+
+@pytest.mark.parametrize("config, weights, needle", [
+    ([], b"", "must be a JSON object"),
+    (b"\xff\xfe{", b"", "not valid JSON"),
+    ({**_GOOD_CONFIG, "lora_alpha": "x"}, b"", "'lora_alpha' must be a finite number"),
+    (_GOOD_CONFIG, b"\xff" * 5, "cannot be read"),
+    (_GOOD_CONFIG, b"\x40\x00\x00\x00\x00\x00\x00\x00" + b"{" * 64, "cannot be read"),
+    (_GOOD_CONFIG, (b'{"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": {"dtype": "F32", '
+                    b'"shape": [4, 576], "data_offsets": [0, 9216]}}').ljust(160) + b"\0" * 10, "cannot be read"),
+])
+def test_malformed_adapter_files_are_a_400(server, tmp_path, config, weights, needle):
+    (tmp_path / "adapter_config.json").write_bytes(config if isinstance(config, bytes) else json.dumps(config).encode())
+    head = weights[:160]
+    if head.startswith(b'{"base'):  # a header whose tensor data is cut short: give it its length prefix
+        weights = len(head).to_bytes(8, "little") + weights
+    (tmp_path / "adapter_model.safetensors").write_bytes(weights)
+    r = requests.post(server.url + "/adapters", params={"name": "bad", "src": str(tmp_path)}, timeout=30)
+    assert r.status_code == 400 and needle in r.json()["error"], r.text
+    _small_request_ok(server)
 
 
 def test_int8_weights_without_a_quantization_config_are_refused(tmp_path):
