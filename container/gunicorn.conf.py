@@ -19,7 +19,11 @@ worker_class = "serving.server.worker.LMIWorker"
 threads = _config.gunicorn_threads
 worker_connections = threads + 4096  # a connection whose request is still arriving holds no thread
 preload_app = False
-timeout = 120  # worker heartbeat; the engine loads on its own thread, so this never races loading
+# Worker heartbeat: the worker beats from a thread of its own (serving/server/worker.py) while its
+# main loop runs, so only a stopped, frozen or GIL-stuck process (or a main loop stuck for 120 s)
+# goes this long without one; the arbiter then replaces it, and meanwhile answers 503 itself
+# (serving/server/health_guard.py, started in `when_ready`).
+timeout = 15
 graceful_timeout = int(_config.graceful_timeout)  # SageMaker sends SIGKILL 30 s after SIGTERM
 keepalive = 75
 backlog = 2048
@@ -37,8 +41,15 @@ def post_worker_init(worker):  # noqa: ANN001, ANN201 - gunicorn hook
 
     worker.configure(max_body_size=wsgi.config.max_request_size,
                      on_drain=wsgi.app.extensions["runner"].begin_drain,
-                     admission=wsgi.app.extensions["admission"])
+                     admission=wsgi.app.extensions["admission"], write_timeout=wsgi.config.write_timeout)
     wsgi.start()
+
+
+def when_ready(server):  # noqa: ANN001, ANN201 - gunicorn hook, runs in the arbiter
+    """Answer 503 for the worker whenever it stops beating (stopped, frozen, being replaced)."""
+    from serving.server.health_guard import HealthGuard
+
+    server.health_guard = HealthGuard(server).start()
 
 
 def worker_int(worker):  # noqa: ANN001, ANN201

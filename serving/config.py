@@ -74,6 +74,7 @@ class ServingConfig:
     # space every such period (for proxies that cut idle connections); off: its status waits for its result.
     plain_heartbeat: bool = False
     max_request_size: int = 6 * 1024 * 1024  # SageMaker's InvokeEndpoint body limit
+    write_timeout: float = 30.0  # a client that takes no byte for this long is cut off (its request aborted)
     output_formatter: str | None = None
     tgi_compat: bool = False
     chat_template: str | None = None

@@ -79,6 +79,11 @@ class EngineConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     trust_remote_code: bool = False
     max_logprobs: int = 20
+    # Guided decoding (serving/engine/grammar_compiler.py): the longest a constraint may compile
+    # (seconds), the largest constraint text (bytes), and the compiled grammars kept (MiB).
+    guided_decoding_compile_timeout: float = 10.0
+    guided_decoding_max_bytes: int = 64 * 1024
+    guided_decoding_cache_mb: int = 256
     # Plan step N+1 while step N runs on the device (None: on for CUDA, off on CPU, where
     # nothing runs concurrently and results would only arrive a step later).
     async_scheduling: bool | None = None

@@ -62,9 +62,13 @@ def _config(path: Path) -> dict:
         raise ValueError(f"LoRA adapter {str(path)!r} has {found}; only adapter_model.safetensors is read "
                          "(re-save the adapter with PEFT's save_pretrained(safe_serialization=True))")
     try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"LoRA adapter {str(path)!r}: adapter_config.json is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"LoRA adapter {str(path)!r}: adapter_config.json must be a JSON object, "
+                         f"got {type(cfg).__name__}")
+    return cfg
 
 
 def _check_config(cfg: dict, where: str, max_rank: int) -> tuple[int, float]:
@@ -80,12 +84,14 @@ def _check_config(cfg: dict, where: str, max_rank: int) -> tuple[int, float]:
         listed = ", ".join(f"{k}={v!r}" for k, v in unsupported)
         raise ValueError(f"{where}: {listed} is not supported (plain LoRA on {', '.join(LORA_TARGETS)} only)")
     rank = cfg.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"{where}: adapter_config.json 'r' must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise ValueError(f"{where}: rank {rank} exceeds max_lora_rank={max_rank}; "
                          f"raise option.max_lora_rank to at least {rank}")
     alpha = cfg.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{where}: adapter_config.json 'lora_alpha' must be a finite number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     return rank, float(scaling)
 
@@ -97,7 +103,7 @@ def read_adapter(path: str | Path, args: ModelArgs, max_rank: int, load: bool = 
     `max_rank`, a module we cannot apply (embeddings, lm_head, anything outside the attention
     and MLP projections) or a shape that does not match the base model.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     path = Path(path)
     where = f"LoRA adapter {str(path)!r}"
@@ -105,6 +111,32 @@ def read_adapter(path: str | Path, args: ModelArgs, max_rank: int, load: bool = 
     shapes = projection_shapes(args)
     out = AdapterWeights(rank, scaling)
     found: dict[tuple[int, str], dict[str, torch.Tensor | tuple[int, ...]]] = {}
+    try:
+        _read_tensors(path, where, args, rank, load, shapes, found)
+    except SafetensorError as exc:  # a truncated or malformed file: the client's input, not our fault
+        raise ValueError(f"{where}: adapter_model.safetensors cannot be read: {exc}") from None
+    for (layer, target), pair in found.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{where}: layer {layer} {target} has lora_{''.join(pair)} without its pair")
+        if not load:
+            continue
+        a, b = pair["A"], pair["B"] * scaling  # type: ignore[operator]
+        if target in _FUSED:  # one A shared by the parts, B split by their output rows
+            sizes = [shapes[p][1] for p in _FUSED[target]]
+            for part, b_part in zip(_FUSED[target], b.split(sizes)):  # type: ignore[union-attr]
+                out.tensors[(layer, part)] = (a, b_part.contiguous())  # type: ignore[assignment]
+        else:
+            out.tensors[(layer, target)] = (a, b)  # type: ignore[assignment]
+    if not found:
+        raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA tensors")
+    return out
+
+
+def _read_tensors(path: Path, where: str, args: ModelArgs, rank: int, load: bool,
+                  shapes: dict[str, tuple[int, int]], found: dict) -> None:
+    """Check (and with `load`, read) every tensor of the adapter into `found`; ValueError naming it."""
+    from safetensors import safe_open
+
     with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as f:
         for key in f.keys():
             m = _KEY.search(key)
@@ -122,18 +154,3 @@ def read_adapter(path: str | Path, args: ModelArgs, max_rank: int, load: bool = 
                 raise ValueError(f"{where}: tensor {key!r} has shape {list(shape)}, the base model needs "
                                  f"{list(expected)} (rank {rank}); was it trained on another model?")
             found.setdefault((layer, target), {})[ab] = f.get_tensor(key).float() if load else shape
-    for (layer, target), pair in found.items():
-        if set(pair) != {"A", "B"}:
-            raise ValueError(f"{where}: layer {layer} {target} has lora_{''.join(pair)} without its pair")
-        if not load:
-            continue
-        a, b = pair["A"], pair["B"] * scaling  # type: ignore[operator]
-        if target in _FUSED:  # one A shared by the parts, B split by their output rows
-            sizes = [shapes[p][1] for p in _FUSED[target]]
-            for part, b_part in zip(_FUSED[target], b.split(sizes)):  # type: ignore[union-attr]
-                out.tensors[(layer, part)] = (a, b_part.contiguous())  # type: ignore[assignment]
-        else:
-            out.tensors[(layer, target)] = (a, b)  # type: ignore[assignment]
-    if not found:
-        raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA tensors")
-    return out

@@ -8,8 +8,10 @@ path. A matcher that can only end (its grammar is complete and nothing but a sto
 remains) finishes its sample with finish_reason "stop".
 
 xgrammar was chosen over llguidance and outlines-core on mask cost per step and JSON-schema
-coverage (`bench/grammar_libs.py`, figures in bench/RESULTS.md). Compiled grammars are cached
-by the compiler (same schema, no second compile).
+coverage (`bench/grammar_libs.py`, figures in bench/RESULTS.md). Constraints are compiled in
+child processes within a time and size bound, and kept in a cache bounded in bytes
+(`serving/engine/grammar_compiler.py`). A constraint that admits no output at all (nothing but a
+stop token from its first token: an unsatisfiable schema, an empty language) is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from serving.engine.grammar_compiler import CompiledGrammarCache
 from serving.sampling_params import GuidedDecodingParams
 
 logger = logging.getLogger("serving.engine.guided")
@@ -30,7 +33,8 @@ _BATCH_MIN = 16  # fewer constrained rows: one thread (the batch API's hand-off 
 class GuidedDecoder:
     """Compiles constraints, keeps the matchers, fills the bitmasks of a step."""
 
-    def __init__(self, tokenizer: object, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: object, vocab_size: int, stop_token_ids: Iterable[int], *,
+                 compile_timeout: float = 10.0, max_bytes: int = 64 * 1024, cache_bytes: int = 256 << 20) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -39,7 +43,8 @@ class GuidedDecoder:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) or None)
         self.stop_token_ids = list(info.stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self._compiler = CompiledGrammarCache(info, timeout=compile_timeout, max_bytes=max_bytes,
+                                              cache_bytes=cache_bytes, check=self._admits_output)
         self._matchers: dict[int, object] = {}  # seq_id -> xgr.GrammarMatcher
         threads = (os.cpu_count() or 1) // 2
         self._batch = xgr.BatchGrammarMatcher(max_threads=min(threads, 8)) if threads >= 4 else None
@@ -53,22 +58,21 @@ class GuidedDecoder:
     # ---- grammars ------------------------------------------------------------------------
 
     def compile(self, g: GuidedDecodingParams) -> object:
-        """The compiled grammar of a constraint; ValueError (names the problem) when it is invalid."""
-        c = self._compiler
-        try:
-            if g.json is not None:
-                json.loads(g.json)
-                return c.compile_json_schema(g.json, any_whitespace=False)
-            if g.json_object:
-                return c.compile_builtin_json_grammar()
-            if g.regex is not None:
-                return c.compile_regex(g.regex)
-            if g.choice is not None:
-                alts = " | ".join(json.dumps(s) for s in g.choice)  # EBNF string literals
-                return c.compile_grammar(f"root ::= {alts}")
-            return c.compile_grammar(g.grammar)
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError variants
-            raise ValueError(f"invalid guided decoding {g.kind}: {exc}") from None
+        """The compiled grammar of a constraint; ValueError (names the problem) when it is invalid,
+        too big, too slow to compile or admits no output."""
+        return self._compiler.compile(g)
+
+    def _admits_output(self, g: GuidedDecodingParams, compiled: object) -> None:
+        """ValueError unless the grammar allows some token other than a stop token first."""
+        mask = np.zeros((1, self.width), dtype=np.int32)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask, 0)
+        if not (mask[0] & self._not_stop).any():
+            raise ValueError(f"the guided decoding {g.kind} admits no output (an unsatisfiable schema or an "
+                             "empty language): nothing could be generated under it")
+
+    def close(self) -> None:
+        """End the compile processes."""
+        self._compiler.close()
 
     # ---- matchers ------------------------------------------------------------------------
 

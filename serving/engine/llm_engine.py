@@ -171,9 +171,9 @@ class LLMEngine:
             raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs}, got {params.logprobs}")
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need the tokenizer (skip_tokenizer_init=True)")
-        if params.guided_decoding is not None:
-            self.guided_decoder().compile(params.guided_decoding)  # ValueError when invalid (cached)
         self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
+        if params.guided_decoding is not None:  # last: the one check that may cost seconds (cached)
+            self.guided_decoder().compile(params.guided_decoding)  # ValueError when invalid
 
     def guided_decoder(self) -> GuidedDecoder:
         """The grammar compiler and matchers (thread-safe to build; `compile` may run off the loop)."""
@@ -182,7 +182,11 @@ class LLMEngine:
                 raise ValueError("guided decoding needs the tokenizer (skip_tokenizer_init=True)")
             with self._guided_lock:
                 if self._guided is None:
-                    self._guided = GuidedDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                    c = self.config
+                    self._guided = GuidedDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                 compile_timeout=c.guided_decoding_compile_timeout,
+                                                 max_bytes=c.guided_decoding_max_bytes,
+                                                 cache_bytes=c.guided_decoding_cache_mb << 20)
         return self._guided
 
     # ---- LoRA adapters (thread-safe) ------------------------------------------------------
@@ -499,6 +503,8 @@ class LLMEngine:
             self.abort_request(request_id)
         self._inflight = None  # the last step's device tensors
         self._deferred_mask_ids = None
+        if self._guided is not None:
+            self._guided.close()  # its compile processes
         self._guided = None  # the grammar matchers and their native threads
 
     # ---- observability -------------------------------------------------------------------

@@ -114,6 +114,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             if param is None:
                 unexpected.append(name)
                 continue
+            _check_not_integer(name, loaded, param)
             if transform is not None:  # by the checkpoint's (renamed) name: q_proj and k_proj apart
                 loaded = transform(name, loaded)
             try:
@@ -150,6 +151,20 @@ def _loaded_regions(model: nn.Module, params: dict[str, nn.Parameter],
                 yield name, param.detach().narrow(0, offset, size)
         else:
             yield ", ".join(name for _, name in items), param
+
+
+_INTEGER_DTYPES = {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64",  # safetensors' names
+                   "TORCH.BOOL", "TORCH.UINT8", "TORCH.INT8", "TORCH.INT16", "TORCH.INT32", "TORCH.INT64"}
+
+
+def _check_not_integer(name: str, loaded: TensorSlice, param: torch.Tensor) -> None:
+    """An integer tensor cast into a floating-point weight is garbage that would be served: such a
+    checkpoint is quantized in a way its config.json does not declare (no quantization_config)."""
+    dtype = loaded.get_dtype() if hasattr(loaded, "get_dtype") else str(getattr(loaded, "dtype", ""))
+    if param.is_floating_point() and dtype.upper() in _INTEGER_DTYPES:
+        raise ValueError(f"checkpoint tensor {name!r} holds {dtype} integers for a floating-point weight: the "
+                         "checkpoint is quantized but its config.json has no quantization_config saying how "
+                         "(or names a format this server does not read); refusing to serve it as garbage")
 
 
 def _complete(model: nn.Module, name: str, shards: set[str | None] | None) -> bool:

@@ -12,6 +12,7 @@ in `serving/server/adapters.py`. Errors are `{"error", "code"}` JSON with a 4xx/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from werkzeug.exceptions import HTTPException
 
 from serving.adapter_allowlist import SourceNotAllowed, management_on
 from serving.config import ServingConfig
+from serving.engine.grammar_compiler import COMPILE_CANCELLED
 from serving.server.access_log import RequestRecord
 from serving.server.admission import Admission, Health
 from serving.server.disconnect import probe_from_environ
@@ -49,6 +51,7 @@ from serving.server.protocol import (
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState
 from serving.server.request_runner import HTTPError, RequestRunner
+from serving.server.write_stall import WriteStall, stall_from_environ
 
 logger = logging.getLogger("serving.server.app")
 UNMATCHED_ROUTE = "unmatched"  # the metrics route label of requests no route/method matched
@@ -128,10 +131,10 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
         length = request.content_length
         limit = config.max_request_size
         if length is not None and length > limit:
-            return error(400, f"the request body is {length} bytes; the limit is {limit}", route)
+            return error(413, f"the request body is {length} bytes; the limit is {limit}", route)
         raw = request.stream.read(limit + 1)
         if len(raw) > limit:
-            return error(400, f"the request body is over the limit of {limit} bytes", route)
+            return error(413, f"the request body is over the limit of {limit} bytes", route)
         try:
             if request.mimetype == "text/plain":  # LMI: a text body is the prompt
                 return {"inputs": raw.decode("utf-8")}
@@ -158,25 +161,26 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
         request_id = record.request_id
         headers = {"x-request-id": request_id, **_NO_CACHE}
         gone = probe_from_environ(request.environ)  # a client that leaves aborts its request at once
+        stall = stall_from_environ(request.environ, config.write_timeout)  # one that stops reading, too
         try:
             req = select_adapters(parse(body), request.headers.get(CUSTOM_ATTRIBUTES), adapters,
                                   model_field=route in _MODEL_FIELD_ROUTES)
             if req.adapters:
                 logger.info("request %s on adapter(s) %s", request_id,
                             ", ".join(dict.fromkeys(a or "(base)" for a in req.adapters)))
+            with _compiles_cancelled_by(gone):  # a grammar compile ends when its client leaves
+                out = (runner.run_stream if req.stream else runner.run_plain)(req, request_id, gone, record)
             if req.stream:
-                records = runner.run_stream(req, request_id, gone, record)
                 metrics.observe_request(route, 200)
                 fmt_type = runner.formatter(req, request_id).content_type
-                return Response(_flushing(records, lambda: record.done(200)), 200, content_type=fmt_type,
+                return Response(_flushing(out, lambda: record.done(200), stall), 200, content_type=fmt_type,
                                 headers={**headers, "X-Accel-Buffering": "no"}, direct_passthrough=True)
-            out = runner.run_plain(req, request_id, gone, record)
             content_type = runner.formatter(req, request_id).content_type
             if isinstance(out, tuple):
                 metrics.observe_request(route, out[0])
                 return Response(out[1], out[0], content_type=content_type, headers=headers)
             metrics.observe_request(route, 200)  # plain_heartbeat: 200 committed, spaces, then the body
-            return Response(_flushing(out, lambda: record.done(200)), 200, content_type=content_type,
+            return Response(_flushing(out, lambda: record.done(200), stall), 200, content_type=content_type,
                             headers=headers, direct_passthrough=True)
         except AdapterNotFound as exc:
             return error(404, str(exc), route)
@@ -339,12 +343,26 @@ def _route_label() -> str:
     return rule.rule if rule is not None else UNMATCHED_ROUTE
 
 
-def _flushing(records: Iterator[bytes], on_close: Callable[[], None]) -> Iterator[bytes]:
+@contextlib.contextmanager
+def _compiles_cancelled_by(gone: Callable[[], bool] | None) -> Iterator[None]:
+    """Grammar compiles started in this block (on this thread) are cancelled once `gone()`."""
+    token = COMPILE_CANCELLED.set(gone)
+    try:
+        yield
+    finally:
+        COMPILE_CANCELLED.reset(token)
+
+
+def _flushing(records: Iterator[bytes], on_close: Callable[[], None],
+              stall: WriteStall | None = None) -> Iterator[bytes]:
     """Yield each record as its own chunk; closing this closes `records` (aborts on disconnect), then
-    calls `on_close` (the access line, now that the outcome is known)."""
+    calls `on_close` (the access line, now that the outcome is known). `stall` raises
+    ClientNotReading (the response is cut, the request aborted) when the client stopped taking bytes."""
     try:
         for rec in records:
             if rec:
+                if stall is not None:
+                    stall.check(len(rec))
                 yield rec
     finally:
         close = getattr(records, "close", None)

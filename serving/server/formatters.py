@@ -37,22 +37,46 @@ _OPENAI_FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "lengt
                   "error": "error"}
 
 
-def dumps(obj: object) -> str:
-    """Every record as LMI writes it: json.dumps with ', ' / ': ' and raw UTF-8 (ensure_ascii=False)."""
-    return json.dumps(obj, ensure_ascii=False)
+def dumps(obj: object, **kw: object) -> str:
+    """Every record as LMI writes it: json.dumps with ', ' / ': ' and raw UTF-8 (ensure_ascii=False);
+    never NaN or Infinity, which are not JSON (see `_finite`)."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, **kw)
+    except ValueError:  # a non-finite float somewhere (rare): write it as JSON can
+        return json.dumps(_finite_tree(obj), ensure_ascii=False, **kw)
+
+
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability (a masked or impossible token) is written as (vLLM's)
+
+
+def _finite(x: float) -> float | None:
+    """A float JSON can carry: -inf -> LOGPROB_FLOOR, NaN and +inf (no meaning left) -> null."""
+    if math.isfinite(x):
+        return x
+    return LOGPROB_FLOOR if x < 0 else None
+
+
+def _finite_tree(obj: object) -> object:
+    if isinstance(obj, float):
+        return _finite(obj)
+    if isinstance(obj, dict):
+        return {k: _finite_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_tree(v) for v in obj]
+    return obj
 
 
 # Template records write strings with `_json_str`, the function json.dumps itself uses for them.
 def _json_scalar(x: object) -> str:
     """json.dumps(x), byte for byte, for a token record's scalars (None, int, float), minus its overhead."""
     t = type(x)
-    if t is float and math.isfinite(x):  # json writes NaN / Infinity its own way
-        return float.__repr__(x)
+    if t is float:
+        return float.__repr__(x) if math.isfinite(x) else dumps(x)  # never NaN / Infinity
     if t is int:
         return int.__repr__(x)
     if x is None:
         return "null"
-    return json.dumps(x)
+    return dumps(x)
 
 
 # "max_tokens must be ...", "messages[0].content: only text ...": the field a message starts with.
@@ -341,8 +365,7 @@ class Formatter:
         if fmt == "none":
             return "".join(self._generated_text(r, self._ranked(r)[0]) for r in results).encode()
         if fmt == "generate":  # vLLM's api_server answers through Starlette's JSONResponse (compact, UTF-8)
-            return json.dumps(self._generate_object(results[0]), ensure_ascii=False,
-                              separators=(",", ":")).encode()
+            return dumps(self._generate_object(results[0]), separators=(",", ":")).encode()
         if fmt in ("json_chat", "chat"):
             r = results[0]
             choices = []

@@ -4,10 +4,14 @@ In: the bytes of a connection as they arrive (`feed`). Out: `complete` once the 
 body (Content-Length or chunked) are there, and `deadline`, the time (time.monotonic()) by which
 the next thing must happen: the first byte within the keep-alive idle time, the head within
 HEAD_TIMEOUT_S of its first byte, the body with no gap over BODY_IDLE_TIMEOUT_S and all of it
-within BODY_TIMEOUT_S. It only frames; gunicorn still parses and validates: what it cannot frame
-(a bad length or coding, a Content-Length over the size limit) counts as complete, so gunicorn or
-the app answers the error at once instead of this waiting for bytes. A head past gunicorn's limits
-with no end in sight, or a chunked body past the size limit, is a `rejection` (status, message).
+within BODY_TIMEOUT_S. It only frames; gunicorn still parses and validates: a head it cannot frame
+(a malformed length, another coding) counts as complete, so gunicorn answers the error at once
+instead of this waiting for bytes. A `rejection` (status, message) is answered here and the
+connection closed: a head past gunicorn's limits with no end in sight (414 / 431), a body over the
+size limit (413, by its Content-Length or as its chunks arrive), and a chunked body gunicorn could
+not be trusted to frame the same way (400): a chunk size that is not 1 to 15 hex digits, or a
+chunk-size or trailer line over _MAX_CHUNK_LINE bytes. A request handed on is whole: the thread
+that serves it never waits on the client for more.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class RequestReader:
     Args:
         idle_deadline: when to give up on a connection that has sent nothing yet.
         max_head: head bytes after which gunicorn's parser is sure to reject the request.
-        max_body: the body size limit (the app answers 400 past it).
+        max_body: the body size limit (413 past it, chunk extensions and trailers included).
     """
 
     def __init__(self, idle_deadline: float, max_head: int, max_body: int) -> None:
@@ -87,8 +91,10 @@ class RequestReader:
             if lengths or not codings[-1].endswith(b"chunked"):
                 self.complete = True  # gunicorn rejects or decides; nothing to wait for here
             self._scan = self._head_end
-        elif len(lengths) != 1 or not (length := lengths.pop()).isdigit() or int(length) > self._max_body:
-            self.complete = True  # no body, a malformed length (gunicorn: 400) or too large (the app: 400)
+        elif len(lengths) != 1 or not (length := lengths.pop()).isdigit():
+            self.complete = True  # no body, or a malformed length (gunicorn: 400)
+        elif int(length) > self._max_body:
+            self.rejection = (413, f"the request body is {int(length)} bytes; the limit is {self._max_body}")
         else:
             self._body_end = self._head_end + int(length)
 
@@ -98,22 +104,27 @@ class RequestReader:
             return
         buf = self.buf
         while not (self.complete or self.rejection):
-            line_end = buf.find(b"\r\n", self._scan)
+            line_end = buf.find(b"\r\n", self._scan, self._scan + _MAX_CHUNK_LINE + 2)
             if line_end < 0:
-                self.complete = len(buf) - self._scan > _MAX_CHUNK_LINE
+                if len(buf) - self._scan > _MAX_CHUNK_LINE:
+                    self._malformed(f"a {'trailer' if self._trailers else 'chunk-size'} line is over "
+                                    f"{_MAX_CHUNK_LINE} bytes")
                 return
             line = bytes(buf[self._scan:line_end])
             if self._trailers:  # after the last chunk: trailer fields up to an empty line
                 self.complete = not line
                 self._scan = line_end + 2
-                continue
-            size = line.split(b";", 1)[0].strip()
-            if not _CHUNK_SIZE.fullmatch(size):
-                self.complete = True  # gunicorn answers 400
-                return
-            self._trailers = int(size, 16) == 0
-            self._scan = line_end + 2 + (0 if self._trailers else int(size, 16) + 2)
+            else:
+                size = line.split(b";", 1)[0].strip()
+                if not _CHUNK_SIZE.fullmatch(size):
+                    self._malformed(f"a chunk size must be 1 to 15 hex digits, got {size[:20]!r}")
+                    return
+                self._trailers = int(size, 16) == 0
+                self._scan = line_end + 2 + (0 if self._trailers else int(size, 16) + 2)
             if self._scan - self._head_end > self._max_body:
-                self.rejection = (400, f"the request body is over the limit of {self._max_body} bytes")
+                self.rejection = (413, f"the request body is over the limit of {self._max_body} bytes")
             elif self._scan > len(buf):
                 return
+
+    def _malformed(self, why: str) -> None:
+        self.rejection = (400, f"malformed chunked body: {why}")

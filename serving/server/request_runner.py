@@ -133,6 +133,8 @@ class RequestRunner:
         for p in req.prompts:
             out.append((p, list(tok.encode(p))))
         for ids in req.prompt_token_ids:
+            if max(ids, default=0) >= 1 << 32:  # past any tokenizer's ids (u32 in `tokenizers`: it fails)
+                raise ValueError(f"prompt token ids must be in the vocabulary, got {max(ids)}")
             out.append((tok.decode(list(ids)), list(ids)))
         if req.truncate is not None:  # LMI / TGI `truncate`: keep the last N prompt tokens (the text stays whole)
             out = [(text, ids[-req.truncate:]) for text, ids in out]

@@ -7,6 +7,16 @@
 - Before a request takes a thread, `serving/server/admission.py` decides on it: `/ping` is answered
   on the poller thread from the engine's state (never queued behind streams), and a request past
   `job_queue_size` admitted ones gets LMI's 503 at once.
+- A thread never waits on its client for long: a response write (a stream's next record) or a
+  read that makes no progress for `write_timeout` s fails (SO_SNDTIMEO / SO_RCVTIMEO; a client
+  that stopped reading while the send buffer still absorbs the writes is noticed by
+  serving/server/write_stall.py), the response is cut and closed, and closing its body iterator
+  aborts the request in the engine (its KV blocks are freed): a client that stops reading holds
+  no thread, queue slot or KV.
+- Its heartbeat (gunicorn's tmp file) is touched every HEARTBEAT_S by a thread of its own while
+  the main loop has run within _LOOP_STALL_S: the arbiter's short `timeout` then catches a stopped
+  or frozen process in seconds, and serving/server/health_guard.py (in the arbiter) answers 503
+  meanwhile.
 - gunicorn's own error answers (400 bad request, 414, 431, 501, ...) are the container's JSON
   `{"error", "code"}`, not HTML.
 - SIGTERM: `on_drain(deadline)` is called so every open request ends with a final record before
@@ -17,9 +27,12 @@
 
 from __future__ import annotations
 
+import errno
 import resource
 import selectors
 import socket
+import struct
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -29,10 +42,12 @@ from gunicorn import util
 from gunicorn.workers.gthread import ThreadWorker
 
 from serving.server.admission import Admission, Decision
+from serving.server.health_guard import HEARTBEAT_S
 from serving.server.request_reader import RequestReader
 from serving.server.request_runner import HTTPError
 
 _SWEEP_S = 0.25  # how often the read deadlines are checked
+_LOOP_STALL_S = 120.0  # the heartbeat stops once the main loop has not run for this long (stuck)
 _DRAIN_MARGIN_S = 3.0  # time left after the drain deadline for final records and the exit
 _MAX_MESSAGE = 300  # characters of an error message (gunicorn's quote the request line)
 # Sent when a head asks for it and its body is still to come (gunicorn sends its own once the body
@@ -95,6 +110,8 @@ class LMIWorker(ThreadWorker):
         self.max_body_size = 6 * 1024 * 1024
         self.on_drain: Callable[[float], None] | None = None
         self.admission: Admission | None = None
+        self.write_timeout = 30.0
+        self._loop_ran = time.monotonic()
         self._readers: dict[object, RequestReader] = {}  # connection -> its request so far
         self._buffered = 0  # bytes held by all readers
         self._next_sweep = 0.0
@@ -107,18 +124,39 @@ class LMIWorker(ThreadWorker):
         self._preread = not cfg.is_ssl and cfg.http2_cleartext == "off"
 
     def configure(self, *, max_body_size: int, on_drain: Callable[[float], None] | None,
-                  admission: Admission | None = None) -> None:
+                  admission: Admission | None = None, write_timeout: float = 30.0) -> None:
         """Set the body size limit (bodies are buffered up to it), the SIGTERM drain callback
-        (called from the signal handler with the deadline, in time.monotonic()) and the admission
-        rules (`/ping` and the queue bound, decided here before a request takes a thread)."""
+        (called from the signal handler with the deadline, in time.monotonic()), the admission
+        rules (`/ping` and the queue bound, decided here before a request takes a thread) and the
+        longest a thread waits on its client (`write_timeout`, seconds)."""
         self.max_body_size = max_body_size
         self.on_drain = on_drain
         self.admission = admission
+        self.write_timeout = write_timeout
 
     def init_process(self) -> None:
         util.write_error = _write_json_error  # the one writer of gunicorn's own error answers
         _raise_fd_limit(self.cfg.worker_connections + 256)
+        self._loop_ran = time.monotonic()
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         super().init_process()
+
+    # ---- heartbeat ------------------------------------------------------------------------------
+    def notify(self) -> None:
+        """gunicorn's main loop calls this every turn: note that it ran."""
+        self._loop_ran = time.monotonic()
+        super().notify()
+
+    def _beat(self) -> None:
+        """Touch the heartbeat while the main loop runs (loading the app included): what stops it
+        is the process stopping, freezing or holding the GIL, or the loop stuck for _LOOP_STALL_S."""
+        while True:
+            time.sleep(HEARTBEAT_S)
+            if time.monotonic() - self._loop_ran < _LOOP_STALL_S:
+                try:
+                    self.tmp.notify()
+                except (OSError, ValueError):  # closed: the worker is exiting
+                    return
 
     # ---- SIGTERM --------------------------------------------------------------------------------
     def handle_exit(self, sig, frame) -> None:  # noqa: ANN001
@@ -252,7 +290,31 @@ class LMIWorker(ThreadWorker):
             conn.sock.setblocking(True)
             conn.init()  # plain TCP: only builds the parser
             conn.parser.unreader.unread(data)
+        self._bound_stalls(conn.sock)
         return super().handle(conn)
+
+    def _bound_stalls(self, sock: socket.socket) -> None:
+        """Blocking sends and receives on `sock` give up after `write_timeout` s without progress
+        (kernel timeouts: they hold whatever gunicorn does to the socket's blocking mode)."""
+        seconds = int(self.write_timeout)
+        tv = struct.pack("ll", seconds, int((self.write_timeout - seconds) * 1e6))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        except OSError:  # already gone: the request fails on its own
+            pass
+
+    def handle_request(self, req, conn):  # noqa: ANN001, ANN201 - runs on a pool thread
+        try:
+            return super().handle_request(req, conn)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK) and not isinstance(exc, TimeoutError):
+                raise
+            # The client took nothing for write_timeout s: its body iterator was closed (the engine
+            # request aborted) on the way here; one line, not gunicorn's traceback; close.
+            self.log.warning("%s %s: the client took no response byte for %g s; response cut, request aborted",
+                             req.method, req.path, self.write_timeout)
+            return False
 
     def murder_pending(self) -> None:
         """gunicorn's sweep of idle connections, plus the read deadlines of requests in progress."""

@@ -148,6 +148,18 @@ def running_server(tmp_path_factory, env: dict[str, str] | None = None, name: st
         srv.stop()
 
 
+def read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    """Everything the server sends on `sock` until it closes the connection (or `timeout` passes)."""
+    sock.settimeout(timeout)
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
 def stream_lines(url: str, body: dict, timeout: float = 120.0) -> tuple[requests.Response, list[str]]:
     """POST and read a streamed response to the end; returns (response, non-empty lines)."""
     r = requests.post(url, json=body, stream=True, timeout=timeout)

@@ -25,7 +25,7 @@ import pytest
 import requests
 from botocore.config import Config
 from botocore.exceptions import ReadTimeoutError
-from lmi_server import LMIServer
+from lmi_server import LMIServer, read_until_closed
 
 from sdk.gateway import Gateway
 from serving.server.request_reader import BODY_IDLE_TIMEOUT_S, HEAD_TIMEOUT_S
@@ -51,18 +51,6 @@ def server(tmp_path_factory):
 
 def _connect(server) -> socket.socket:
     return socket.create_connection(("127.0.0.1", server.port), timeout=10)
-
-
-def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
-    """Everything the server sends until it closes the connection (or `timeout` passes)."""
-    sock.settimeout(timeout)
-    out = b""
-    try:
-        while chunk := sock.recv(65536):
-            out += chunk
-    except ConnectionResetError:
-        pass
-    return out
 
 
 def _json_error(raw: bytes) -> tuple[int, dict]:
@@ -101,7 +89,7 @@ def _seconds_until_idle(server, timeout: float) -> float:
 def test_gunicorn_errors_have_the_json_error_shape(server, raw, status):
     with _connect(server) as sock:
         sock.sendall(raw)
-        got_status, body = _json_error(_read_until_closed(sock, 10))
+        got_status, body = _json_error(read_until_closed(sock, 10))
     assert got_status == status and set(body) == {"error", "code"} and body["code"] == status, body
     assert body["error"] and len(body["error"]) < 400  # says what was wrong, does not echo it whole
     assert requests.get(server.url + "/ping", timeout=2).status_code == 200
@@ -133,7 +121,7 @@ def test_slow_clients_hold_no_thread_and_are_closed_in_time(server):
                           timeout=30)
         assert r.status_code == 200
         for sock in lingering:  # answered, then closed by the server
-            assert _read_until_closed(sock, 5).startswith(b"HTTP/1.0 200 OK")
+            assert read_until_closed(sock, 5).startswith(b"HTTP/1.0 200 OK")
         # Every slow connection is answered 408 and closed once its bound has passed.
         bound = max(HEAD_TIMEOUT_S, BODY_IDLE_TIMEOUT_S)
         sel = selectors.DefaultSelector()

@@ -58,10 +58,10 @@ def test_400s(body, needle):
     assert r.status_code == 400 and needle in r.json["error"] and r.json["code"] == 400
 
 
-def test_body_over_6mb_is_400():
+def test_body_over_6mb_is_413():
     _, client = make()
     r = client.post("/invocations", data=b"x" * (6 * 1024 * 1024 + 1), content_type="application/json")
-    assert r.status_code == 400 and "limit" in r.json["error"]
+    assert r.status_code == 413 and "limit" in r.json["error"]
 
 
 def test_queue_full_is_503():

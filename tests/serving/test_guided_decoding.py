@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import numpy as np
@@ -168,3 +169,35 @@ def test_engine_refuses_an_invalid_schema(smol) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="invalid guided decoding json"):
         engine.add_request("r", PROMPT, SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "nope"})))
     assert not engine.has_unfinished_requests()
+
+
+def test_grammar_cache_is_bounded_in_bytes_and_compiles_are_killed_past_their_time(smol) -> None:  # noqa: ANN001
+    """Distinct grammars of ~0.5 MB each through a 3 MiB cache: the cache never holds more than its
+    bound (oldest out first, a hit moves one to the front); a grammar over a quarter of the cache,
+    one over the size cap and one past the compile timeout are refused."""
+    from serving.engine.guided import GuidedDecoder
+
+    _, _, tok = smol
+    dec = GuidedDecoder(tok, len(tok), [tok.eos_token_id], compile_timeout=2.0, max_bytes=4096, cache_bytes=3 << 20)
+    cache = dec._compiler
+    try:
+        first = GuidedDecodingParams(regex="([a-z0-9]{1,50}-){1,40}")
+        dec.compile(first)
+        for n in range(41, 48):
+            dec.compile(first)  # used again: kept
+            dec.compile(GuidedDecodingParams(regex=f"([a-z0-9]{{1,50}}-){{1,{n}}}"))
+            assert 0 < cache.cached_bytes <= 3 << 20, cache.cached_bytes
+        assert first in cache._cache and len(cache) < 8  # the others went, oldest first
+        assert GuidedDecodingParams(regex="([a-z0-9]{1,50}-){1,41}") not in cache._cache
+        with pytest.raises(ValueError, match="compiles to .* bytes, over the limit"):
+            dec.compile(GuidedDecodingParams(regex="[a-z]{1,3000}"))  # ~2 MB compiled
+        with pytest.raises(ValueError, match="the limit is 4096"):
+            dec.compile(GuidedDecodingParams(choice=[f"option {i}" for i in range(1000)]))
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="did not compile within 2 s"):
+            dec.compile(GuidedDecodingParams(json={"type": "array", "items": {"type": "string", "maxLength": 500},
+                                                   "minItems": 1000, "maxItems": 3000}))
+        assert time.monotonic() - t0 < 10
+        assert dec.compile(GuidedDecodingParams(regex="[0-9]+")) is not None  # a fresh process took over
+    finally:
+        dec.close()

@@ -36,7 +36,6 @@ def test_content_length_body_byte_by_byte_is_complete_only_at_its_end():
     HEAD + b"Content-Length: 12x\r\n\r\n",  # malformed: gunicorn answers it
     HEAD + b"Content-Length: 3\r\nContent-Length: 4\r\n\r\n",
     HEAD + b"Transfer-Encoding: gzip\r\n\r\n",  # not chunked last: gunicorn answers it
-    HEAD + b"Content-Length: 5000\r\n\r\n",  # over max_body: the app answers 400 without reading it
 ])
 def test_heads_that_need_no_more_bytes_are_complete_at_once(request_bytes):
     r = fed(request_bytes)
@@ -53,10 +52,22 @@ def test_chunked_body_ends_after_the_last_chunk_and_trailers():
     assert r.complete and r.rejection is None
 
 
-def test_chunked_body_over_the_limit_and_bad_chunk_sizes():
-    r = fed(HEAD + b"Transfer-Encoding: chunked\r\n\r\n", b"400\r\n" + b"a" * 10, max_body=100)
-    assert r.rejection == (400, "the request body is over the limit of 100 bytes")
-    assert fed(HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n").complete  # gunicorn answers 400
+@pytest.mark.parametrize("pieces, status, why", [
+    ([HEAD + b"Content-Length: 5000\r\n\r\n"], 413, "the request body is 5000 bytes; the limit is 1000"),
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\n", b"400\r\n" + b"a" * 10], 413, "over the limit of 1000"),
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\n", b"ffffffffffffffff\r\n"], 400, "1 to 15 hex digits"),
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n"], 400, "1 to 15 hex digits"),
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\n5", b"0" * 5000], 400, "chunk-size line is over 4096"),
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\n5;x=" + b"e" * 5000 + b"\r\n"], 400, "line is over 4096"),
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\n0\r\nX-T: " + b"t" * 5000], 400, "trailer line is over 4096"),
+    # Many small extensions and trailers count towards the body limit.
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\n"] + [b"1;e=" + b"x" * 300 + b"\r\na\r\n"] * 4, 413, "over the limit"),
+    ([HEAD + b"Transfer-Encoding: chunked\r\n\r\n0\r\n"] + [b"X-T: " + b"t" * 300 + b"\r\n"] * 4, 413, "over the limit"),
+])
+def test_bodies_over_the_limit_and_unframeable_chunks_are_rejected_here(pieces, status, why):
+    r = fed(*pieces)
+    assert r.rejection is not None and not r.complete, r.rejection
+    assert r.rejection[0] == status and why in r.rejection[1], r.rejection
 
 
 def test_head_without_end_past_the_limit_is_rejected():
