@@ -41,7 +41,9 @@ def server(tmp_path_factory):
     env = {"SERVING_THREADS": str(THREADS), "SERVING_JOB_QUEUE_SIZE": str(QUEUE),
            "SERVING_WRITE_TIMEOUT": f"{WRITE_TIMEOUT:g}", "SERVING_MAX_REQUEST_SIZE": "65536",
            "OPTION_GUIDED_DECODING_COMPILE_TIMEOUT": f"{COMPILE_TIMEOUT:g}",
-           "OPTION_GUIDED_DECODING_MAX_BYTES": str(MAX_GRAMMAR_BYTES), "OPTION_ENABLE_LORA": "true"}
+           "OPTION_GUIDED_DECODING_MAX_BYTES": str(MAX_GRAMMAR_BYTES), "OPTION_ENABLE_LORA": "true",
+           # the management API loads adapters from the tests' temp dirs (it is off unless allowed)
+           "OPTION_RUNTIME_ADAPTER_SOURCES": str(tmp_path_factory.getbasetemp().resolve())}
     with running_server(tmp_path_factory, env, "hostile") as srv:
         yield srv
 
