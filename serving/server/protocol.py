@@ -511,8 +511,6 @@ def parse_chat(body: dict, route: Route = "chat") -> GenerateRequest:
     messages = _messages(body)
     lmi_route = route == "invocations"
     stream = _get_bool(body, "stream", False)
-    if tools is not None and stream:
-        raise ValueError("tools with stream: true is not supported yet: send stream: false")
     max_tokens = _get_int(body, "max_completion_tokens", 1) or _get_int(body, "max_tokens", 1)
     want_logprobs = _get_bool(body, "logprobs", False)
     top = _get_int(body, "top_logprobs", 0, 20)

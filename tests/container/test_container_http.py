@@ -165,7 +165,7 @@ def test_every_error_while_16_streams_continue(server):
         (b'{"inputs": "x", "parameters": {"max_new_tokens": "ten"}}', "max_new_tokens must be an integer"),
         (b'{"inputs": "x", "parameters": {"temperature": -0.5, "do_sample": true}}', "temperature"),
         (b'{"inputs": "x", "parameters": {"top_p": 7, "do_sample": true}}', "top_p"),
-        (json.dumps({"inputs": "word " * 600}).encode(), "exceeds max_model_len"),
+        (json.dumps({"inputs": "word " * 600}).encode(), "maximum context length is"),
         (big, "limit"),
     ]
     for body, needle in cases:
@@ -320,7 +320,8 @@ def test_openai_client_gets_openai_error_objects(server):
     assert str(err.code) == "400" and "temperature must be in [0.0, 2.0], got 5" in str(err)  # the client: a str
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="m", prompt="word " * 600, max_tokens=4)
-    assert exc.value.type == "invalid_request_error" and f"exceeds max_model_len={MAX_MODEL_LEN}" in str(exc.value)
+    assert exc.value.type == "invalid_request_error" and f"maximum context length is {MAX_MODEL_LEN} tokens" in str(exc.value)
+    assert exc.value.code == "context_length_exceeded"  # OpenAI's code: LangChain and LiteLLM read it
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("nope")
     assert exc.value.type == "invalid_request_error" and "no route" in str(exc.value)

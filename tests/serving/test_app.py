@@ -50,7 +50,7 @@ def test_invocations_stream_jsonlines():
     (b'{"inputs": ', "malformed JSON"),
     (b'{"inputs": "x", "parameters": {"max_new_tokens": "a"}}', "max_new_tokens"),
     (b'{"inputs": "x", "parameters": {"top_p": 5, "do_sample": true}}', "top_p"),
-    (b'{"inputs": "' + b"x" * 100 + b'"}', "exceeds max_model_len"),
+    (b'{"inputs": "' + b"x" * 100 + b'"}', "maximum context length is"),
 ])
 def test_400s(body, needle):
     _, client = make()

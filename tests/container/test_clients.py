@@ -1,0 +1,119 @@
+"""The client libraries users already have, unchanged, against the real server (`container/serve`,
+the default model on CPU): the openai SDK, langchain-openai, litellm, huggingface_hub and a real
+browser on the chat page at `/`. One server for the module.
+
+Each check compares the library's view with an oracle from the same server: a streamed answer
+(tool calls included) with the greedy non-streamed one, a token count with the usage the
+completions route reports, and so on.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+from lmi_server import running_server
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+MAX_MODEL_LEN = 256
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+    "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+# auto: the model decides; one worked example makes the small default model answer with a call block
+ASK_TIME = [{"role": "system", "content": 'You call functions. To call one, answer only with <tool_call>{"name": '
+                                          '..., "arguments": {...}}</tool_call>.'},
+            {"role": "user", "content": "What time is it in UTC?"},
+            {"role": "assistant", "content": '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'},
+            {"role": "user", "content": "What is the time in CET?"}]
+CHOICES = {"required": ("required", ASK_WEATHER), "auto": ("auto", ASK_TIME),
+           "named": ({"type": "function", "function": {"name": "get_weather"}}, ASK_WEATHER)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):  # noqa: ANN001, ANN201
+    with running_server(tmp_path_factory, {"OPTION_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}, name="clients") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):  # noqa: ANN001, ANN201
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _calls(message) -> list[tuple[str, dict]]:  # noqa: ANN001
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or ()]
+
+
+@pytest.mark.parametrize("choice", sorted(CHOICES))
+def test_openai_stream_helper_tool_calls_equal_the_plain_answer(client, choice: str) -> None:  # noqa: ANN001
+    tool_choice, messages = CHOICES[choice]
+    kw = dict(model="m", messages=messages, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=64,
+              temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0]
+    pieces: dict[int, int] = {}
+    with client.chat.completions.stream(**kw) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces[event.index] = pieces.get(event.index, 0) + 1
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == plain.finish_reason
+    assert _calls(final.message) == _calls(plain.message)
+    assert (final.message.content or None) == (plain.message.content or None)
+    assert _calls(plain.message) and all(pieces.get(i, 0) > 1 for i in range(len(plain.message.tool_calls)))
+    assert plain.finish_reason == ("stop" if choice == "named" else "tool_calls")  # as OpenAI
+
+
+def test_auto_tool_choice_answering_in_text_streams_the_text(client) -> None:  # noqa: ANN001
+    kw = dict(model="m", messages=ASK_WEATHER, tools=[WEATHER, TIME], max_tokens=24, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert not plain.message.tool_calls and len(texts) > 1 and "".join(texts) == plain.message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+
+
+def _chat_model(server):  # noqa: ANN001, ANN202
+    langchain_openai = pytest.importorskip("langchain_openai")
+    return langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="m", temperature=0,
+                                       max_tokens=64, max_retries=0, timeout=120)
+
+
+def test_langchain_bind_tools_stream_equals_invoke(server) -> None:  # noqa: ANN001
+    model = _chat_model(server).bind_tools([WEATHER, TIME], tool_choice="get_weather")
+    plain = model.invoke(ASK_WEATHER)
+    chunks = list(model.stream(ASK_WEATHER))
+    whole = chunks[0]
+    for chunk in chunks[1:]:
+        whole += chunk
+    assert sum(1 for c in chunks if c.tool_call_chunks) > 2  # the arguments arrived in pieces
+    got = [(c["name"], c["args"]) for c in whole.tool_calls]
+    assert got == [(c["name"], c["args"]) for c in plain.tool_calls] and got[0][0] == "get_weather"
+
+
+def test_context_overflow_is_openais_error_for_langchain_and_litellm(server, client) -> None:  # noqa: ANN001
+    long = [{"role": "user", "content": "word " * 400}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="m", messages=long, max_tokens=8)
+    assert exc.value.code == "context_length_exceeded" and exc.value.param == "messages"
+    assert exc.value.body["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. "
+                                                "However, you requested ")
+    from langchain_core.exceptions import ContextOverflowError
+
+    with pytest.raises(ContextOverflowError):
+        _chat_model(server).invoke(long)
+    litellm = pytest.importorskip("litellm")
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(model="openai/m", api_base=server.url + "/v1", api_key="unused", messages=long,
+                           max_tokens=8, num_retries=0)
+    ok = litellm.completion(model="openai/m", api_base=server.url + "/v1", api_key="unused", max_tokens=4,
+                            messages=[{"role": "user", "content": "Hi"}])
+    assert ok.choices[0].message.content and ok.usage.completion_tokens <= 4
