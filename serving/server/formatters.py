@@ -24,16 +24,18 @@ from json.encoder import encode_basestring as _json_str
 from serving.engine.scheduler import CONTEXT_OVERFLOW
 from serving.outputs import StreamDelta
 from serving.server.protocol import GenerateRequest
+from serving.server.responses import ResponsesWriter
 from serving.server.structured import parse_tool_calls
 from serving.server.tool_stream import ToolCallStream
 
 CONTENT_TYPES = {
-    "json": "application/json", "tgi_json": "application/json", "json_chat": "application/json",
+    "json": "application/json", "tgi_json": "application/json", "tgi_generate": "application/json", "json_chat": "application/json",
     "chat": "application/json", "completion": "application/json", "none": "text/plain",
     "jsonlines": "application/jsonlines", "jsonlines_chat": "application/jsonlines",
     "sse": "text/event-stream", "tgi_sse": "text/event-stream", "chat_sse": "text/event-stream",
     "completion_sse": "text/event-stream", "generate": "application/json",
-    "generate_stream": "application/octet-stream",
+    "generate_stream": "application/octet-stream", "responses": "application/json",
+    "responses_sse": "text/event-stream",
 }
 OVERFLOW_CODE = "context_length_exceeded"
 _OPENAI_FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "abort": "abort",
@@ -176,6 +178,8 @@ class Formatter:
         self.model = model  # the served name (vLLM answers with it, whatever the client sent)
         hex_id = request_id or uuid.uuid4().hex
         self.id = ("cmpl-" if req.route == "completions" else "chatcmpl-") + hex_id
+        # /v1/responses: its object and events (serving/server/responses.py)
+        self._responses = ResponsesWriter(req, model, hex_id, created) if req.route == "responses" else None
         self.created = created
         self.special_ids = special_ids
         self.decode_token = decode_token or (lambda t: "")
@@ -343,9 +347,15 @@ class Formatter:
     def body(self, results: list[Result]) -> bytes:
         """The whole non-streaming response body."""
         fmt = self.fmt
-        if fmt in ("json", "tgi_json"):
+        if self._responses is not None:
+            r = results[0]
+            s = r.sample(0)
+            return dumps(self._responses.response(ResponsesWriter.status_of(s.finish_reason, s.error), s.text,
+                                                  len(r.prompt_token_ids), len(s.token_ids), self._finish(
+                                                      s.finish_reason), s.error)).encode()
+        if fmt in ("json", "tgi_json", "tgi_generate"):
             objs = [self._lmi_object(r) for r in results]
-            if fmt == "tgi_json" or self.req.batch:
+            if fmt == "tgi_json" or self.req.batch:  # TGI's `/generate` answers one object, its `/` a list
                 return dumps(objs).encode()
             return dumps(objs[0]).encode()
         if fmt == "none":
@@ -394,6 +404,8 @@ class Formatter:
     # ---- streams ---------------------------------------------------------------------------------
     def start(self, results: list[Result]) -> bytes:
         """Bytes sent before the first delta (the role chunks of an OpenAI chat stream)."""
+        if self._responses is not None:
+            return self._events(self._responses.start_events(len(results[0].prompt_token_ids)))
         if self.fmt != "chat_sse":
             return b""
         out = []
@@ -412,9 +424,23 @@ class Formatter:
     def _sse(obj: object) -> str:
         return f"data: {dumps(obj)}\n\n"
 
+    @staticmethod
+    def _events(events: list[dict]) -> bytes:
+        """Server-sent events named by their type (the Responses API's stream)."""
+        return "".join(f"event: {e['type']}\ndata: {dumps(e)}\n\n" for e in events).encode()
+
+    def _responses_chunk(self, r: Result, s: Sample, delta: StreamDelta) -> bytes:
+        events = self._responses.delta_events(delta.text)
+        if delta.finish_reason is not None:
+            events += self._responses.end_events(s.text, len(r.prompt_token_ids), len(s.token_ids),
+                                                 self._finish(delta.finish_reason), s.error)
+        return self._events(events)
+
     def chunk(self, r: Result, delta: StreamDelta, prompt_index: int = 0) -> bytes:
         """One record for one delta (already added to `r`)."""
         s = r.sample(delta.index)
+        if self._responses is not None:
+            return self._responses_chunk(r, s, delta)
         if (delta.finish_reason is None and type(delta.text) is str and not s.error and not self.req.continuous_usage
                 and self.req.tools is None):
             rec = self._fast_chunk(r, s, delta, prompt_index)

@@ -24,11 +24,11 @@ from serving.server.structured import GUIDED_KEYS, STRUCTURED_KEYS, TOOL_KEYS, T
 
 logger = logging.getLogger("serving.server.protocol")
 
-Route = Literal["invocations", "completions", "chat", "generate"]
+Route = Literal["invocations", "completions", "chat", "generate", "responses"]
 LMI_DEFAULT_MAX_NEW_TOKENS = 30  # LMI 0.28: a missing max_new_tokens becomes 30
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM /v1/completions default
 STREAMING_FORMATS = frozenset({"jsonlines", "sse", "tgi_sse", "jsonlines_chat", "chat_sse", "completion_sse",
-                               "generate_stream"})
+                               "generate_stream", "responses_sse"})
 LMI_FORMATTERS = ("json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "none")
 MAX_JSON_DEPTH = 64  # arrays/objects nested deeper than this are a 400 (real requests nest < 10)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the raw body
@@ -74,6 +74,7 @@ class GenerateRequest:
     # vLLM's best_of > n on /v1/completions and /generate: params.n = best_of samples are generated and
     # only the `keep_best` most likely (highest cumulative logprob) are returned. 0: all of them.
     keep_best: int = 0
+    instructions: str | None = None  # /v1/responses: echoed in the response object
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -392,6 +393,32 @@ def parse_invocations(body: dict, *, tgi_compat: bool = False, output_formatter:
         top_n_tokens=_get_int(parameters, "top_n_tokens", 0, 20) or 0,
         truncate=_get_int(parameters, "truncate", 1),
         return_full_text=_get_bool(parameters, "return_full_text", False), warnings=warnings)
+
+
+# ---- TGI's own routes (`/`, `/generate`, `/generate_stream`) ------------------------------------
+
+TGI_ROUTES = {"/": None, "/generate": "tgi_generate", "/generate_stream": "tgi_sse"}
+
+
+def is_tgi_body(body: dict) -> bool:
+    """TGI's body (`{"inputs", "parameters"}`), as opposed to vLLM's `/generate` one (`{"prompt"}`)."""
+    return "inputs" in body and "prompt" not in body
+
+
+def parse_tgi(body: dict, path: str) -> GenerateRequest:
+    """A body of TGI's API (LMI's parameters are TGI's): `POST /` streams (SSE) when `stream` is
+    true, else answers a list with one object; `/generate` answers one object; `/generate_stream`
+    always streams. `details` only when asked, as TGI."""
+    if path not in TGI_ROUTES:
+        raise AssertionError(f"not a TGI route: {path}")
+    if not isinstance(body.get("inputs"), str):
+        raise ValueError(f"inputs must be a string, got {_show(body.get('inputs'))}")
+    req = parse_invocations({k: v for k, v in body.items() if k != "stream"}, tgi_compat=True)
+    parameters = body.get("parameters") or {}
+    fmt = TGI_ROUTES[path] or ("tgi_sse" if _get_bool(body, "stream", False) else "tgi_json")
+    if req.params.n > 1 and fmt == "tgi_sse":
+        raise ValueError("best_of > 1 needs a non-streaming request")
+    return replace(req, fmt=fmt, details=_get_bool(parameters, "details", False) or req.params.n > 1)
 
 
 # ---- OpenAI chat / completions -----------------------------------------------------------------

@@ -117,3 +117,67 @@ def test_context_overflow_is_openais_error_for_langchain_and_litellm(server, cli
     ok = litellm.completion(model="openai/m", api_base=server.url + "/v1", api_key="unused", max_tokens=4,
                             messages=[{"role": "user", "content": "Hi"}])
     assert ok.choices[0].message.content and ok.usage.completion_tokens <= 4
+
+
+def test_health_version_tokenize_detokenize(server) -> None:  # noqa: ANN001
+    for _ in range(3):  # the poller's fast path (keep-alive) and a fresh connection each time
+        r = requests.get(server.url + "/health", timeout=5)
+        assert r.status_code == 200 and r.content == b""
+    assert requests.head(server.url + "/health", timeout=5).status_code == 200
+    assert isinstance(requests.get(server.url + "/version", timeout=5).json()["version"], str)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    tok = requests.post(server.url + "/tokenize", json={"model": "m", "prompt": prompt}, timeout=30).json()
+    usage = requests.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                          timeout=60).json()["usage"]
+    assert tok["count"] == len(tok["tokens"]) == usage["prompt_tokens"] and tok["max_model_len"] == MAX_MODEL_LEN
+    back = requests.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}, timeout=30).json()
+    assert back == {"prompt": prompt}
+    chat = [{"role": "user", "content": "Hi there"}]
+    tok = requests.post(server.url + "/tokenize", json={"messages": chat}, timeout=30).json()
+    usage = requests.post(server.url + "/v1/chat/completions", json={"messages": chat, "max_tokens": 1},
+                          timeout=60).json()["usage"]
+    assert tok["count"] == usage["prompt_tokens"]
+    r = requests.post(server.url + "/detokenize", json={"tokens": [-1]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_huggingface_hub_text_generation_on_tgi_routes(server, monkeypatch) -> None:  # noqa: ANN001
+    hub = pytest.importorskip("huggingface_hub")
+    # tests/conftest.py sets the hub offline (no downloads); this server is local: let the client reach it
+    monkeypatch.setattr(pytest.importorskip("huggingface_hub.constants"), "HF_HUB_OFFLINE", False)
+    tgi = hub.InferenceClient(base_url=server.url, timeout=120)
+    prompt = "The capital of France is"
+    text = tgi.text_generation(prompt, max_new_tokens=12)
+    detailed = tgi.text_generation(prompt, max_new_tokens=12, details=True, decoder_input_details=True)
+    pieces = list(tgi.text_generation(prompt, max_new_tokens=12, stream=True))
+    events = list(tgi.text_generation(prompt, max_new_tokens=12, stream=True, details=True))
+    assert text and detailed.generated_text == text == "".join(pieces) == events[-1].generated_text
+    assert detailed.details.generated_tokens == len(detailed.details.tokens) == len(events) <= 12
+    assert "".join(t.text for t in detailed.details.tokens) == text and detailed.details.prefill
+    assert events[-1].details.finish_reason == detailed.details.finish_reason in ("length", "eos_token")
+    assert [e.token.id for e in events] == [t.id for t in detailed.details.tokens]
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 12}}
+    one = requests.post(server.url + "/generate", json=body, timeout=60).json()  # TGI's body: one object
+    assert one == {"generated_text": text}
+    r = requests.post(server.url + "/generate_stream", json=body, stream=True, timeout=60)
+    datas = [json.loads(ln[5:]) for ln in r.iter_lines(decode_unicode=True) if ln.startswith("data:")]
+    assert r.headers["Content-Type"].startswith("text/event-stream") and datas[-1]["generated_text"] == text
+    vllm = requests.post(server.url + "/generate", json={"prompt": prompt, "max_tokens": 12, "temperature": 0},
+                         timeout=60).json()  # vLLM's body on the same route
+    assert vllm == {"text": [prompt + text]}
+
+
+def test_openai_responses_api_plain_and_streamed(client) -> None:  # noqa: ANN001
+    kw = dict(model="m", instructions="Answer in one short sentence.", temperature=0, max_output_tokens=40)
+    plain = client.responses.create(input="Reply with one word: yes or no?", **kw)
+    assert plain.status == "completed" and plain.output_text and plain.usage.output_tokens <= 40
+    msgs = [{"role": "user", "content": [{"type": "input_text", "text": "Reply with one word: yes or no?"}]}]
+    with client.responses.stream(input=msgs, **kw) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_text == plain.output_text == "".join(deltas) and final.usage == plain.usage
+    cut = client.responses.create(input="Tell me a long story.", **{**kw, "max_output_tokens": 5})
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 5
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.responses.create(input="hi", tools=[{"type": "function", "name": "f", "parameters": {}}], **kw)
