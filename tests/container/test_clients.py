@@ -10,6 +10,12 @@ completions route reports, and so on.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import requests
@@ -110,6 +116,7 @@ def test_context_overflow_is_openais_error_for_langchain_and_litellm(server, cli
 
     with pytest.raises(ContextOverflowError):
         _chat_model(server).invoke(long)
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its bundled price list: no download
     litellm = pytest.importorskip("litellm")
     with pytest.raises(litellm.ContextWindowExceededError):
         litellm.completion(model="openai/m", api_base=server.url + "/v1", api_key="unused", messages=long,
@@ -181,3 +188,85 @@ def test_openai_responses_api_plain_and_streamed(client) -> None:  # noqa: ANN00
     assert cut.usage.output_tokens == 5
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.responses.create(input="hi", tools=[{"type": "function", "name": "f", "parameters": {}}], **kw)
+
+
+# ---- the chat page at GET /, in a real browser ------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package; Playwright drives it (no browser download)
+BROWSER_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+SKIP_BROWSER = "OPEN_LMI_SKIP_BROWSER_TEST"  # =1: no chromium installed, the browser test skipped
+SHOT_DIR_VAR = "OPEN_LMI_TEST_OUTPUT"  # where the chat page's screenshot goes (default: the temp dir)
+
+
+def _chromium(config: pytest.Config) -> str:
+    """Debian's chromium, installed with apt-get (said first) when missing; skips saying why if it cannot be."""
+    if os.environ.get(SKIP_BROWSER, "") not in ("", "0"):
+        pytest.skip(f"{SKIP_BROWSER} is set: the chat page's browser test is skipped")
+    if os.path.exists(CHROMIUM):
+        return CHROMIUM
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("[browser test] installing Debian's chromium with apt-get (as root) for the chat "
+                            f"page's test; {SKIP_BROWSER}=1 skips it", yellow=True, bold=True)
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.skip("the chat page's browser test needs Debian's chromium: apt-get install -y chromium (as root)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "chromium"]):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0 and cmd[1] == "install":
+            pytest.skip(f"apt-get install chromium failed ({done.returncode}): {done.stderr[-500:]}")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"apt-get installed chromium but {CHROMIUM} is not there")
+    return CHROMIUM
+
+
+def test_chat_page_streams_in_a_real_browser(server, client, request, tmp_path) -> None:  # noqa: ANN001
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = _chromium(request.config)
+    out_dir = Path(os.environ.get(SHOT_DIR_VAR) or tempfile.gettempdir())  # kept after the run (tmp_path is not)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shot = out_dir / "open-lmi-chat-page.png"
+    system, question = "You are a helpful assistant. Answer in one sentence.", "What is the capital of France?"
+    want = client.chat.completions.create(  # the oracle: the same request, not streamed
+        model="m", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        temperature=0, max_tokens=40)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=chromium, headless=True, args=BROWSER_FLAGS,
+            viewport={"width": 1100, "height": 640})
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.wait_for_function("document.getElementById('model').textContent.includes('model: ') && "
+                                   "!document.getElementById('model').textContent.includes('…')")
+            page.fill("#system", system)
+            page.fill("#temperature", "0")
+            page.fill("#max-tokens", "40")
+            page.fill("#prompt", question)
+            # Count the answer's text updates as they happen: streamed text arrives in many.
+            page.evaluate("""() => { window.updates = 0; new MutationObserver((ms) => { for (const m of ms)
+                if (m.type === 'characterData' || m.type === 'childList') window.updates += 1; })
+                .observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true}); }""")
+            page.click("#send")
+            page.wait_for_selector(".msg.assistant .metrics", timeout=120_000)
+            answer = page.inner_text(".msg.assistant span")
+            metrics = page.inner_text(".msg.assistant .metrics")
+            updates = page.evaluate("window.updates")
+            page.screenshot(path=str(shot))
+            # An error is shown as an error: a request longer than the context
+            page.fill("#max-tokens", str(MAX_MODEL_LEN * 4))
+            page.fill("#prompt", "Hello again")
+            page.click("#send")
+            page.wait_for_selector(".msg.error", timeout=60_000)
+            error = page.inner_text(".msg.error")
+        finally:
+            browser.close()
+    print(f"chat page screenshot: {shot}")
+    assert answer == want.choices[0].message.content and updates > 3
+    m = re.fullmatch(r"prompt (\d+) tok · completion (\d+) tok · TTFT (\d+) ms · ([\d.]+) tok/s · finish (\w+)",
+                     metrics)
+    assert m, metrics
+    assert (int(m[1]), int(m[2]), m[5]) == (want.usage.prompt_tokens, want.usage.completion_tokens,
+                                            want.choices[0].finish_reason)
+    assert float(m[4]) > 0 and error.startswith("Error: This model's maximum context length is")
