@@ -409,24 +409,6 @@ def _token_id(text: str) -> int:
     return tid
 
 
-def test_sigterm_drains_in_flight_stream(server):
-    # Last test of the module: SIGTERM while a stream is running; it completes, then the server exits.
-    r = requests.post(server.url + "/invocations", json={"inputs": "The sea is", "stream": True,
-                                                         "parameters": {"max_new_tokens": 8}},
-                      stream=True, timeout=60)
-    lines = r.iter_lines()
-    first = next(lines)
-    took = {}
-    stopper = threading.Thread(target=lambda: took.setdefault("s", server.stop()))
-    stopper.start()
-    rest = [ln.decode() for ln in lines if ln]
-    stopper.join(40)
-    check_jsonlines([first.decode()] + rest)
-    assert server.proc.returncode is not None and took["s"] < 30
-    with pytest.raises(requests.ConnectionError):
-        requests.get(server.url + "/ping", timeout=2)
-
-
 def test_best_of_on_completions_and_generate_returns_the_most_likely_of_best_of_samples(server):
     """vLLM's best_of > n: best_of samples are drawn (seeded: the same ones as n = best_of), the n with the
     highest cumulative logprob come back, best first; streaming it is a 400 (the ranking needs them all)."""
@@ -457,3 +439,21 @@ def test_sdk_client_reports_the_finish_reason_without_asking_for_details(server)
     assert streamed.finish_reason == "length" and streamed.generated_text == whole.generated_text, streamed
     bare = client.generate("The capital of France is", {"max_new_tokens": 5, "details": False})
     assert bare.finish_reason is None and bare.generated_text  # asked for the bare body: LMI sends no reason
+
+
+def test_sigterm_drains_in_flight_stream(server):
+    # Last test of the module: SIGTERM while a stream is running; it completes, then the server exits.
+    r = requests.post(server.url + "/invocations", json={"inputs": "The sea is", "stream": True,
+                                                         "parameters": {"max_new_tokens": 8}},
+                      stream=True, timeout=60)
+    lines = r.iter_lines()
+    first = next(lines)
+    took = {}
+    stopper = threading.Thread(target=lambda: took.setdefault("s", server.stop()))
+    stopper.start()
+    rest = [ln.decode() for ln in lines if ln]
+    stopper.join(40)
+    check_jsonlines([first.decode()] + rest)
+    assert server.proc.returncode is not None and took["s"] < 30
+    with pytest.raises(requests.ConnectionError):
+        requests.get(server.url + "/ping", timeout=2)
