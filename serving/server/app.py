@@ -63,7 +63,8 @@ UNMATCHED_ROUTE = "unmatched"  # the metrics route label of requests no route/me
 _NO_CACHE = {"Cache-Control": "no-cache, no-store, must-revalidate, private", "Pragma": "no-cache"}
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 CHAT_PAGE = Path(__file__).with_name("chat.html")  # the playground at GET / (one file, no dependencies)
-_MODEL_FIELD_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # where `model` may name an adapter (vLLM)
+# where `model` may name an adapter (vLLM)
+_MODEL_FIELD_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def _engine_state(engine_loop: EngineClient) -> str:

@@ -29,7 +29,8 @@ from serving.server.structured import parse_tool_calls
 from serving.server.tool_stream import ToolCallStream
 
 CONTENT_TYPES = {
-    "json": "application/json", "tgi_json": "application/json", "tgi_generate": "application/json", "json_chat": "application/json",
+    "json": "application/json", "tgi_json": "application/json", "tgi_generate": "application/json",
+    "json_chat": "application/json",
     "chat": "application/json", "completion": "application/json", "none": "text/plain",
     "jsonlines": "application/jsonlines", "jsonlines_chat": "application/jsonlines",
     "sse": "text/event-stream", "tgi_sse": "text/event-stream", "chat_sse": "text/event-stream",

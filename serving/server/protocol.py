@@ -1,7 +1,8 @@
 """Wire requests -> engine requests: the one place LMI / TGI / OpenAI request names are translated.
 
 In: the JSON body of `POST /invocations` (`{"inputs","parameters","stream"}` or a chat body with
-`messages`), `/v1/completions` or `/v1/chat/completions`. Out: a frozen `GenerateRequest` holding
+`messages`), `/v1/completions`, `/v1/chat/completions`, vLLM's `/generate`, or TGI's `/`,
+`/generate` and `/generate_stream` (`/v1/responses` is `serving/server/responses.py`, on `parse_chat`). Out: a frozen `GenerateRequest` holding
 vLLM-named `SamplingParams`, the prompts, and how to answer (wire format, details, ...). Every
 problem raises `ValueError` naming the field, which the app answers with 400. The response side
 (the same names in the other direction) is `serving/server/formatters.py`.

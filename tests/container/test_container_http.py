@@ -320,7 +320,8 @@ def test_openai_client_gets_openai_error_objects(server):
     assert str(err.code) == "400" and "temperature must be in [0.0, 2.0], got 5" in str(err)  # the client: a str
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="m", prompt="word " * 600, max_tokens=4)
-    assert exc.value.type == "invalid_request_error" and f"maximum context length is {MAX_MODEL_LEN} tokens" in str(exc.value)
+    assert exc.value.type == "invalid_request_error"
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in str(exc.value)
     assert exc.value.code == "context_length_exceeded"  # OpenAI's code: LangChain and LiteLLM read it
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("nope")
