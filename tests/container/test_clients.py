@@ -231,6 +231,10 @@ def test_chat_page_streams_in_a_real_browser(server, client, request, tmp_path) 
     want = client.chat.completions.create(  # the oracle: the same request, not streamed
         model="m", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
         temperature=0, max_tokens=40)
+    stop = "France"
+    want_stopped = client.chat.completions.create(
+        model="m", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        temperature=0, max_tokens=40, stop=[stop]).choices[0].message.content
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=chromium, headless=True, args=BROWSER_FLAGS,
@@ -254,6 +258,13 @@ def test_chat_page_streams_in_a_real_browser(server, client, request, tmp_path) 
             metrics = page.inner_text(".msg.assistant .metrics")
             updates = page.evaluate("window.updates")
             page.screenshot(path=str(shot))
+            # Stop sequences: a new conversation, the same question, cut where the oracle cuts it
+            page.click("#clear")
+            page.fill("#stop", stop)
+            page.fill("#prompt", question)
+            page.click("#send")
+            page.wait_for_selector(".msg.assistant .metrics", timeout=120_000)
+            stopped = page.inner_text(".msg.assistant span")
             # An error is shown as an error: a request longer than the context
             page.fill("#max-tokens", str(MAX_MODEL_LEN * 4))
             page.fill("#prompt", "Hello again")
@@ -264,6 +275,7 @@ def test_chat_page_streams_in_a_real_browser(server, client, request, tmp_path) 
             browser.close()
     print(f"chat page screenshot: {shot}")
     assert answer == want.choices[0].message.content and updates > 3
+    assert stop in answer and stopped == want_stopped and stop not in stopped
     m = re.fullmatch(r"prompt (\d+) tok · completion (\d+) tok · TTFT (\d+) ms · ([\d.]+) tok/s · finish (\w+)",
                      metrics)
     assert m, metrics
