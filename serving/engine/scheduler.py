@@ -24,6 +24,20 @@ from serving.executor.plan import SampledToken, StepOutput
 from serving.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 
+
+CONTEXT_OVERFLOW = "This model's maximum context length is"  # OpenAI's words: clients map them to their overflow error
+
+
+def context_overflow_message(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> str:
+    """A request longer than the context, in OpenAI's (and vLLM's) words: LangChain, LiteLLM and
+    others recognise this sentence (and the `context_length_exceeded` code the HTTP layer adds)."""
+    if max_tokens is None:
+        return (f"{CONTEXT_OVERFLOW} {max_model_len} tokens. However, your request has {num_prompt_tokens} "
+                "input tokens. Please reduce the length of the input messages.")
+    return (f"{CONTEXT_OVERFLOW} {max_model_len} tokens. However, you requested {num_prompt_tokens + max_tokens} "
+            f"tokens ({num_prompt_tokens} in the messages, {max_tokens} in the completion). Please reduce the "
+            "length of the messages or completion.")
+
 class Scheduler:
     """Admission under a per-step token budget and sequence cap, with preemption: FCFS, or longest
     `max_tokens` first with prompts spread over the decode steps (`makespan_target`).
@@ -117,19 +131,14 @@ class Scheduler:
             raise ValueError("the prompt is empty; at least one token is needed")
         total = num_prompt_tokens + (max_tokens if max_tokens is not None else 0)
         if num_prompt_tokens >= self.max_model_len or total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
-                f"exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
-            )
+            raise ValueError(context_overflow_message(self.max_model_len, num_prompt_tokens, max_tokens))
         if max_tokens is None:  # up to the context limit: room for the prompt and one token is enough
             total = num_prompt_tokens + 1
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {total} tokens "
-                f"of KV cache but the whole cache holds {capacity} tokens; lower max_tokens or "
-                f"give the KV cache more memory"
-            )
+            raise ValueError(context_overflow_message(capacity, num_prompt_tokens, max_tokens)
+                             + f" (On this server the whole KV cache holds {capacity} tokens: give it more memory"
+                             " to serve longer requests.)")
         if not self.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
             raise ValueError(
                 f"prompt ({num_prompt_tokens} tokens) exceeds max_num_batched_tokens="

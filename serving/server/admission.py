@@ -1,4 +1,4 @@
-"""What the poller thread answers before a request takes a thread: `/ping`, and the full queue's 503.
+"""What the poller thread answers before a request takes a thread: `/ping` and `/health`, and the full queue's 503.
 
 Why here and not in a Flask route: every open stream holds one of gunicorn's threads, and a
 request that finds them all busy waits in the thread pool's queue, which nothing counts and
@@ -7,7 +7,8 @@ LMI's 503) and `/ping` waited behind them for up to 31 s: past SageMaker's 2 s h
 timeout, at peak load. `serving/server/worker.py` reads each request whole on its poller thread
 and asks `Admission.decide` what to do with it before it is handed to the pool:
 
-- `GET /ping` (and `HEAD`) is answered there and then from the engine's state, never queued;
+- `GET /ping` and `GET /health` (and `HEAD`) are answered there and then from the engine's state,
+  never queued;
 - a `POST` (every inference and management call) counts against `job_queue_size` from the
   moment it is read until its response is finished (`release`); one past the bound is answered
   503 at once (LMI's `Worker queue capacity exceeded`, with `Retry-After`), before it holds a
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 _PING_PATHS = (b"/ping",)
+_HEALTH_PATHS = (b"/health",)  # vLLM's and TGI's: 200 and an empty body when healthy
 _EWMA = 0.05  # weight of one finished request in the mean duration
 _MAX_RETRY_AFTER_S = 60
 
@@ -48,6 +50,14 @@ class Decision:
     answer: bytes | None = None
     admitted: bool = False
     close: bool = False  # after `answer`, close the connection (else read the next request)
+
+
+def health_answer(health: Health) -> tuple[int, bytes]:
+    """`/health` as vLLM and TGI answer it: 200 with an empty body when healthy; otherwise the
+    status `/ping` has (503 loading, 500 dead) and its JSON body saying why."""
+    if health.status == 200:
+        return 200, b""
+    return health.status, json.dumps(health.body).encode()
 
 
 class Admission:
@@ -74,11 +84,13 @@ class Admission:
     def decide(self, head: bytes) -> Decision:
         """The decision for a request whose head (request line and headers) is `head`."""
         method, path, version = _request_line(head)
-        if method in (b"GET", b"HEAD") and path in _PING_PATHS:
+        if method in (b"GET", b"HEAD") and (path in _PING_PATHS or path in _HEALTH_PATHS):
             keep = version == b"HTTP/1.1" and not _asks_close(head)
             health = self._health()
-            return Decision(answer=_response(health.status, json.dumps(health.body).encode(), keep,
-                                             send_body=method == b"GET", version=version), close=not keep)
+            status, body = (health.status, json.dumps(health.body).encode()) if path in _PING_PATHS \
+                else health_answer(health)
+            return Decision(answer=_response(status, body, keep, send_body=method == b"GET", version=version),
+                            close=not keep)
         if method != b"POST":
             return Decision()
         if self.in_flight >= self.limit:

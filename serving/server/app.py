@@ -1,7 +1,10 @@
 """The HTTP surface: `create_app(engine_loop, config)` -> Flask app (thin; no engine state here).
 
-Routes: `GET /ping`, `POST /invocations` (LMI, TGI-compat and chat bodies), `GET /v1/models`,
-`POST /v1/completions`, `POST /v1/chat/completions`, `POST /generate` (vLLM's legacy api_server),
+Routes: `GET /ping`, `GET /health` (vLLM / TGI), `POST /invocations` (LMI, TGI-compat and chat
+bodies), `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`,
+`POST /generate` (vLLM's legacy api_server body, or TGI's by body shape), TGI's `POST /` and
+`POST /generate_stream`, vLLM's `GET /version`, `POST /tokenize`, `POST /detokenize`, the chat
+page at `GET /` (`serving/server/chat.html`),
 `GET /metrics`, `GET /models`, and DJL's management API for LoRA adapters (`GET|POST
 /models/{model}/adapters`, `GET|DELETE /models/{model}/adapters/{name}`; `/adapters[/{name}]` for
 the one model), which answers 403 unless the operator sets option.runtime_adapter_sources. Parsing is in `serving/server/protocol.py`, output bytes in
@@ -18,6 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
@@ -26,7 +30,7 @@ from serving.adapter_allowlist import SourceNotAllowed, management_on
 from serving.config import ServingConfig
 from serving.engine.grammar_compiler import COMPILE_CANCELLED
 from serving.server.access_log import RequestRecord
-from serving.server.admission import Admission, Health
+from serving.server.admission import Admission, Health, health_answer
 from serving.server.disconnect import probe_from_environ
 from serving.server.formatters import openai_error
 from serving.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -45,9 +49,13 @@ from serving.server.protocol import (
     loads_body,
     parse_chat,
     parse_completions,
+    is_tgi_body,
     parse_generate,
     parse_invocations,
+    parse_tgi,
 )
+from serving.server.responses import parse_responses
+from serving.server.tokenize_api import detokenize, tokenize, version
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState
 from serving.server.request_runner import HTTPError, RequestRunner
@@ -57,7 +65,9 @@ logger = logging.getLogger("serving.server.app")
 UNMATCHED_ROUTE = "unmatched"  # the metrics route label of requests no route/method matched
 _NO_CACHE = {"Cache-Control": "no-cache, no-store, must-revalidate, private", "Pragma": "no-cache"}
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
-_MODEL_FIELD_ROUTES = ("/v1/completions", "/v1/chat/completions")  # where `model` may name an adapter (vLLM)
+CHAT_PAGE = Path(__file__).with_name("chat.html")  # the playground at GET / (one file, no dependencies)
+# where `model` may name an adapter (vLLM)
+_MODEL_FIELD_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def _engine_state(engine_loop: EngineClient) -> str:
@@ -151,11 +161,13 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             record.done(response.status_code)
         return response
 
-    def run_generate(route: str, parse: Callable[[dict], GenerateRequest], record: RequestRecord) -> Response:
+    def ready_body(route: str) -> dict | Response:
+        """The request's JSON body once the engine is ready, else the error Response to answer."""
         busy = not_ready(route)
-        if busy is not None:
-            return busy
-        body = read_body(route)
+        return busy if busy is not None else read_body(route)
+
+    def run_generate(route: str, parse: Callable[[dict], GenerateRequest], record: RequestRecord) -> Response:
+        body = ready_body(route)
         if isinstance(body, Response):
             return body
         request_id = record.request_id
@@ -293,9 +305,57 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
     def chat_completions() -> Response:
         return generate("/v1/chat/completions", parse_chat)
 
+    @app.post("/v1/responses")
+    def responses() -> Response:
+        return generate("/v1/responses", parse_responses)
+
     @app.post("/generate")
-    def vllm_generate() -> Response:
-        return generate("/generate", parse_generate)
+    def vllm_generate() -> Response:  # vLLM's body ({"prompt"}) or TGI's ({"inputs", "parameters"})
+        return generate("/generate", lambda b: parse_tgi(b, "/generate") if is_tgi_body(b) else parse_generate(b))
+
+    @app.post("/")
+    def tgi_root() -> Response:  # TGI's compat route: huggingface_hub's InferenceClient(base_url) posts here
+        return generate("/", lambda b: parse_tgi(b, "/"))
+
+    @app.post("/generate_stream")
+    def tgi_generate_stream() -> Response:
+        return generate("/generate_stream", lambda b: parse_tgi(b, "/generate_stream"))
+
+    @app.get("/")
+    def chat_page() -> Response:
+        metrics.observe_request("/", 200)
+        return Response(CHAT_PAGE.read_bytes(), 200, mimetype="text/html", headers=_NO_CACHE)
+
+    @app.get("/health")
+    def health() -> Response:  # the poller thread answers it first (serving/server/admission.py); TLS comes here
+        status, body = health_answer(engine_health(engine_loop))
+        return Response(body, status, mimetype="application/json")
+
+    @app.get("/version")
+    def server_version() -> Response:
+        metrics.observe_request("/version", 200)
+        return Response(json.dumps(version()), 200, mimetype="application/json")
+
+    @app.post("/tokenize")
+    def tokenize_route() -> Response:
+        return tokenizer_call("/tokenize", lambda b: tokenize(runner, b, engine_loop.max_model_len))
+
+    @app.post("/detokenize")
+    def detokenize_route() -> Response:
+        return tokenizer_call("/detokenize", lambda b: detokenize(runner, b))
+
+    def tokenizer_call(route: str, call: Callable[[dict], dict]) -> Response:
+        body = ready_body(route)
+        if isinstance(body, Response):
+            return body
+        try:
+            out = call(body)
+        except ValueError as exc:
+            return error(400, str(exc), route)
+        except HTTPError as exc:
+            return error(exc.status, exc.message, route)
+        metrics.observe_request(route, 200)
+        return Response(json.dumps(out), 200, mimetype="application/json")
 
     @app.get("/v1/models")
     def models() -> Response:
@@ -330,8 +390,8 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
 
 
 def _openai_path(path: str) -> bool:
-    """Routes answered with OpenAI's error object: /v1/* and vLLM's legacy /generate."""
-    return path.startswith("/v1/") or path == "/generate"
+    """Routes answered with OpenAI's error object: /v1/*, vLLM's legacy /generate and its tokenizer routes."""
+    return path.startswith("/v1/") or path in ("/generate", "/tokenize", "/detokenize")
 
 
 def _route_label() -> str:

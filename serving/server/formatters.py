@@ -21,18 +21,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring as _json_str
 
+from serving.engine.scheduler import CONTEXT_OVERFLOW
 from serving.outputs import StreamDelta
 from serving.server.protocol import GenerateRequest
+from serving.server.responses import ResponsesWriter
 from serving.server.structured import parse_tool_calls
+from serving.server.tool_stream import ToolCallStream
 
 CONTENT_TYPES = {
-    "json": "application/json", "tgi_json": "application/json", "json_chat": "application/json",
+    "json": "application/json", "tgi_json": "application/json", "tgi_generate": "application/json",
+    "json_chat": "application/json",
     "chat": "application/json", "completion": "application/json", "none": "text/plain",
     "jsonlines": "application/jsonlines", "jsonlines_chat": "application/jsonlines",
     "sse": "text/event-stream", "tgi_sse": "text/event-stream", "chat_sse": "text/event-stream",
     "completion_sse": "text/event-stream", "generate": "application/json",
-    "generate_stream": "application/octet-stream",
+    "generate_stream": "application/octet-stream", "responses": "application/json",
+    "responses_sse": "text/event-stream",
 }
+OVERFLOW_CODE = "context_length_exceeded"
 _OPENAI_FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "abort": "abort",
                   "error": "error"}
 
@@ -86,10 +92,16 @@ _PARAM = re.compile(r"^([a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*)(?::| must
 def openai_error(status: int, message: str) -> dict:
     """OpenAI's error object (`{"error": {"message", "type", "param", "code"}}`), as vLLM answers:
     `type` is `invalid_request_error` for 4xx and `server_error` for 5xx, `param` the request field
-    the message names (else null), `code` the HTTP status."""
+    the message names (else null), `code` the HTTP status, or OpenAI's `context_length_exceeded`
+    for a request longer than the context (LangChain's ContextOverflowError and LiteLLM's
+    ContextWindowExceededError are picked by that code and the message's wording)."""
     match = _PARAM.match(message)
     param = match.group(1) if match else None
     kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 400 and message.startswith(CONTEXT_OVERFLOW):  # OpenAI's code for it: clients map it
+        # openai>=3 puts only the message in str(error), which is what LangChain searches for the code
+        return {"error": {"message": f"{message} ({OVERFLOW_CODE})", "type": kind, "param": "messages",
+                          "code": OVERFLOW_CODE}}
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -191,11 +203,14 @@ class Formatter:
         self.model = model  # the served name (vLLM answers with it, whatever the client sent)
         hex_id = request_id or uuid.uuid4().hex
         self.id = ("cmpl-" if req.route == "completions" else "chatcmpl-") + hex_id
+        # /v1/responses: its object and events (serving/server/responses.py)
+        self._responses = ResponsesWriter(req, model, hex_id, created) if req.route == "responses" else None
         self.created = created
         self.special_ids = special_ids
         self.decode_token = decode_token or (lambda t: "")
         self.content_type = CONTENT_TYPES[self.fmt]
         self._role_sent: set[int] = set()
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice, with tools: the calls read so far
         self._prefix: str | None = None  # the constant start of every OpenAI chunk (see _fast_chunk)
         tgi = self.fmt.startswith("tgi")  # the constant parts of an LMI / TGI token record
         self._lp_json = '"logprob": ' if tgi else '"log_prob": '
@@ -357,9 +372,15 @@ class Formatter:
     def body(self, results: list[Result]) -> bytes:
         """The whole non-streaming response body."""
         fmt = self.fmt
-        if fmt in ("json", "tgi_json"):
+        if self._responses is not None:
+            r = results[0]
+            s = r.sample(0)
+            return dumps(self._responses.response(ResponsesWriter.status_of(s.finish_reason, s.error), s.text,
+                                                  len(r.prompt_token_ids), len(s.token_ids), self._finish(
+                                                      s.finish_reason), s.error)).encode()
+        if fmt in ("json", "tgi_json", "tgi_generate"):
             objs = [self._lmi_object(r) for r in results]
-            if fmt == "tgi_json" or self.req.batch:
+            if fmt == "tgi_json" or self.req.batch:  # TGI's `/generate` answers one object, its `/` a list
                 return dumps(objs).encode()
             return dumps(objs[0]).encode()
         if fmt == "none":
@@ -407,6 +428,8 @@ class Formatter:
     # ---- streams ---------------------------------------------------------------------------------
     def start(self, results: list[Result]) -> bytes:
         """Bytes sent before the first delta (the role chunks of an OpenAI chat stream)."""
+        if self._responses is not None:
+            return self._events(self._responses.start_events(len(results[0].prompt_token_ids)))
         if self.fmt != "chat_sse":
             return b""
         out = []
@@ -425,10 +448,25 @@ class Formatter:
     def _sse(obj: object) -> str:
         return f"data: {dumps(obj)}\n\n"
 
+    @staticmethod
+    def _events(events: list[dict]) -> bytes:
+        """Server-sent events named by their type (the Responses API's stream)."""
+        return "".join(f"event: {e['type']}\ndata: {dumps(e)}\n\n" for e in events).encode()
+
+    def _responses_chunk(self, r: Result, s: Sample, delta: StreamDelta) -> bytes:
+        events = self._responses.delta_events(delta.text)
+        if delta.finish_reason is not None:
+            events += self._responses.end_events(s.text, len(r.prompt_token_ids), len(s.token_ids),
+                                                 self._finish(delta.finish_reason), s.error)
+        return self._events(events)
+
     def chunk(self, r: Result, delta: StreamDelta, prompt_index: int = 0) -> bytes:
         """One record for one delta (already added to `r`)."""
         s = r.sample(delta.index)
-        if delta.finish_reason is None and type(delta.text) is str and not s.error and not self.req.continuous_usage:
+        if self._responses is not None:
+            return self._responses_chunk(r, s, delta)
+        if (delta.finish_reason is None and type(delta.text) is str and not s.error and not self.req.continuous_usage
+                and self.req.tools is None):
             rec = self._fast_chunk(r, s, delta, prompt_index)
             if rec is not None:
                 return rec
@@ -488,13 +526,15 @@ class Formatter:
                     rec["error"] = s.error
             return (f"{dumps(rec)}\n" if fmt == "jsonlines" else self._sse(rec)).encode()
         if fmt in ("jsonlines_chat", "chat_sse"):
-            d: dict = {"content": delta.text}
+            d, finish = self._chat_delta(delta)
             if delta.index not in self._role_sent:
                 self._role_sent.add(delta.index)
                 d["role"] = "assistant"
+            logprobs = self._chat_logprobs(s, end - n_new, end)
+            if not d and not done and logprobs is None and not s.error:
+                return b""  # text held back (it may be a tool call): nothing to send yet
             rec = {**self._head("chat.completion.chunk"), "choices": [
-                {"index": delta.index, "delta": d, "logprobs": self._chat_logprobs(s, end - n_new, end),
-                 "finish_reason": self._finish(delta.finish_reason)}]}
+                {"index": delta.index, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}
             if self.req.continuous_usage:
                 rec["usage"] = self._sample_usage(r, s)
             if s.error:  # on /v1 OpenAI's error object: the openai client raises it with its message
@@ -522,6 +562,30 @@ class Formatter:
                 rec["error"] = _error_object(s.error)
             return (dumps(rec) + "\0").encode()
         raise AssertionError(f"{fmt} is not a streaming format")
+
+    def _chat_delta(self, delta: StreamDelta) -> tuple[dict, str | None]:
+        """The `delta` and finish_reason of a chat chunk: its text, or with tools the content and
+        `tool_calls` pieces read so far (`tool_stream.ToolCallStream`); a sample that called a tool
+        ends with finish_reason "tool_calls" (a named tool_choice: "stop", as OpenAI)."""
+        finish = self._finish(delta.finish_reason)
+        tools = self.req.tools
+        if tools is None:
+            return {"content": delta.text}, finish
+        stream = self._tool_streams.get(delta.index)
+        if stream is None:
+            stream = self._tool_streams[delta.index] = ToolCallStream(tools)
+        content, calls = stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+            if finish == "stop" and stream.called and tools.choice != "named":
+                finish = "tool_calls"
+        d: dict = {}
+        if content:
+            d["content"] = content
+        if calls:
+            d["tool_calls"] = calls
+        return d, finish
 
     def _generate_object(self, r: Result) -> dict:
         """vLLM `/generate`: `{"text": [prompt + completion, ...]}`, one per sample returned."""

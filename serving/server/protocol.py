@@ -1,7 +1,8 @@
 """Wire requests -> engine requests: the one place LMI / TGI / OpenAI request names are translated.
 
 In: the JSON body of `POST /invocations` (`{"inputs","parameters","stream"}` or a chat body with
-`messages`), `/v1/completions` or `/v1/chat/completions`. Out: a frozen `GenerateRequest` holding
+`messages`), `/v1/completions`, `/v1/chat/completions`, vLLM's `/generate`, or TGI's `/`,
+`/generate` and `/generate_stream` (`/v1/responses` is `serving/server/responses.py`, on `parse_chat`). Out: a frozen `GenerateRequest` holding
 vLLM-named `SamplingParams`, the prompts, and how to answer (wire format, details, ...). Every
 problem raises `ValueError` naming the field, which the app answers with 400. The response side
 (the same names in the other direction) is `serving/server/formatters.py`.
@@ -24,11 +25,11 @@ from serving.server.structured import GUIDED_KEYS, STRUCTURED_KEYS, TOOL_KEYS, T
 
 logger = logging.getLogger("serving.server.protocol")
 
-Route = Literal["invocations", "completions", "chat", "generate"]
+Route = Literal["invocations", "completions", "chat", "generate", "responses"]
 LMI_DEFAULT_MAX_NEW_TOKENS = 30  # LMI 0.28: a missing max_new_tokens becomes 30
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM /v1/completions default
 STREAMING_FORMATS = frozenset({"jsonlines", "sse", "tgi_sse", "jsonlines_chat", "chat_sse", "completion_sse",
-                               "generate_stream"})
+                               "generate_stream", "responses_sse"})
 LMI_FORMATTERS = ("json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "none")
 MAX_JSON_DEPTH = 64  # arrays/objects nested deeper than this are a 400 (real requests nest < 10)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the raw body
@@ -74,6 +75,7 @@ class GenerateRequest:
     # vLLM's best_of > n on /v1/completions and /generate: params.n = best_of samples are generated and
     # only the `keep_best` most likely (highest cumulative logprob) are returned. 0: all of them.
     keep_best: int = 0
+    instructions: str | None = None  # /v1/responses: echoed in the response object
     warnings: tuple[str, ...] = field(default=())
 
     @property
@@ -394,6 +396,32 @@ def parse_invocations(body: dict, *, tgi_compat: bool = False, output_formatter:
         return_full_text=_get_bool(parameters, "return_full_text", False), warnings=warnings)
 
 
+# ---- TGI's own routes (`/`, `/generate`, `/generate_stream`) ------------------------------------
+
+TGI_ROUTES = {"/": None, "/generate": "tgi_generate", "/generate_stream": "tgi_sse"}
+
+
+def is_tgi_body(body: dict) -> bool:
+    """TGI's body (`{"inputs", "parameters"}`), as opposed to vLLM's `/generate` one (`{"prompt"}`)."""
+    return "inputs" in body and "prompt" not in body
+
+
+def parse_tgi(body: dict, path: str) -> GenerateRequest:
+    """A body of TGI's API (LMI's parameters are TGI's): `POST /` streams (SSE) when `stream` is
+    true, else answers a list with one object; `/generate` answers one object; `/generate_stream`
+    always streams. `details` only when asked, as TGI."""
+    if path not in TGI_ROUTES:
+        raise AssertionError(f"not a TGI route: {path}")
+    if not isinstance(body.get("inputs"), str):
+        raise ValueError(f"inputs must be a string, got {_show(body.get('inputs'))}")
+    req = parse_invocations({k: v for k, v in body.items() if k != "stream"}, tgi_compat=True)
+    parameters = body.get("parameters") or {}
+    fmt = TGI_ROUTES[path] or ("tgi_sse" if _get_bool(body, "stream", False) else "tgi_json")
+    if req.params.n > 1 and fmt == "tgi_sse":
+        raise ValueError("best_of > 1 needs a non-streaming request")
+    return replace(req, fmt=fmt, details=_get_bool(parameters, "details", False) or req.params.n > 1)
+
+
 # ---- OpenAI chat / completions -----------------------------------------------------------------
 
 _OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
@@ -511,8 +539,6 @@ def parse_chat(body: dict, route: Route = "chat") -> GenerateRequest:
     messages = _messages(body)
     lmi_route = route == "invocations"
     stream = _get_bool(body, "stream", False)
-    if tools is not None and stream:
-        raise ValueError("tools with stream: true is not supported yet: send stream: false")
     max_tokens = _get_int(body, "max_completion_tokens", 1) or _get_int(body, "max_tokens", 1)
     want_logprobs = _get_bool(body, "logprobs", False)
     top = _get_int(body, "top_logprobs", 0, 20)

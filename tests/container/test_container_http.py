@@ -165,7 +165,7 @@ def test_every_error_while_16_streams_continue(server):
         (b'{"inputs": "x", "parameters": {"max_new_tokens": "ten"}}', "max_new_tokens must be an integer"),
         (b'{"inputs": "x", "parameters": {"temperature": -0.5, "do_sample": true}}', "temperature"),
         (b'{"inputs": "x", "parameters": {"top_p": 7, "do_sample": true}}', "top_p"),
-        (json.dumps({"inputs": "word " * 600}).encode(), "exceeds max_model_len"),
+        (json.dumps({"inputs": "word " * 600}).encode(), "maximum context length is"),
         (big, "limit"),
     ]
     for body, needle in cases:
@@ -321,7 +321,9 @@ def test_openai_client_gets_openai_error_objects(server):
     assert str(err.code) == "400" and "temperature must be in [0.0, 2.0], got 5" in str(err)  # the client: a str
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="m", prompt="word " * 600, max_tokens=4)
-    assert exc.value.type == "invalid_request_error" and f"exceeds max_model_len={MAX_MODEL_LEN}" in str(exc.value)
+    assert exc.value.type == "invalid_request_error"
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in str(exc.value)
+    assert exc.value.code == "context_length_exceeded"  # OpenAI's code: LangChain and LiteLLM read it
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("nope")
     assert exc.value.type == "invalid_request_error" and "no route" in str(exc.value)
@@ -409,24 +411,6 @@ def _token_id(text: str) -> int:
     return tid
 
 
-def test_sigterm_drains_in_flight_stream(server):
-    # Last test of the module: SIGTERM while a stream is running; it completes, then the server exits.
-    r = requests.post(server.url + "/invocations", json={"inputs": "The sea is", "stream": True,
-                                                         "parameters": {"max_new_tokens": 8}},
-                      stream=True, timeout=60)
-    lines = r.iter_lines()
-    first = next(lines)
-    took = {}
-    stopper = threading.Thread(target=lambda: took.setdefault("s", server.stop()))
-    stopper.start()
-    rest = [ln.decode() for ln in lines if ln]
-    stopper.join(40)
-    check_jsonlines([first.decode()] + rest)
-    assert server.proc.returncode is not None and took["s"] < 30
-    with pytest.raises(requests.ConnectionError):
-        requests.get(server.url + "/ping", timeout=2)
-
-
 def test_best_of_on_completions_and_generate_returns_the_most_likely_of_best_of_samples(server):
     """vLLM's best_of > n: best_of samples are drawn (seeded: the same ones as n = best_of), the n with the
     highest cumulative logprob come back, best first; streaming it is a 400 (the ranking needs them all)."""
@@ -457,3 +441,21 @@ def test_sdk_client_reports_the_finish_reason_without_asking_for_details(server)
     assert streamed.finish_reason == "length" and streamed.generated_text == whole.generated_text, streamed
     bare = client.generate("The capital of France is", {"max_new_tokens": 5, "details": False})
     assert bare.finish_reason is None and bare.generated_text  # asked for the bare body: LMI sends no reason
+
+
+def test_sigterm_drains_in_flight_stream(server):
+    # Last test of the module: SIGTERM while a stream is running; it completes, then the server exits.
+    r = requests.post(server.url + "/invocations", json={"inputs": "The sea is", "stream": True,
+                                                         "parameters": {"max_new_tokens": 8}},
+                      stream=True, timeout=60)
+    lines = r.iter_lines()
+    first = next(lines)
+    took = {}
+    stopper = threading.Thread(target=lambda: took.setdefault("s", server.stop()))
+    stopper.start()
+    rest = [ln.decode() for ln in lines if ln]
+    stopper.join(40)
+    check_jsonlines([first.decode()] + rest)
+    assert server.proc.returncode is not None and took["s"] < 30
+    with pytest.raises(requests.ConnectionError):
+        requests.get(server.url + "/ping", timeout=2)

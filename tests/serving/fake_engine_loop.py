@@ -12,6 +12,7 @@ import threading
 import time
 
 from serving.lora_request import LoRARequest, UnknownAdapterError
+from serving.engine.scheduler import context_overflow_message
 from serving.outputs import StreamDelta
 
 
@@ -93,8 +94,7 @@ class FakeEngineLoop:
         # The check LLMEngine.validate makes (through the scheduler), with its message.
         total = len(prompt_token_ids) + (params.max_tokens or 0)
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{total} tokens exceeds max_model_len={self.max_model_len}")
+            raise ValueError(context_overflow_message(self.max_model_len, len(prompt_token_ids), params.max_tokens))
         stream = FakeStream(self, request_id)
         self.params.append(params)
         self.lora_names.append(lora_name)

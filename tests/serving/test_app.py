@@ -28,6 +28,24 @@ def test_ping_lifecycle():
     assert r.status_code == 500 and "cuda oops" in r.json["error"]
 
 
+def test_health_is_vllm_and_tgis_on_flask_and_on_the_poller_fast_path():
+    loop, client = make(state="loading")
+    app = client.application
+    admission = app.extensions["admission"]
+
+    def fast(path: bytes) -> tuple[bytes, bytes]:  # what the poller thread answers, head and body
+        head, _, body = admission.decide(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n").answer.partition(
+            b"\r\n\r\n")
+        return head.split(b"\r\n")[0], body
+    assert client.get("/health").status_code == 503 and fast(b"/health")[0] == b"HTTP/1.1 503 Service Unavailable"
+    loop.state = "ready"
+    r = client.get("/health")
+    assert (r.status_code, r.data) == (200, b"") and fast(b"/health") == (b"HTTP/1.1 200 OK", b"")
+    assert fast(b"/ping") == (b"HTTP/1.1 200 OK", b'{"status": "Healthy"}')  # /ping keeps its body
+    loop.state, loop.error = "dead", RuntimeError("cuda oops")
+    assert client.get("/health").status_code == 500 and b"cuda oops" in fast(b"/health")[1]
+
+
 def test_invocations_plain_and_list():
     _, client = make()
     r = client.post("/invocations", json={"inputs": "hi", "parameters": {"max_new_tokens": 3}})
@@ -50,7 +68,7 @@ def test_invocations_stream_jsonlines():
     (b'{"inputs": ', "malformed JSON"),
     (b'{"inputs": "x", "parameters": {"max_new_tokens": "a"}}', "max_new_tokens"),
     (b'{"inputs": "x", "parameters": {"top_p": 5, "do_sample": true}}', "top_p"),
-    (b'{"inputs": "' + b"x" * 100 + b'"}', "exceeds max_model_len"),
+    (b'{"inputs": "' + b"x" * 100 + b'"}', "maximum context length is"),
 ])
 def test_400s(body, needle):
     _, client = make()

@@ -9,6 +9,7 @@ import pytest
 from serving.sampling_params import GuidedDecodingParams as G
 from serving.server.protocol import parse_chat, parse_completions, parse_invocations
 from serving.server.structured import ToolSpec, guided_from, parse_tool_calls, tool_schema, tools_from
+from serving.server.tool_stream import ToolCallStream
 
 MSG = [{"role": "user", "content": "x"}]
 FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
@@ -47,7 +48,6 @@ def test_tools_and_tool_choice() -> None:
     assert json.loads(named.params.guided_decoding.json) == FN["function"]["parameters"]
     for bad, needle in [({"tool_choice": "required"}, "needs tools"),
                         ({"tools": [FN], "tool_choice": {"type": "function", "function": {"name": "h"}}}, "not in tools"),
-                        ({"tools": [FN], "stream": True}, "stream"),
                         ({"tools": [FN], "tool_choice": "required", "guided_regex": "a"}, "one output constraint")]:
         with pytest.raises(ValueError, match=needle):
             parse_chat({"messages": MSG, **bad})
@@ -69,3 +69,37 @@ def test_parse_tool_calls() -> None:
     assert calls[0]["function"]["name"] == "f"
     assert parse_tool_calls('{"name": "other"}', auto) == ([], '{"name": "other"}')
     assert parse_tool_calls("just text", auto) == ([], "just text")
+
+
+def _streamed(spec: ToolSpec, text: str, step: int) -> tuple[str, list[tuple[str, str]], bool]:
+    """(content, [(name, arguments)], called) as a client assembles them from ToolCallStream's pieces."""
+    stream = ToolCallStream(spec)
+    outs = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
+    content, calls = "", {}
+    for piece, deltas in outs:
+        content += piece
+        for d in deltas:
+            name, args = calls.get(d["index"], (None, ""))
+            calls[d["index"]] = (d["function"].get("name", name), args + d["function"].get("arguments", ""))
+    return content, [calls[i] for i in sorted(calls)], stream.called
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+@pytest.mark.parametrize("choice, text", [
+    ("named", ' {"a": 12, "b": "x}y"}\n'),
+    ("required", '[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"s": "[\\"]"}}]'),
+    ("auto", 'Checking.<tool_call>\n{"name": "f", "arguments": {"a": 3}}\n</tool_call>\n'
+             '<tool_call>{"name": "g", "parameters": {}}</tool_call>'),
+    ("auto", '[TOOL_CALLS] [{"name": "g", "arguments": {"x": [1, {"y": null}]}}]'),
+    ("auto", '  {"name": "f", "arguments": {"a": -4}}'),
+    ("auto", 'Plain text with a < sign, <tool and [brackets].'),
+    ("auto", '{"name": "unknown", "arguments": {}}'),
+])
+def test_streamed_tool_calls_assemble_to_the_parsed_answer(choice: str, text: str, step: int) -> None:
+    spec = tools_from({"tools": [FN, FN2], "tool_choice": choice if choice != "named" else
+                       {"type": "function", "function": {"name": "f"}}})
+    content, calls, called = _streamed(spec, text, step)
+    want_calls, want_content = parse_tool_calls(text, spec)
+    assert [(n, json.loads(a)) for n, a in calls] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want_calls]
+    assert called == bool(want_calls) and (content or None) == (want_content.strip() if want_content else None)
