@@ -11,8 +11,9 @@ import numpy as np
 
 
 def propose_ngram(token_ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
-    """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
-    `token_ids`, for the longest n in [n_min, n_max] that occurs; [] when none does."""
+    """Up to `k` tokens that followed an earlier occurrence of the last n tokens of `token_ids`
+    (the latest one followed by k tokens, else the earliest), for the longest n in [n_min, n_max]
+    that occurs; [] when none does."""
     total = len(token_ids)
     if k <= 0 or total < n_min + 1:
         return []
@@ -23,6 +24,9 @@ def propose_ngram(token_ids: list[int], k: int, n_max: int, n_min: int) -> list[
         windows = np.lib.stride_tricks.sliding_window_view(arr[: total - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.shape[0]:
-            start = int(hits[-1]) + n  # the latest occurrence: its continuation is the most local
+            # The latest occurrence with k tokens after it (the most local continuation); in a
+            # short loop that is not the very last one, whose continuation runs into the suffix.
+            whole = hits[hits + n + k <= total]
+            start = int(whole[-1] if whole.shape[0] else hits[0]) + n
             return token_ids[start : start + k]
     return []

@@ -25,18 +25,20 @@ def verify_drafts(
     drafts: list[int],  # k draft tokens
     params,  # noqa: ANN001  (SamplingParams)
     generator: torch.Generator,
-    accept_all: bool = False,
+    force: str | None = None,
 ) -> list[SampledToken]:
     """The tokens this verify step yields (1 to k + 1), each with its logprobs when asked for.
 
-    `accept_all` is the benchmarks' switch (bench/speculative.py), never a serving option: every
-    draft is taken as if the target agreed, to time a step whose proposals all land.
+    `force` is the benchmarks' switch (bench/speculative.py), never a serving option: "all" takes
+    every draft as if the target agreed, "none" rejects every one (the target's own first token
+    only), to time steps whose proposals all land or all miss.
     """
     k = len(drafts)
     assert logits.shape[0] == k + 1, (logits.shape, k)
     logits = logits.float()
-    if accept_all:
-        ids = [*drafts, int(logits[k].argmax())]
+    if force is not None:
+        assert force in ("all", "none"), force
+        ids = [*drafts, int(logits[k].argmax())] if force == "all" else [int(logits[0].argmax())]
     elif params.greedy:
         target = logits.argmax(dim=-1).tolist()
         a = 0

@@ -208,7 +208,8 @@ def test_greedy_verification_takes_the_agreeing_prefix() -> None:
     assert [t.token_id for t in verify_drafts(logits, [1, 0], greedy, g)] == [1, 0, 2]  # all accepted + bonus
     assert [t.token_id for t in verify_drafts(logits, [1, 2], greedy, g)] == [1, 0]  # second rejected
     assert [t.token_id for t in verify_drafts(logits, [2, 0], greedy, g)] == [1]
-    assert [t.token_id for t in verify_drafts(logits, [2, 2], greedy, g, accept_all=True)] == [2, 2, 2]
+    assert [t.token_id for t in verify_drafts(logits, [2, 2], greedy, g, force="all")] == [2, 2, 2]
+    assert [t.token_id for t in verify_drafts(logits, [1, 0], greedy, g, force="none")] == [1]
 
 
 def test_ngram_proposals() -> None:
@@ -217,7 +218,9 @@ def test_ngram_proposals() -> None:
     assert propose_ngram([1, 2, 3, 4], 3, 3, 1) == []  # no earlier occurrence of any suffix
     assert propose_ngram([3, 1, 9, 9, 2, 3], 2, 3, 2) == []  # only the 1-gram [3] recurs; min is 2
     assert propose_ngram([3, 1, 9, 9, 2, 3], 2, 3, 1) == [1, 9]
-    assert propose_ngram([4, 4, 4, 4], 5, 2, 1) == [4]  # the latest occurrence: its continuation is short
+    assert propose_ngram([4, 4, 4, 4, 4], 2, 2, 1) == [4, 4]  # a loop: an occurrence with k tokens after it
+    assert propose_ngram([7, 1, 2, 7, 3, 4, 7], 2, 1, 1) == [3, 4]  # the latest such occurrence
+    assert propose_ngram([4, 4, 4], 5, 2, 1) == [4]  # none has k after it: the earliest (the longest run)
 
 
 def test_config_parsing() -> None:
