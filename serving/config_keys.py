@@ -16,6 +16,7 @@ from serving.adapter_allowlist import OPTION as ALLOWLIST_OPTION
 from serving.adapter_allowlist import parse_allowlist
 from serving.engine_config import normalize_dtype
 from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
+from serving.speculative_config import SpeculativeConfig
 
 
 class ConfigError(ValueError):
@@ -191,6 +192,13 @@ def _check_jinja(source: str, origin: str) -> str:
     return source
 
 
+def _speculative_config(text: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(text)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _load_format(text: str) -> str:
     value = _choice("auto", "dummy", "safetensors", "pt")(text)
     return "dummy" if value == "dummy" else "auto"
@@ -243,6 +251,9 @@ KEYS: tuple[Key, ...] = (
     Key("option.guided_decoding_cache_mb", "engine.guided_decoding_cache_mb", _int(1, 1 << 20),
         "a positive number of MiB", 256),
     Key("option.tokenizer", "engine.tokenizer", _str, "a tokenizer id or path"),
+    Key("option.speculative_config", "engine.speculative_config", _speculative_config,
+        'a JSON object of vLLM\'s speculative_config names, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}'),
     Key("option.enable_lora", "engine.enable_lora", _bool, "true|false", False),
     Key("option.max_loras", "engine.max_loras", _int(1, 1024), "an integer 1..1024 (adapters on the device at once)",
         4),
@@ -304,9 +315,11 @@ IGNORED_KEYS: dict[str, str] = {
     "option.entryPoint": "custom handlers (model.py) are not executed",
     "option.task": "only text generation is served",
     "option.parallel_loading": "weights load once, in the engine thread",
-    "option.speculative_draft_model": "speculative decoding is not supported",
-    "option.speculative_length": "speculative decoding is not supported",
-    "option.draft_model_tp_size": "speculative decoding is not supported",
+    "option.speculative_draft_model": "draft-model speculation is not supported; prompt lookup is: "
+                                      'option.speculative_config={"method": "ngram", ...}',
+    "option.speculative_length": "it sizes draft-model speculation (not supported); with prompt lookup use "
+                                 "num_speculative_tokens in option.speculative_config",
+    "option.draft_model_tp_size": "draft-model speculation is not supported",
     "features": "set by the LMI image; not used",
     "load_models": "one model is served: set HF_MODEL_ID / option.model_id",
     "model_store": "the model comes from option.model_id or /opt/ml/model",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
+from serving.speculative_config import SpeculativeConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's per-step token budget with chunked prefill
 # Offline on a GPU, the step size `makespan_step_tokens` fills with prompt tokens: near the ridge of
@@ -97,9 +98,13 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (vLLM's `speculative_config`: a dict, JSON text or SpeculativeConfig;
+    # None: off). Parsed into a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "max_loras", "max_lora_rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -33,6 +33,7 @@ from serving.engine.scheduler import Scheduler
 from serving.engine.plan_builder import build_plan
 from serving.engine.scheduler_output import SchedulerOutput
 from serving.engine.sequence import FinishReason, Sequence, SequenceStatus
+from serving.engine.speculator import Speculator
 from serving.engine.token_intervals import TokenIntervals
 from serving.engine.warmup import warm_up
 from serving.engine_config import EngineConfig
@@ -43,6 +44,7 @@ from serving.lora_request import LoRARequest, UnknownAdapterError
 from serving.model_files import resolve_model_dir
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
+from serving.speculative_config import SpeculativeConfig
 from serving.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("serving.engine.llm_engine")
@@ -90,6 +92,8 @@ class LLMEngine:
             num_blocks = min(num_blocks, config.num_gpu_blocks_override)
         self.block_manager = BlockManager(num_blocks, cache.block_size, config.enable_prefix_caching)
         self.max_num_batched_tokens = config.token_budget(self.max_model_len)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec) if isinstance(spec, SpeculativeConfig) else None
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -102,6 +106,7 @@ class LLMEngine:
             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
             makespan_target=config.makespan_target(info.device_type),
             step_sizes=info.step_sizes,
+            speculator=self.speculator,
         )
         # LoRA adapters: registered by name (any thread), assigned to device slots per step.
         self.lora = LoRARegistry(info.model_dir, config.max_loras, config.max_lora_rank) if config.enable_lora else None
@@ -309,7 +314,9 @@ class LLMEngine:
         # (a server: `max_prefill_tokens_while_decoding` set); offline (0) nobody waits per
         # token, and overlapping the prompt step's host work with the GPU is worth more
         # (run 17: 5-11 ms of idle GPU before each 16k-token prefill step of the 1B workload).
-        if had_inflight and (self._inflight_blocks_next or (
+        # Speculation needs each sequence's last token on the host to propose from (and a verify
+        # step's token count is only known once read): while it may run, steps do not overlap.
+        if had_inflight and (self._inflight_blocks_next or self._may_speculate() or (
                 self.scheduler.prefill_cap_while_decoding and self.scheduler.prompt_work_ahead())):
             deltas = self._process(*self._take_inflight())
         sched_out = self.scheduler.schedule()
@@ -333,7 +340,7 @@ class LLMEngine:
         last = self._take_inflight() if self._inflight is not None else None
         self._inflight = (sched_out, runner_out)
         defer = self.executor.supports_deferred_masks
-        self._inflight_blocks_next = bool(self._history_requests) and any(
+        self._inflight_blocks_next = sched_out.speculates or bool(self._history_requests) and any(
             item.sample and (item.seq.params.needs_token_history
                              or (not defer and item.seq.params.guided_decoding is not None))
             for item in sched_out.scheduled
@@ -400,6 +407,9 @@ class LLMEngine:
             self._release(seq)
         return deltas
 
+    def _may_speculate(self) -> bool:
+        return self.speculator is not None and self.speculator.active(len(self.scheduler.running))
+
     def _take_inflight(self) -> tuple[SchedulerOutput, StepOutput]:
         assert self._inflight is not None
         last, self._inflight = self._inflight, None
@@ -417,14 +427,17 @@ class LLMEngine:
         if not suspects and not self._per_token_requests:
             finished = SequenceStatus.FINISHED
             for seq, sampled in results:  # nothing to do per token: only the samples that ended
-                if seq.status is finished:
+                if seq.status is finished and not sampled.more:
                     req = requests[seq.request_id]
                     deltas.append(req.delta(seq, sampled))
                     self._release(seq)
                     if all(s.is_finished for s in req.seqs):
                         done.append(req.request_id)
             results = []
+        cut: set[int] = set()  # samples a stop string ended before the last of their tokens this step
         for seq, sampled in results:
+            if seq.seq_id in cut:
+                continue
             req = requests[seq.request_id]
             if suspects:
                 suspects.discard(seq.request_id)  # it got through a step: cleared
@@ -437,17 +450,21 @@ class LLMEngine:
             det = req.detokenizers[seq.index]
             if det is not None:
                 stop = det.append([sampled.token_id])
-                if stop is not None:
+                if stop is not None and sampled.more:  # (speculation) the tokens after this one go
+                    self._cut(seq, sampled.more, stop)
+                    cut.add(seq.seq_id)
+                    sampled.more = 0
+                elif stop is not None:
                     if seq.is_finished:  # it also hit EOS / length this step: the stop string wins
                         seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
                     else:
                         self.scheduler.finish(seq, FinishReason.STOP, stop)
             if req.final_only:
                 req.keep(seq.index, sampled)
-                if not seq.is_finished:
+                if not seq.is_finished or sampled.more:
                     continue
             deltas.append(req.delta(seq, sampled))
-            if seq.is_finished:
+            if seq.is_finished and not sampled.more:
                 self._release(seq)
                 if all(s.is_finished for s in req.seqs):
                     done.append(req.request_id)
@@ -457,6 +474,15 @@ class LLMEngine:
         if not requests:
             self.token_intervals.idle()
         return deltas
+
+    def _cut(self, seq: Sequence, num_after: int, stop: str) -> None:
+        """A stop string ended `seq` at a token that has `num_after` more from the same verify step:
+        they are dropped, and it ends with that stop string whatever those tokens said."""
+        del seq.token_ids[len(seq.token_ids) - num_after:]
+        if seq.is_finished:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+        else:
+            self.scheduler.finish(seq, FinishReason.STOP, stop)
 
     def _drop(self, request_id: str) -> None:
         """The request is over (every sample ended, or aborted/failed): forget it."""
@@ -468,6 +494,8 @@ class LLMEngine:
         """The workers drop the sequence's state (mirror, seeded generator) with the next plan."""
         seq.in_worker = False
         self._finished_ids.append(seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.forget(seq.seq_id)
         if self._guided is not None:
             self._guided.remove(seq.seq_id)
 
@@ -526,6 +554,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens_computed,
             "num_generation_tokens": self.num_generated_tokens,
+            **(self.speculator.metrics() if self.speculator is not None else {}),
         }
 
 

@@ -26,6 +26,7 @@ def build_plan(step_id: int, sched_out: SchedulerOutput, finished_ids: list[int]
     new: list[NewSeq] = []
     new_blocks: dict[int, list[int]] = {}
     syncs: dict[int, tuple[int, list[int]]] = {}
+    num_drafts: dict[int, int] = {}
     for i, item in enumerate(scheduled):
         seq = item.seq
         ids, table = seq.token_ids, seq.block_table
@@ -42,11 +43,13 @@ def build_plan(step_id: int, sched_out: SchedulerOutput, finished_ids: list[int]
             if len(ids) > n:
                 syncs[i] = (n, ids[n:])
                 seq.num_synced = len(ids) - 1 if ids[-1] == PLACEHOLDER else len(ids)
-        if placeholders and item.sample:
+        if item.num_drafts:
+            num_drafts[i] = item.num_drafts  # (no placeholder: how many tokens come back is not known)
+        elif placeholders and item.sample:
             assert len(ids) == item.start + item.num_tokens, f"seq {seq.seq_id}: sampled token out of order"
             ids.append(PLACEHOLDER)
     return StepPlan(
         step_id, [item.seq.seq_id for item in scheduled], [item.start for item in scheduled],
         [item.num_tokens for item in scheduled], [item.sample for item in scheduled], sched_out.num_decodes,
-        new_blocks, syncs, new, list(finished_ids), list(preempted_ids),
+        new_blocks, syncs, new, list(finished_ids), list(preempted_ids), num_drafts=num_drafts,
     )

@@ -50,7 +50,9 @@ class RequestState:
             return self._final_delta(seq)
         index = seq.index
         det = self.detokenizers[index]
-        finished = seq.status is SequenceStatus.FINISHED
+        # (a verify step's tokens come one delta each: only the last of them may end the sample)
+        more = sampled.more if sampled is not None else 0
+        finished = seq.status is SequenceStatus.FINISHED and not more
         text = det.take_delta(finished) if det is not None else ""
         token_ids: tuple[int, ...] = ()
         logprobs: tuple[float, ...] = ()
@@ -74,7 +76,7 @@ class RequestState:
         return StreamDelta(
             request_id=self.request_id, index=index, token_ids=token_ids, text=text, logprobs=logprobs,
             top_logprobs=top, token_texts=token_texts, finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_resolved_output_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_resolved_output_tokens - more,
             prompt_token_ids=prompt_ids, prompt_logprobs=prompt_logprobs, num_cached_tokens=seq.num_cached_tokens,
             extra={"stop_reason": seq.stop_reason} if finished and seq.stop_reason is not None else {},
         )

@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Iterable
 
 from serving.engine.block_manager import BlockManager
+from serving.engine.speculator import Speculator
 from serving.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from serving.executor.plan import SampledToken, StepOutput
 from serving.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
@@ -67,6 +68,9 @@ class Scheduler:
         step_sizes: the token counts the executor runs a step at (its CUDA graphs' buckets, ascending;
             empty: any count). A step that decodes and takes prompt tokens is padded up to the next
             size anyway, so its prompt tokens may fill that padding: they cost nothing more.
+        speculator: speculative decoding (None: off). A decode whose last token is known may carry
+            its draft tokens (taken from the step's prompt-token room, never preempting for them);
+            `update` then keeps the accepted ones and rolls the rest back.
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class Scheduler:
         max_prefill_tokens_while_decoding: int = 0,
         makespan_target: int = 0,
         step_sizes: Iterable[int] = (),
+        speculator: Speculator | None = None,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             # Otherwise the decodes at the back of the running list could starve forever.
@@ -103,6 +108,7 @@ class Scheduler:
         self.makespan_target = makespan_target
         self.step_sizes = sorted(step_sizes)
         self.max_loras = max_loras
+        self.speculator = speculator
         # FCFS (or `_admission_key` order with makespan_target); preempted sequences go back to the front
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # sorted by seq_id (= arrival order)
@@ -238,6 +244,8 @@ class Scheduler:
             # The step runs padded to the next size: prompt tokens may fill the padding.
             size = min(sizes[bisect.bisect_left(sizes, num_decodes + prefill_left)], budget)
             prefill_left = size - num_decodes
+        spec = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) else None
+        num_verify = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -249,6 +257,15 @@ class Scheduler:
             if loras is not None and not self._lora_fits(seq, loras):
                 i += 1  # its adapter would need one slot too many: it waits a step
                 continue
+            if spec is not None and num_tokens - seq.num_computed_tokens == 1 and ids[-1] != PLACEHOLDER:
+                item = self._verify_item(seq, spec, min(prefill_left, budget - 1))
+                if item is not None:
+                    scheduled.append(item)
+                    budget -= item.num_tokens
+                    prefill_left -= item.num_drafts
+                    num_verify += 1
+                    i += 1
+                    continue
             computed = seq.num_computed_tokens
             num_new = min(num_tokens - computed, budget, self.chunk_cap)
             assert num_new > 0, f"running seq {seq.seq_id} has nothing to compute"
@@ -325,7 +342,24 @@ class Scheduler:
         if len(decodes) == len(scheduled):  # the steady decode step: nothing to reorder
             return SchedulerOutput(scheduled, len(scheduled), preempted, num_prompt)
         others = [s for s in scheduled if s.num_tokens != 1]
-        return SchedulerOutput(decodes + others, len(decodes), preempted, num_prompt)
+        return SchedulerOutput(decodes + others, len(decodes), preempted, num_prompt, num_verify)
+
+    def _verify_item(self, seq: Sequence, spec: Speculator, room: int) -> ScheduledSequence | None:
+        """A decode of `seq` carrying draft tokens (at most `room` of them), or None: nothing to
+        propose, or no free block for them (a draft never preempts anyone)."""
+        # (the step yields up to drafts + 1 tokens: no draft past the sample's last token)
+        room = min(room, seq.max_num_tokens - len(seq.token_ids) - 1)
+        if room <= 0:
+            return None
+        drafts = spec.propose(seq, room)
+        if not drafts or not self.block_manager.can_append(seq, 1 + len(drafts)):
+            return None
+        start = seq.num_computed_tokens
+        seq.token_ids.extend(drafts)
+        seq.num_drafts = len(drafts)
+        self.block_manager.append_slots(seq, 1 + len(drafts))
+        seq.num_computed_tokens = start + 1 + len(drafts)
+        return ScheduledSequence(seq, 1 + len(drafts), True, start, len(drafts))
 
     def _prompt_tokens_due(self, horizon: int, under_way: list[Sequence]) -> int:
         """Prompt tokens per step that let every waiting sequence start decoding in time.
@@ -390,7 +424,7 @@ class Scheduler:
         """After launching a step: one PLACEHOLDER per sampled entry, so the next step can run it."""
         finished = SequenceStatus.FINISHED
         for item in sched_out.scheduled:
-            if item.sample:
+            if item.sample and not item.num_drafts:  # (a verify step's count of tokens is not known yet)
                 seq = item.seq
                 if seq.status is not finished:  # (aborted since: nothing will be stored)
                     ids = seq.token_ids
@@ -417,6 +451,9 @@ class Scheduler:
             status = seq.status
             if status is finished:
                 continue  # aborted (or ended by an earlier token) while the step ran
+            if item.num_drafts:
+                self._accept(item, sampled, results)  # type: ignore[arg-type]
+                continue
             start, end = item.start, item.start + item.num_tokens
             if caching and status is running and end // block_size > start // block_size:
                 # A block filled up (and the sequence was not preempted since, so its blocks
@@ -439,6 +476,45 @@ class Scheduler:
                     self.finish(seq, reason, stop)
         assert next(samples, None) is None, "runner returned more samples than scheduled"
         return results
+
+    def _accept(self, item: ScheduledSequence, sampled: SampledToken,
+                results: list[tuple[Sequence, SampledToken]]) -> None:
+        """A verify step's tokens: drafts out, the accepted ones and the target's token in, K/V of
+        the rejected positions rolled back (their slots are written over by the next step; the
+        blocks stay with the sequence, which grows into them), stops applied token by token."""
+        seq = item.seq
+        assert seq.status is SequenceStatus.RUNNING and seq.num_drafts == item.num_drafts, (
+            f"seq {seq.seq_id}: verify result for a sequence that moved on")
+        tokens = [sampled, *(sampled.following or ())]
+        accepted = len(tokens) - 1
+        assert accepted <= item.num_drafts, (accepted, item.num_drafts)
+        start = item.start
+        ids = seq.token_ids
+        # (accepted drafts are the tokens already there: the worker's copy stays valid up to them)
+        del ids[start + 1:]
+        ids.extend(t.token_id for t in tokens)
+        seq.num_drafts = 0
+        seq.num_computed_tokens = start + 1 + accepted
+        seq.num_synced = min(seq.num_synced, start + 1 + accepted)
+        self.speculator.record(seq.seq_id, item.num_drafts, accepted)  # type: ignore[union-attr]
+        bm = self.block_manager
+        if bm.enable_prefix_caching and (start + 1 + accepted) // bm.block_size > start // bm.block_size:
+            bm.cache_computed_blocks(seq, start + 1 + accepted)  # only what holds accepted K/V
+        eos, stop_ids = self.eos_token_ids, seq.params.stop_token_ids
+        for j, token in enumerate(tokens):
+            n = start + 2 + j  # tokens of the sample with this one
+            token.more = 0
+            results.append((seq, token))
+            if n >= seq.max_num_tokens or token.token_id in eos or stop_ids:
+                reason, stop = self._check_stop(seq, n, token.token_id)
+                if reason is not None:
+                    del ids[n:]
+                    self.finish(seq, reason, stop)
+                    break
+        else:
+            j = len(tokens) - 1
+        for m, token in enumerate(tokens[:j]):
+            token.more = j - m
 
     def _check_stop(self, seq: Sequence, num_tokens: int, token_id: int) -> tuple[FinishReason | None, int | None]:
         """Why `seq` ends with `token_id` as its token number `num_tokens`, if it does."""

@@ -20,12 +20,17 @@ class ScheduledSequence:
     once, so the next step can be planned before this one's results are back). `sample` is True
     when this chunk reaches the last known token, so a next token is drawn into position
     `start + num_tokens` (False for a non-final chunk of a chunked prefill).
+
+    `num_drafts` > 0: speculative verification. The chunk is the last known token followed by
+    that many draft tokens; the step returns the accepted drafts plus one token of the target's
+    own (1 to num_drafts + 1 tokens, starting at position `start + 1`).
     """
 
     seq: Sequence
     num_tokens: int
     sample: bool
     start: int
+    num_drafts: int = 0
 
     @property
     def end(self) -> int:
@@ -41,6 +46,11 @@ class SchedulerOutput:
     num_decodes: int
     preempted: list[Sequence] = field(default_factory=list)
     num_prompt_tokens: int = 0  # of the scheduled tokens, those of chunks that start in the prompt
+    num_verify: int = 0  # of the scheduled chunks, those verifying draft tokens
+
+    @property
+    def speculates(self) -> bool:
+        return self.num_verify > 0
 
     @property
     def num_batched_tokens(self) -> int:

@@ -60,6 +60,9 @@ class Sequence:
     num_synced: int = 0
     num_blocks_sent: int = 0
     lora_request: LoRARequest | None = None  # the adapter it runs on (None: the base model)
+    # Draft tokens (speculative decoding) at the end of `token_ids`, being verified by a step in
+    # flight: not part of the sample until that step says which were accepted.
+    num_drafts: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -101,7 +104,11 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def drop_placeholders(self) -> None:
-        """Remove trailing tokens that were never resolved (the sample ended before them)."""
+        """Remove trailing tokens that were never resolved (the sample ended before them): draft
+        tokens under verification and placeholders."""
         ids = self.token_ids
+        if self.num_drafts:
+            del ids[len(ids) - self.num_drafts:]
+            self.num_drafts = 0
         while len(ids) > len(self.prompt_token_ids) and ids[-1] == PLACEHOLDER:
             ids.pop()

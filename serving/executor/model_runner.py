@@ -34,6 +34,7 @@ from serving.model_config import ModelArgs
 from serving.executor.sampler import Sampler, generator_seed, to_device
 from serving.executor.batch_state import BatchState, WorkerSeq
 from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPlan
+from serving.executor.spec_verify import verify_drafts
 from serving.executor.step_inputs import StepInputs, prepare_inputs
 from serving.executor.teardown import release_module, release_tensor
 from serving.executor.weights import init_dummy_weights, load_weights
@@ -94,6 +95,9 @@ class ModelRunner:
                                 ) if config.enable_lora else None
         self.sampler = Sampler(self.device, seed=config.seed, eos_token_ids=self.eos_token_ids)
         self._generators: dict[int, torch.Generator] = {}
+        # Benchmarks only (bench/speculative.py), never a serving option: verification accepts every
+        # draft ("all") or none ("none"), to time steps whose proposals all land or all miss.
+        self.force_acceptance: str | None = None
         self._prompt_logprobs: dict[int, list[float | None]] = {}
         self.graph_runner: DecodeGraphRunner | None = None  # set after the KV cache exists
         self.mixed_graphs: MixedGraphRunner | None = None  # steps with prompt tokens, idem
@@ -303,6 +307,8 @@ class ModelRunner:
         sampled_ids = [plan.seq_ids[i] for i in sampled_chunks.tolist()] if self._prompt_logprobs else []
         prompt_logprobs = {i: self._prompt_logprobs.pop(i) for i in sampled_ids if i in self._prompt_logprobs}
         batch = self.batch.input_batch
+        if plan.num_drafts:
+            return self._verify_step(plan, seqs, sampled_chunks, rows, logits, sampled_ids, prompt_logprobs)
 
         def sample(masks: tuple[list[int], object] | None) -> StepOutput:
             try:
@@ -337,6 +343,52 @@ class ModelRunner:
             self._deferred = (sample, masks[0], held, out)
             return out
         return sample(masks)
+
+    def _verify_step(self, plan: StepPlan, seqs: list[WorkerSeq], sampled_chunks: np.ndarray, rows: np.ndarray,
+                     logits: torch.Tensor, sampled_ids: list[int], prompt_logprobs: dict) -> StepOutput:
+        """Sample a step with verifying chunks (`plan.num_drafts`): plain rows as usual, each verifying
+        chunk's k+1 rows through `verify_drafts`; waits for the device (the engine reads it at once)."""
+        chunks = sampled_chunks.tolist()
+        plain: list[tuple[int, int]] = []  # (chunk, logits row)
+        groups: list[tuple[int, int, int]] = []  # (chunk, first logits row, drafts)
+        r = 0
+        for c in chunks:
+            k = plan.num_drafts.get(c, 0)
+            if k:
+                groups.append((c, r, k))
+            else:
+                plain.append((c, r))
+            r += k + 1
+        assert r == logits.shape[0], (r, logits.shape)
+        out: dict[int, SampledToken] = {}
+        try:
+            if plain:
+                masks = _mask_rows(plan)
+                if masks is not None:  # guided rows (never verifying): keyed by their place among `plain`
+                    at = {chunks.index(c): j for j, (c, _) in enumerate(plain)}
+                    masks = ([at[m] for m in masks[0]], masks[1])
+                plain_seqs = [seqs[c] for c, _ in plain]
+                idx = torch.tensor([row for _, row in plain], dtype=torch.long, device=logits.device)
+                tokens = self.sampler.sample(logits[idx], plain_seqs, [self._generator(s) for s in plain_seqs],
+                                             masks=masks).tokens()
+                out.update(zip((c for c, _ in plain), tokens))
+            for c, r0, k in groups:
+                seq = seqs[c]
+                start = plan.starts[c] + plan.num_tokens[c] - k
+                tokens = verify_drafts(logits[r0 : r0 + k + 1], seq.token_ids[start : start + k], seq.params,
+                                       self._generator(seq) or self.sampler.generator, self.force_acceptance)
+                tokens[0].following = tokens[1:]
+                out[c] = tokens[0]
+        finally:
+            ids = torch.tensor([out[c].token_id if c in out else 0 for c in chunks], dtype=torch.long,
+                               device=self.device)
+            if self.world_size > 1:  # the other ranks wait in the broadcast even if sampling failed
+                parallel.broadcast_from_driver(ids)
+        sampled = [out[c] for c in chunks]
+        for i, seq_id in enumerate(sampled_ids) if prompt_logprobs else ():
+            sampled[i].prompt_logprobs = prompt_logprobs.get(seq_id)
+        self._prev = StepOutput(sampled, token_ids=ids, rows=rows)
+        return self._prev
 
     @torch.inference_mode()
     def sample_deferred(self, masks: object) -> None:

@@ -80,6 +80,9 @@ class StepPlan:
     # and the slots to fill before running it: slot -> (name, int id, PEFT dir), or None to free.
     lora_slots: list[int] | None = None
     lora_loads: dict[int, tuple[str, int, str] | None] = field(default_factory=dict)
+    # Speculative decoding: chunk index -> how many of its last tokens are drafts to verify. Such a
+    # chunk samples from every draft position too (rank 0 accepts or rejects each, exactly).
+    num_drafts: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -98,6 +101,11 @@ class SampledToken:
     logprob: float | None = None  # chosen token's logprob (when params.logprobs is not None)
     top_logprobs: dict[int, float] | None = None  # top-k id -> logprob
     prompt_logprobs: list[float | None] | None = None  # first step only, with prompt_logprobs
+    # Speculative decoding: the tokens after this one from the same verify step (accepted drafts,
+    # then the target's own token), each with its logprobs; None for a plain step.
+    following: list[SampledToken] | None = None
+    # (engine side) how many tokens of the same sample follow this one in this step's results
+    more: int = 0
 
 
 class StepOutput:

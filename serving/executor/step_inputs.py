@@ -8,7 +8,8 @@ host->device copy, then split into views (`positions`, `input_ids`, `slot_mappin
 the batch's mirror, after the entries written since the last step (in the same copy) are
 applied to it. A decode row whose token is still a `PLACEHOLDER` (sampled by the previous
 step, not yet on the host) takes its id from that step's device tensor, on the device.
-`sample_rows` are the rows whose logits are sampled: the last row of each sampled entry.
+`sample_rows` are the rows whose logits are sampled: the last row of each sampled entry (the
+last k+1 rows of an entry verifying k draft tokens).
 """
 
 from __future__ import annotations
@@ -115,6 +116,11 @@ def prepare_inputs(
     np.cumsum(lens, out=qsl[1:])
     seq_lens = starts + lens
     sample_rows = (qsl[1:] - 1)[np.array(plan.sample, dtype=bool)]
+    if plan.num_drafts:
+        # A verifying chunk samples at its last known token and at each draft (its last k+1 rows).
+        last = qsl[1:] - 1
+        sample_rows = np.concatenate([np.arange(last[i] - plan.num_drafts.get(i, 0), last[i] + 1)
+                                      for i in np.flatnonzero(np.array(plan.sample, dtype=bool)).tolist()])
     width = max(int(ib.num_blocks[rows].max()) if num_seqs else 1, 1)
     dirty = ib.take_dirty()  # [3, D] block-table entries the device has not seen
     # positions first: at offset 0 they are 16-byte aligned whatever the token count (the rotary

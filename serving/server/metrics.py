@@ -11,6 +11,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from serving.engine.speculator import PER_POSITION_PREFIX, SPEC_PREFIX
 from serving.engine.token_intervals import BOUNDS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -50,6 +51,7 @@ class _EngineCollector:
             c = CounterMetricFamily("lmi_prefix_affinity_hits", "requests routed to the copy that saw their prefix")
             c.add_metric([], float(stats.get("prefix_affinity_hits", 0)))
             yield c
+        yield from _speculation(stats)
         intervals = stats.get("token_intervals")
         if intervals:
             h = HistogramMetricFamily(
@@ -64,6 +66,24 @@ class _EngineCollector:
                     buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
                 h.add_metric([kind], buckets, sum_value=snap.total_s)
             yield h
+
+
+def _speculation(stats: dict):  # noqa: ANN202 - a generator of metric families
+    """Speculative decoding counters, under vLLM's names (`vllm:spec_decode_*`), when it is on."""
+    if SPEC_PREFIX + "num_drafts" not in stats:
+        return
+    for name, doc in (("num_drafts", "verify steps (one per speculating sequence per step)"),
+                      ("num_draft_tokens", "draft tokens proposed"),
+                      ("num_accepted_tokens", "draft tokens accepted")):
+        c = CounterMetricFamily("lmi_spec_decode_" + name, doc)
+        c.add_metric([], float(stats[SPEC_PREFIX + name]))
+        yield c
+    c = CounterMetricFamily("lmi_spec_decode_num_accepted_tokens_per_pos", "draft tokens accepted, by position",
+                            labels=["position"])
+    for key, value in stats.items():
+        if key.startswith(PER_POSITION_PREFIX):
+            c.add_metric([key.removeprefix(PER_POSITION_PREFIX)], float(value))
+    yield c
 
 
 class Metrics:

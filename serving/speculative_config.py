@@ -1,0 +1,77 @@
+"""Speculative decoding options (vLLM's `speculative_config`), parsed once into a frozen value.
+
+It exists so the offline `LLM(speculative_config={...})`, the container's
+`OPTION_SPECULATIVE_CONFIG` (JSON) and LMI's `option.speculative_length` all end as one checked
+object on `EngineConfig`, and a bad key or value is refused at start with the name that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+METHODS = ("ngram",)
+# Past this many running sequences a step is bound by compute, not by reading the weights, so
+# the k extra positions per sequence cost about what they are worth (see README, "Speculative
+# decoding", for how to measure the crossover on a GPU).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """One speculation method for every request the engine runs.
+
+    method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
+        sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`).
+    num_speculative_tokens: k, the most tokens proposed (and verified in one forward) per step.
+    disable_by_batch_size: speculate only while at most this many sequences run (vLLM's name).
+    acceptance_floor / acceptance_window: a sequence whose proposals were accepted at a rate
+        below the floor over its last `acceptance_window` proposed tokens stops proposing for
+        `acceptance_window` steps, then tries again (ours; 0 turns the floor off).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    acceptance_floor: float = 0.1
+    acceptance_window: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {'|'.join(METHODS)}, got {self.method!r} "
+                             "(a draft model is not supported yet)")
+        for name, lo in (("num_speculative_tokens", 1), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1),
+                         ("disable_by_batch_size", 1), ("acceptance_window", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"speculative_config.{name} must be an integer >= {lo}, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not 0.0 <= float(self.acceptance_floor) <= 1.0:
+            raise ValueError(f"speculative_config.acceptance_floor must be in [0, 1], got {self.acceptance_floor!r}")
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict of vLLM names, a JSON object string, or None/"" (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be an object of vLLM names, got {type(value).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(names)}")
+        return cls(**value)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
