@@ -14,6 +14,18 @@ from lora_fixtures import lora_adapters
 from model_fixtures import smollm2_path, tiny_models
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():  # noqa: ANN201
+    """One torch thread for a module's in-process fp32 model runs: on a 2-core box shared with other
+    work, torch's 2 spinning threads were measured 10x+ slower (oversubscription), 1 is steady."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _has_cuda() -> bool:
     try:
         import torch

@@ -11,14 +11,12 @@ from __future__ import annotations
 import pytest
 from hf_oracle import HFGreedyInBackground
 from identity_prompts import LONG_A, LONG_B, PROMPTS
+from shared_runner import llms_on_runner
 
-from serving.engine.llm_engine import LLMEngine
-from serving.executor.executor import InProcessExecutor
 from serving.engine_config import EngineConfig
-from serving.llm import LLM
 from serving.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # tests/conftest.py
 
 BLOCK_SIZE = 8
 MAX_NEW = 64
@@ -26,18 +24,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 # Both engine loops: synchronous, and async scheduling (step N+1 planned before step N's tokens
 # are read; placeholders in the inputs; one extra step per stop), which CUDA uses by default.
 BOTH_LOOPS = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():  # noqa: ANN202
-    """Run this module's fp32 models on one thread: on a 2-core box shared with other work,
-    torch's 2 spinning threads were measured 10x+ slower (oversubscription), 1 thread is steady."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -73,22 +59,8 @@ def expected(smol_dir: str, tokenizer):  # noqa: ANN001, ANN201
 @pytest.fixture
 def make_llm(smol_dir: str, runner, tokenizer):  # noqa: ANN001, ANN201
     """Build an LLM on the shared runner; on teardown check every block is free again."""
-    made: list[LLM] = []
-
-    def make(**options: object) -> LLM:
-        options.setdefault("block_size", BLOCK_SIZE)
-        options.setdefault("max_num_seqs", 16)
-        llm = LLM.from_engine(LLMEngine(EngineConfig(model=smol_dir, **options), InProcessExecutor.from_runner(runner),
-                                        tokenizer))
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        engine = llm.llm_engine
-        assert not engine.has_unfinished_requests()
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "KV blocks leaked"
-        assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+    with llms_on_runner(smol_dir, runner, tokenizer, block_size=BLOCK_SIZE, max_num_seqs=16) as make:
+        yield make
 
 
 def _check(outputs, prompts, expected) -> None:  # noqa: ANN001

@@ -19,7 +19,7 @@ from model_fixtures import TINY_ARCHS
 from serving.llm import LLM
 from serving.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # tests/conftest.py
 
 MAX_NEW = 24
 PROMPTS = [
@@ -28,18 +28,6 @@ PROMPTS = [
     LONG_CONTEXT[:700],  # ~150 tokens: past llama3's original_max_position_embeddings (64)
     "def fibonacci(n):",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():  # noqa: ANN202
-    """Run this module's fp32 models on one thread: on a 2-core box shared with other work,
-    torch's 2 spinning threads were measured 10x+ slower (oversubscription), 1 thread is steady."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _assert_all_free(llm: LLM) -> None:

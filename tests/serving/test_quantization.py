@@ -38,16 +38,9 @@ from serving.executor.weights import init_dummy_weights
 from serving.model_config import ModelArgs
 from serving.quantization import QuantConfig, QuantizationError, resolve_quantization
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 MAX_NEW = 12
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "请用中文简单介绍一下长城的历史。"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():  # noqa: ANN202
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---- config ----------------------------------------------------------------------------------

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from shared_runner import llms_on_runner
 
-from serving.engine.llm_engine import LLMEngine
 from serving.engine.ngram_proposer import propose_ngram
 from serving.engine_config import EngineConfig
-from serving.executor.executor import InProcessExecutor
 from serving.executor.spec_verify import verify_drafts
 from serving.llm import LLM
 from serving.sampling_params import SamplingParams
 from serving.speculative_config import SpeculativeConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 # Input-grounded prompts (the output copies spans of the prompt) and one that does not.
 GROUNDED = [
@@ -35,12 +36,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():  # noqa: ANN202
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -57,21 +52,8 @@ def smol(smollm2_path):  # noqa: ANN001, ANN201
 def make_llm(smol):  # noqa: ANN001, ANN201
     """An LLM on the shared runner; on teardown every KV block must be free again."""
     d, runner, tokenizer = smol
-    made: list[LLM] = []
-
-    def make(**options: object) -> LLM:
-        options.setdefault("block_size", 4)
-        options.setdefault("max_num_seqs", 8)
-        llm = LLM.from_engine(LLMEngine(EngineConfig(model=d, **options), InProcessExecutor.from_runner(runner),
-                                        tokenizer))
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        bm = llm.llm_engine.block_manager
-        assert not llm.llm_engine.has_unfinished_requests()
-        assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    with llms_on_runner(d, runner, tokenizer, block_size=4, max_num_seqs=8) as make:
+        yield make
 
 
 def _generate(llm: LLM, prompts: list[str], params) -> list:  # noqa: ANN001
