@@ -24,8 +24,6 @@ from serving.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from serving.executor.plan import SampledToken, StepOutput
 from serving.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
-
-
 CONTEXT_OVERFLOW = "This model's maximum context length is"  # OpenAI's words: clients map them to their overflow error
 
 
@@ -34,10 +32,11 @@ def context_overflow_message(max_model_len: int, num_prompt_tokens: int, max_tok
     others recognise this sentence (and the `context_length_exceeded` code the HTTP layer adds)."""
     if max_tokens is None:
         return (f"{CONTEXT_OVERFLOW} {max_model_len} tokens. However, your request has {num_prompt_tokens} "
-                "input tokens. Please reduce the length of the input messages.")
+                f"input tokens. Please reduce the length of the input messages (max_model_len={max_model_len}).")
     return (f"{CONTEXT_OVERFLOW} {max_model_len} tokens. However, you requested {num_prompt_tokens + max_tokens} "
             f"tokens ({num_prompt_tokens} in the messages, {max_tokens} in the completion). Please reduce the "
-            "length of the messages or completion.")
+            f"length of the messages or completion (max_model_len={max_model_len}).")
+
 
 class Scheduler:
     """Admission under a per-step token budget and sequence cap, with preemption: FCFS, or longest
