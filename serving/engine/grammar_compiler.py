@@ -4,7 +4,8 @@ It exists because a constraint is client input whose compile cost has no useful 
 (a 28 KB JSON schema can compile for minutes, a 2 MB enum for a quarter of an hour) and whose
 compiled form stays in memory: so
 - a constraint's text over `max_bytes` is refused before anything is compiled (ValueError -> 400),
-  and so is a JSON schema that plainly admits no value (serving/engine/schema_check.py);
+  and so is a JSON schema that is not a valid JSON Schema of its draft (serving/engine/schema_validator.py)
+  or that plainly admits no value (serving/engine/schema_check.py);
 - compiles run in child processes (`python -m serving.engine.grammar_compiler`, niced, at most
   `workers` at once, no cache of their own): the GIL, the engine thread and the other requests'
   threads never wait on one; one that runs past `timeout` seconds is killed (ValueError -> 400,
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 
 from serving.engine.schema_check import schema_contradiction
+from serving.engine.schema_validator import schema_problem
 from serving.sampling_params import GuidedDecodingParams
 
 logger = logging.getLogger("serving.engine.grammar_compiler")
@@ -148,9 +150,13 @@ class CompiledGrammarCache:
                              "(option.guided_decoding_max_bytes)")
         if kind == "json":
             try:
-                why = schema_contradiction(json.loads(text))
+                schema = json.loads(text)
             except ValueError as exc:
                 raise ValueError(f"invalid guided decoding json: {exc}") from None
+            problem = schema_problem(schema)
+            if problem is not None:
+                raise ValueError(f"the guided decoding json is not a valid JSON Schema: {problem}")
+            why = schema_contradiction(schema)
             if why is not None:
                 raise ValueError(f"the guided decoding json admits no value ({why})")
         if kind == "json_object":

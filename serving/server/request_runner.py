@@ -17,11 +17,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from serving.config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState, RequestStream
+from serving.engine.schema_validator import OUTPUT_INVALID, output_problem
 from serving.lora_request import UnknownAdapterError
 from serving.server.access_log import RequestRecord
 from serving.server.formatters import Formatter, Result
@@ -33,6 +34,7 @@ logger = logging.getLogger("serving.server.request_runner")
 _POLL_S = 0.5  # how often a waiting handler re-checks engine health, the drain and its client
 DRAINING = "the server is shutting down"  # the error of requests refused or cut by the SIGTERM drain
 CLIENT_CLOSED = 499  # status recorded for a request whose client left before its answer (nginx's code)
+_COMPLETE = ("eos_token", "stop_sequence")  # a guided sample that ended so has a whole output to validate
 
 
 class HTTPError(Exception):
@@ -59,6 +61,8 @@ def _status_of(error: str) -> int:
     """The HTTP status of a request that failed with `error` before its answer started."""
     if error.startswith("prediction timed out"):
         return 504
+    if error.startswith(OUTPUT_INVALID):  # the schema asked for what guided decoding could not enforce
+        return 400
     return 503 if error.startswith(DRAINING) else 500
 
 
@@ -71,6 +75,7 @@ class _Job:
     result: Result
     first_token_at: float | None = None
     probe_at: float = 0.0  # when to next ask whether the client is still there
+    schema: str | None = None  # the JSON schema (text) its outputs were guided by: validated as each ends
 
 
 class RequestRunner:
@@ -163,7 +168,8 @@ class RequestRunner:
                 if adapter is not None and self.metrics is not None:
                     self.metrics.adapter_requests.labels(adapter=adapter).inc()
                 result = Result(prompt=text, prompt_token_ids=ids, n=req.params.n, decode_token=self.decode_token)
-                jobs.append(_Job(rid, stream, result))
+                guided = req.params.guided_decoding
+                jobs.append(_Job(rid, stream, result, schema=guided.json if guided is not None else None))
         except UnknownAdapterError as exc:  # removed since the request was checked: never the base model
             self._release(jobs, n)
             raise HTTPError(404, str(exc)) from None
@@ -185,11 +191,20 @@ class RequestRunner:
             self._inflight -= n
 
     @staticmethod
-    def _accept(job: _Job, delta: StreamDelta) -> None:
-        """Fold a delta into the job's result (and note when its first token came)."""
+    def _accept(job: _Job, delta: StreamDelta) -> StreamDelta:
+        """Fold a delta into the job's result (and note when its first token came); returns the delta
+        to format: the same one, or, for a schema-guided sample whose whole output does not validate
+        against its schema (a keyword the grammar does not enforce), that delta ending in an error."""
         if job.first_token_at is None and delta.token_ids:
             job.first_token_at = time.monotonic()
-        job.result.add(delta)
+        s = job.result.add(delta)
+        if (job.schema is not None and delta.finish_reason in _COMPLETE
+                and not isinstance(delta.extra.get("stop_reason"), str)):  # a client's stop string cut it
+            problem = output_problem(job.schema, s.text)
+            if problem is not None:
+                s.finish_reason, s.error = "error", problem
+                return replace(delta, finish_reason="error", error=problem)
+        return delta
 
     def _next(self, job: _Job, deadline: float, gone: Callable[[], bool] | None = None) -> StreamDelta:
         """The next delta of a job; raises TimeoutError, ServerDraining, RuntimeError (engine dead)
@@ -216,8 +231,7 @@ class RequestRunner:
                 continue
             if delta is None:
                 raise RuntimeError("the engine closed the request stream")
-            self._accept(job, delta)
-            return delta
+            return self._accept(job, delta)
 
     def _observe(self, jobs: list[_Job], start: float, record: RequestRecord | None = None) -> None:
         if record is not None:
@@ -348,7 +362,8 @@ class RequestRunner:
             raise HTTPError(_status_of(str(exc)), str(exc)) from None
         if first.finish_reason == "error" and not first.token_ids:
             self._release(jobs, len(jobs))
-            raise HTTPError(500, first.error or "generation failed")
+            error = first.error or "generation failed"
+            raise HTTPError(_status_of(error), error)
         return self._stream(req, fmt, jobs, first, start, deadline, gone, record)
 
     @staticmethod
@@ -358,8 +373,7 @@ class RequestRunner:
         out = [rec]
         result = job.result
         while delta is not None:
-            RequestRunner._accept(job, delta)
-            out.append(fmt.chunk(result, delta, p))
+            out.append(fmt.chunk(result, RequestRunner._accept(job, delta), p))
             delta = None if result.finished else ready()
         return b"".join(out)
 

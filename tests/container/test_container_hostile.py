@@ -6,8 +6,9 @@ chunk size, a chunk-size line with no end, oversized extensions and trailers) ar
 poller and hold no thread; a client that stops reading its stream is cut off after the write
 timeout and its request aborted (KV freed); guided-decoding grammars are bounded in size and
 compile time, checked after the cheap checks and compiled off the serving paths; constraints that
-admit no output, token ids past any vocabulary and non-finite log-probabilities never make a 500
-or invalid JSON; a checkpoint with int8 weights and no quantization_config is refused at load; a
+admit no output, schemas that are not JSON Schema, outputs of schemas whose keywords the grammar
+does not enforce (a 400 or a stream's error record, never "stop"), token ids past any vocabulary
+and non-finite log-probabilities never make a 500 or invalid JSON; a checkpoint with int8 weights and no quantization_config is refused at load; a
 SIGSTOPped worker still gets /ping answered (503) within 2 s and is replaced. The SIGSTOP test
 replaces the worker, so it comes last.
 """
@@ -22,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 import requests
 from lmi_server import LMIServer, read_until_closed, running_server
@@ -221,10 +223,68 @@ def test_unsatisfiable_schemas_are_refused(server, schema):
 
 
 def test_a_contradiction_in_an_optional_place_is_no_refusal(server):
-    schema = {"type": "object", "properties": {"a": {"anyOf": [{"type": []}, {"type": "integer"}]},
+    schema = {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer", "enum": ["x"]}, {"type": "integer"}]},
                                                "b": {"const": 1, "type": "string"}}, "required": ["a"]}
     r = _completion(server, {"prompt": "x", "max_tokens": 12, **_schema(schema)})
+    # generated: served, or (when the model wrote the optional "b") its output refused as not schema-valid
+    assert r.status_code == 200 or "does not validate" in r.json()["error"]["message"], r.text
+
+
+# Schemas whose constraints the grammar does not enforce (`not`, a contradictory `allOf`, patterns
+# that match nothing): each output is small (a boolean, an enum value), so generation ends with "stop".
+UNENFORCED = [
+    {"type": "boolean", "not": {"type": "boolean"}},
+    {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False,
+     "not": {"required": ["a"]}},
+    {"enum": [True, False], "allOf": [{"const": True}, {"const": False}]},
+    {"enum": ["x", "y"], "allOf": [{"type": "integer"}]},
+    {"enum": ["x", "y"], "pattern": "^z$"},
+    {"type": "object", "properties": {"s": {"enum": ["ab"], "pattern": "^(?!ab$)"}}, "required": ["s"],
+     "additionalProperties": False},
+]
+
+
+def _lmi(server, body: dict) -> requests.Response:
+    return requests.post(server.url + "/invocations", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("schema", UNENFORCED)
+def test_outputs_of_unenforced_schemas_are_never_a_stop(server, schema):
+    """Refused up front, or generated and then answered 400 (plain, each route's error shape) or
+    ended with the route's error record (streams); never 200 with an output the schema rejects."""
+    r = _completion(server, {"prompt": "x", "max_tokens": 24, **_schema(schema)})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    if "admits no value" in message or "not a valid JSON Schema" in message:
+        return  # refused before anything was generated
+    assert "does not validate against its JSON schema at `schema." in message and "could not enforce" in message
+    r = _lmi(server, {"inputs": "x", "parameters": {"max_new_tokens": 24, "guided_json": schema}})
+    assert r.status_code == 400 and r.json()["code"] == 400 and "`schema." in r.json()["error"], r.text
+    r = _completion(server, {"prompt": "x", "max_tokens": 24, "stream": True, **_schema(schema)})
+    records = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert records[-1] == "[DONE]", r.text
+    last = json.loads(records[-2])
+    assert last["choices"][0]["finish_reason"] == "error" and "could not enforce" in last["error"]["message"], r.text
+    r = _lmi(server, {"inputs": "x", "stream": True, "parameters": {"max_new_tokens": 24, "guided_json": schema}})
+    last = json.loads(r.text.splitlines()[-1])
+    assert last["details"]["finish_reason"] == "error" and "could not enforce" in last["error"], r.text
+
+
+def test_schemas_that_are_not_json_schema_are_refused_and_valid_ones_served(server):
+    r = _completion(server, {"prompt": "x", **_schema({"type": "object", "properties": {"a": {"minimum": "x"}}})})
+    assert r.status_code == 400, r.text
+    assert "not a valid JSON Schema: `schema.properties.a.minimum`" in r.json()["error"]["message"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = _completion(server, {"prompt": "x", "max_tokens": 40, **_schema(schema)})
     assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", r.text
+    jsonschema.validate(json.loads(choice["text"]), schema)
+    r = _completion(server, {"prompt": "x", "max_tokens": 40, "stream": True, **_schema(schema)})
+    records = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert records[-1]["choices"][0]["finish_reason"] == "stop", r.text
+    jsonschema.validate(json.loads("".join(rec["choices"][0]["text"] for rec in records)), schema)
 
 
 def test_a_grammar_admitting_no_output_is_refused(server):

@@ -166,7 +166,7 @@ def test_engine_refuses_an_invalid_schema(smol) -> None:  # noqa: ANN001
 
     path, runner, tok = smol
     engine = LLMEngine(EngineConfig(model=path, block_size=8), InProcessExecutor.from_runner(runner), tok)
-    with pytest.raises(ValueError, match="invalid guided decoding json"):
+    with pytest.raises(ValueError, match="guided decoding json is not a valid JSON Schema: `schema.type`"):
         engine.add_request("r", PROMPT, SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "nope"})))
     assert not engine.has_unfinished_requests()
 
