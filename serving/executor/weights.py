@@ -141,6 +141,8 @@ def _loaded_regions(model: nn.Module, params: dict[str, nn.Parameter],
     parameter (q_proj's rows of qkv_proj), else the whole parameter once, named by all it holds."""
     for target, items in loads.items():
         param = params[target]
+        if getattr(param, "values_not_loaded", False):  # its loader reads nothing (FP8's static input_scale)
+            continue
         offsets = getattr(model.get_submodule(target.rsplit(".", 1)[0]), "shard_offsets", None) \
             if "." in target else None
         rows = sum(size for _, size in offsets.values()) if offsets else None

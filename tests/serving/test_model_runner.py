@@ -184,6 +184,26 @@ def test_rope_caches_are_sized_by_the_served_context_not_the_config(tiny_models,
     assert out[0].num_output_tokens == 4  # and it serves
 
 
+def test_parameters_whose_loader_reads_nothing_are_not_checked():
+    """FP8's static input_scale is accepted and never read: its memory is whatever torch.empty gave (NaN
+    at times), which must not refuse the checkpoint; a loaded parameter with a NaN still does."""
+    from torch import nn
+
+    from serving.executor.finite_weights import NonFiniteWeightsError, check_finite
+    from serving.executor.weights import _loaded_regions
+
+    model = nn.Module()
+    model.unused = nn.Parameter(torch.full((2,), float("nan")), requires_grad=False)
+    model.unused.values_not_loaded = True
+    model.used = nn.Parameter(torch.ones(2), requires_grad=False)
+    params = dict(model.named_parameters())
+    loads = {"unused": [(None, "x.input_scale")], "used": [(None, "x.weight")]}
+    check_finite(_loaded_regions(model, params, loads), "m")
+    model.used.data[1] = float("nan")
+    with pytest.raises(NonFiniteWeightsError, match=r"checkpoint tensor x\.weight: refused"):
+        check_finite(_loaded_regions(model, params, loads), "m")
+
+
 def test_finite_check_covers_every_float_dtype_fp8_included():
     from serving.executor.finite_weights import NonFiniteWeightsError, check_finite
 

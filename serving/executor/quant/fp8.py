@@ -58,6 +58,7 @@ class FP8LinearMethod:
         input_scale = nn.Parameter(torch.empty(len(spec.parts), dtype=torch.float32), requires_grad=False)
         input_scale.weight_loader = lambda p, loaded, shard_id=None: None
         input_scale.optional_in_checkpoint = True
+        input_scale.values_not_loaded = True  # its memory is never filled: the NaN/Inf check skips it
         for name, p in (("weight", weight), ("weight_scale", scale), ("input_scale", input_scale)):
             p.tp_sharded = spec.is_sharded
             layer.register_parameter(name, p)
