@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 
 from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
+from serving.engine.engine_process import EngineProcess
 from serving.engine.token_intervals import merge_snapshots
 from serving.lora_request import LoRARequest
 from serving.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ class ReplicaSet:
 
     AFFINITY_TOKENS = 64  # the prompt head that keys prefix affinity (0 turns it off)
 
-    def __init__(self, loops: list[EngineLoop], affinity_tokens: int = AFFINITY_TOKENS, affinity_slack: int = 4) -> None:
+    def __init__(self, loops: list[EngineLoop | EngineProcess], affinity_tokens: int = AFFINITY_TOKENS, affinity_slack: int = 4) -> None:
         assert loops, "a replica set needs at least one engine loop"
         self.loops = loops
         self.affinity_tokens = affinity_tokens  # 0 disables prefix affinity

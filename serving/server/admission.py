@@ -78,7 +78,6 @@ class Admission:
         self._reject_body = reject_body
         self._on_reject = on_reject
         self.in_flight = 0  # admitted and not finished (touched on the poller thread only)
-        self.rejected = 0
         self._mean_s = 1.0  # recent mean duration of an admitted request
 
     def decide(self, head: bytes) -> Decision:
@@ -94,7 +93,6 @@ class Admission:
         if method != b"POST":
             return Decision()
         if self.in_flight >= self.limit:
-            self.rejected += 1
             text_path = path.decode("latin-1")
             if self._on_reject is not None:
                 self._on_reject(method.decode("latin-1"), text_path)
