@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -93,6 +94,9 @@ class ServingConfig:
     engine_process: bool = False
     # Model copies asked for (LMI's SERVING_MAX_WORKERS); None: visible GPUs // tensor_parallel_degree, 1 on CPU.
     max_workers: int | None = None
+    # HTTP frontends (gunicorn workers), each a client of every engine core (needs engine_process);
+    # resolved at start (None: "auto", see `auto_frontends`).
+    frontends: int | None = None
     # Several copies: send a prompt whose first tokens a copy saw before to that copy (its prefix cache).
     prefix_affinity: bool = True
     threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
@@ -362,6 +366,16 @@ def config_from_env(environ: Mapping[str, str]) -> ServingConfig:
     return ServingConfig(engine=engine, sources=sources, **values)
 
 
+def auto_frontends(copies: int, engine_process: bool, cpus: int) -> int:
+    """HTTP frontends for `frontends=auto`: one per model copy (one HTTP process routes ~1.7 copies'
+    streams at most: bench/RESULTS.md run 22), never more than half the CPUs (each busy frontend
+    takes about one core, the cores' engines and rank processes need the rest); 1 for one copy or
+    with the engine in the HTTP process."""
+    if not engine_process or copies <= 1:
+        return 1
+    return max(1, min(copies, cpus // 2))
+
+
 def _build(values: dict[str, object], sources: dict[str, str], props_path: Path | None,
            gpu_count: Callable[[], int]) -> ServingConfig:
     engine_kwargs = {k.removeprefix("engine."): v for k, v in values.items() if k.startswith("engine.")}
@@ -382,6 +396,12 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
     if values["engine_process"] is None:  # auto: each of several copies in its own process
         values["engine_process"] = copies > 1
         sources["engine_process"] = "default (auto: on for several model copies)"
+    if values.get("frontends") is None:
+        values["frontends"] = auto_frontends(copies, bool(values["engine_process"]), os.cpu_count() or 1)
+        sources["frontends"] = "default (auto: one per model copy, at most half the CPUs)"
+    elif values["frontends"] > 1 and not values["engine_process"]:
+        raise ConfigError(f"{_src(sources, 'frontends')}: frontends={values['frontends']} needs the engine in "
+                          "processes of its own: set OPTION_ENGINE_PROCESS=true (or leave frontends at auto)")
     lora_max, lora_cpu = engine_kwargs["max_loras"], engine_kwargs["max_cpu_loras"]
     if lora_cpu is not None and lora_cpu < lora_max:
         raise ConfigError(f"{_src(sources, 'engine.max_cpu_loras')}: option.max_cpu_loras={lora_cpu} is less than "

@@ -86,6 +86,15 @@ def _tp(text: str) -> int | str:
     return _int(1)(value)
 
 
+def _auto_int(lo: int, hi: int) -> Callable[[str], int | None]:
+    """"auto" (None: resolved at start) or an integer in [lo, hi]."""
+    bounded = _int(lo, hi)
+
+    def parse(text: str) -> int | None:
+        return None if text.strip().lower() == "auto" else bounded(text)
+    return parse
+
+
 def _optional_int(lo: int) -> Callable[[str], int | None]:
     def parse(text: str) -> int | None:
         return None if text.strip().lower() in ("none", "auto") else _int(lo)(text)
@@ -291,6 +300,8 @@ KEYS: tuple[Key, ...] = (
     Key("fail_fast", "fail_fast", _bool, "true|false", False),
     Key("option.engine_process", "engine_process", _optional_bool, "auto|true|false", None),
     Key("max_workers", "max_workers", _int(1, 1024), "a positive integer (model copies)", None),
+    # HTTP frontends (gunicorn workers) over the shared engine cores; auto: serving/config.py `auto_frontends`.
+    Key("option.frontends", "frontends", _auto_int(1, 64), "auto|an integer 1..64", None, aliases=("frontends",)),
     Key("option.prefix_affinity", "prefix_affinity", _bool, "true|false", True),
     Key("threads", "threads", _int(0, 4096), "an integer 0..4096 (0 = automatic)", 0),
     Key("graceful_timeout", "graceful_timeout", _float(0.0, 30.0), "seconds in [0, 30]", 25.0),

@@ -105,6 +105,7 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
     metrics = Metrics(lambda: _stats(engine_loop), lambda: runner.inflight if runner else 0)
     runner = RequestRunner(engine_loop, config, metrics)
     app.extensions["runner"] = runner
+    app.extensions["metrics"] = metrics  # several frontends: serving/server/wsgi.py shares it
     adapters = AdapterRegistry(engine_loop, config, AdapterJournal(config.download_dir))
     app.extensions["adapters"] = adapters
 

@@ -2,10 +2,18 @@
 
 Counters and histograms are fed by the request path (`serving/server/request_runner.py`); queue depth,
 running sequences and KV block usage are read from the engine loop's stats at scrape time.
+
+Several HTTP frontends (serving/server/cores.py): the arbiter sets PROMETHEUS_MULTIPROC_DIR before it
+forks them, so prometheus_client keeps each frontend's counters and histograms in its own file there,
+and `share` makes a scrape of any frontend render the sum over every frontend (those that exited
+included: counters do not go back), with the engine gauges read from the cores (every frontend's
+requests) and `lmi_requests_in_flight` from the shared admission count. An adapter's series that
+`forget_adapter` drops stays in the other frontends' files until they restart.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -100,7 +108,17 @@ class Metrics:
         self.generated = Counter("lmi_generated_tokens", "output tokens generated", registry=self.registry)
         self.adapter_requests = Counter("lmi_adapter_requests", "prompts submitted on a LoRA adapter", ["adapter"],
                                         registry=self.registry)
-        self.registry.register(_EngineCollector(stats, inflight))
+        self._engine = _EngineCollector(stats, inflight)
+        self.registry.register(self._engine)
+        self._multiprocess_dir: str | None = None
+
+    def share(self, inflight: Callable[[], int]) -> None:
+        """Render every frontend's counters (prometheus_client's multiprocess files) and the server's
+        in-flight count from now on (see the module docstring)."""
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        assert path, "PROMETHEUS_MULTIPROC_DIR is set by the arbiter before the frontends start"
+        self._multiprocess_dir = path
+        self._engine._inflight = inflight
 
     def forget_adapter(self, name: str) -> None:
         """Drop the series of an adapter that was unregistered (no-op when it never served)."""
@@ -113,4 +131,11 @@ class Metrics:
         self.requests.labels(route=route, status=str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self._multiprocess_dir)
+        registry.register(self._engine)
+        return generate_latest(registry)

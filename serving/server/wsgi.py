@@ -91,6 +91,11 @@ class ServedEngine:
     def list_loras(self) -> list[str]:
         return self.loop.list_loras()
 
+    def held_loras(self) -> list[LoRARequest] | None:
+        """What the engine cores hold (None: this process's engine, which no one else registers on)."""
+        held = getattr(self.loop, "held_loras", None)
+        return None if held is None else held()
+
     def stats(self) -> dict:
         return self.loop.stats()
 
@@ -135,13 +140,16 @@ def _resolved_model():  # noqa: ANN202 - Path | None
 
 
 def _engine_client(config: ServingConfig) -> EngineClient:
-    """One engine per model copy (max_workers, else GPUs / tensor-parallel degree): each in a process
-    of its own (`option.engine_process`, the default for several copies) or an EngineLoop thread in
-    this one; several copies behind a ReplicaSet."""
+    """One engine per model copy (max_workers, else GPUs / tensor-parallel degree): each in an engine
+    core process that gunicorn's arbiter started and this frontend connects to (`option.engine_process`,
+    the default for several copies: serving/server/cores.py), or an EngineLoop thread in this process;
+    several copies behind a ReplicaSet."""
     if config.engine_process:
-        loops = [EngineProcess(config.engine, resolve=_resolved_model, devices=devices,
-                               max_queue_size=config.job_queue_size)
-                 for devices in config.copy_devices()]
+        from serving.server import cores
+
+        assert cores.CURRENT is not None, \
+            "option.engine_process: the engine cores are started by gunicorn's arbiter (container/gunicorn.conf.py)"
+        loops = [EngineProcess(config.engine, address) for address in cores.CURRENT.addresses]
     else:
         loops = [EngineLoop(config.engine, engine_factory=_engine_factory(config, devices, c),
                             max_queue_size=config.job_queue_size)
@@ -206,11 +214,14 @@ app = create_app(engine_loop, config)
 _started = threading.Lock()
 
 
-def start() -> None:
-    """Start the engine thread (idempotent); call after fork."""
+def start(frontend_slot: int | None = None) -> None:
+    """Start the engine thread, or connect to the engine cores (idempotent); call after fork.
+    `frontend_slot`: this worker's share of the server's admission count (several frontends)."""
     if not _started.acquire(blocking=False):
         return
     engine_loop.started_at = time.monotonic()
+    if config.engine_process:
+        _share_with_other_frontends(frontend_slot)
     if config.model_copies > 1 and not config.engine_process:
         import transformers  # noqa: F401 - its lazy module is not safe to import from the copies' threads at once
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401
@@ -220,13 +231,33 @@ def start() -> None:
     threading.Thread(target=_watch, args=(engine_loop,), name="engine-watch", daemon=True).start()
 
 
+def _share_with_other_frontends(slot: int | None) -> None:
+    """This worker is one of the frontends over the arbiter's engine cores: the queue bound, the
+    adapter ids and the request counters are the server's (serving/server/cores.py)."""
+    from serving.server import cores
+
+    shared = cores.CURRENT
+    assert shared is not None and slot is not None, "a frontend needs the arbiter's cores and its slot"
+    app.extensions["admission"].share(shared.queue.attach(slot))
+    app.extensions["adapters"].share(shared.next_adapter_id)
+    app.extensions["metrics"].share(shared.queue.total)
+
+
+def _model_dir():  # noqa: ANN202 - Path | str | None
+    """The resolved model dir (its `adapters/` are registered at start)."""
+    if config.engine_process:
+        loops = getattr(engine_loop.loop, "loops", [engine_loop.loop])
+        return loops[0].model_dir
+    return _resolved[0] if _resolved else None
+
+
 def _register_startup_adapters(served: ServedEngine) -> None:
     """Once the model is loaded: register `<model dir>/adapters/<name>/` (LMI's start-up adapters),
     then let /ping answer 200. A failure is the start's failure (/ping 500 naming the adapter)."""
     try:
         if not served.loop.wait_ready(None):
             return
-        app.extensions["adapters"].register_startup(_resolved[0] if _resolved else None)
+        app.extensions["adapters"].register_startup(_model_dir())
         _freeze_startup_objects()
     except BaseException as exc:  # noqa: BLE001 - the engine died while loading, or an adapter is bad
         if served.loop.state is not EngineState.DEAD:
