@@ -34,6 +34,7 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import threading
 import time
 from multiprocessing.connection import Client, Listener
@@ -340,7 +341,7 @@ class _Core:
         except EngineDeadError:
             pass
         if loop.state is not EngineState.READY:
-            logger.error("the model failed to load: %s: %s", type(loop.error).__name__, loop.error)
+            logger.error("engine core: the engine could not be built: %s: %s", type(loop.error).__name__, loop.error)
             self.announce(("dead", f"{type(loop.error).__name__}: {loop.error}"))
             return  # stays up telling each client why, until its owner stops it
         gc.collect()
@@ -374,7 +375,7 @@ def _core_main(config: EngineConfig, devices: tuple[str, ...] | None, max_queue_
         core.loop.start()
         threading.Thread(target=core.report, name="core-report", daemon=True).start()
     else:
-        logger.error("the model failed to load: %s", load_error)
+        logger.error("engine core: the model could not be fetched: %s", load_error)
         core.announce(("dead", load_error))
     while not core.stop.wait(0.5):
         pass
@@ -482,8 +483,8 @@ class EngineProcess:
             self.closing = True
             conn = self._conn
         if conn is not None:
-            try:
-                conn.close()
+            try:  # wake the reader blocked in recv (closing the descriptor alone does not)
+                socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         reader = self._reader
@@ -598,9 +599,15 @@ class EngineProcess:
         except (EOFError, OSError):
             pass
         except BaseException as exc:  # noqa: BLE001 - a broken reader is a dead engine
+            if self.closing:
+                return
             logger.exception("the engine core client failed")
             self._die(exc)
             return
+        try:
+            conn.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
         if not self.closing:
             logger.error("the engine core at %s went away", self.address.path)
             self._die(EngineDeadError("the engine core exited"))

@@ -12,7 +12,7 @@ frontend sums every frontend's request counters).
 
 The arbiter imports no torch or CUDA: the cores are spawned (not forked) from a thread of the
 arbiter's that lives as long as it does (their parent-death signal follows that thread), which
-first fetches the model once (S3 / hub / local) for every copy. A model that cannot be fetched is
+first fetches the model once (S3 / hub / local / GGUF) for every copy, in a spawned process. A model that cannot be fetched is
 handed to the cores as their load error: the frontends hear it and stop the server ("the model
 failed to load: ...", exit 3). A core that exits while the server runs (its engine died while
 serving, or it was killed) is started again at once; the frontends that used it exit on its death
@@ -22,6 +22,7 @@ as one engine). `stop` leaves no process and no socket file behind.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -29,8 +30,9 @@ import os
 import shutil
 import tempfile
 import threading
+from concurrent.futures import ProcessPoolExecutor
 
-from serving.config import ServingConfig
+from serving.config import ServingConfig, resolved_to_env
 from serving.engine.engine_process import CoreAddress, EngineCore
 from serving.server.shared_queue import SharedQueue
 
@@ -55,9 +57,11 @@ class ServerCores:
                       for address, devices in zip(self.addresses, config.copy_devices())]
         self.queue = SharedQueue(2 * config.frontends)  # a replaced worker's slot may linger a moment
         self._adapter_ids = mp.get_context("fork").Value("q", 0)
+        self._boot_error = mp.get_context("fork").Value("b", 0)  # a frontend reported the failed start
         self.metrics_dir = os.path.join(self.dir, "metrics")
         os.mkdir(self.metrics_dir)
         self.restarts = 0
+        self._owner = os.getpid()
         self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-cores", daemon=True)
@@ -68,14 +72,22 @@ class ServerCores:
             self._adapter_ids.value += 1
             return int(self._adapter_ids.value)
 
+    def claim_failed_start(self) -> bool:
+        """True for the first frontend that reports a failed start (it logs the reason and exits
+        with gunicorn's boot-error status): one line, and one exit gunicorn's arbiter halts on (a
+        second such exit while it halts would escape its handler)."""
+        with self._boot_error.get_lock():
+            first = not self._boot_error.value
+            self._boot_error.value = 1
+            return first
+
     def _run(self) -> None:
         """Fetch the model once, spawn every core, then start again any core that exits."""
-        from serving.model_source import resolve_model
-
         load_error = None
         model = None
         try:
-            model = resolve_model(self.config)
+            with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+                model = pool.submit(_fetch_model, resolved_to_env(self.config)).result()
         except BaseException as exc:  # noqa: BLE001 - a failed fetch is the cores' load error
             logger.exception("the model could not be fetched")
             load_error = " ".join(f"{type(exc).__name__}: {exc}".split())
@@ -101,6 +113,8 @@ class ServerCores:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every core (SIGTERM, then SIGKILL), then remove the sockets and the shared files."""
+        if os.getpid() != self._owner:
+            return  # a forked worker's copy
         with self._lock:
             self._stopping = True
         stoppers = [threading.Thread(target=core.stop, args=(timeout,), daemon=True) for core in self.cores]
@@ -109,6 +123,16 @@ class ServerCores:
         for t in stoppers:
             t.join(timeout + 10.0)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _fetch_model(resolved: str) -> str | None:
+    """In a spawned process: fetch the model once for every copy (S3 / hub / local / GGUF, whose
+    conversion imports torch, which the arbiter must not)."""
+    from serving.config import RESOLVED_ENV, config_from_env
+    from serving.model_source import resolve_model
+
+    path = resolve_model(config_from_env({RESOLVED_ENV: resolved}))
+    return str(path) if path else None
 
 
 def start(config: ServingConfig) -> ServerCores:
@@ -124,6 +148,7 @@ def start(config: ServingConfig) -> ServerCores:
     values.ValueClass = values.get_value_class()
     cores._thread.start()
     CURRENT = cores
+    atexit.register(cores.stop)  # an arbiter that ends without `on_exit` (an error) still stops them
     return cores
 
 

@@ -175,6 +175,8 @@ def _watch(served: ServedEngine) -> None:
     if served.loop.closing:
         return
     if not served.loop.was_ready or served.startup_error is not None:
+        if config.engine_process and not _first_to_report_failed_start():
+            return  # another frontend reported it: the arbiter halts and stops this one
         logger.critical("the model failed to load: %s", _one_line(served.error))
         _exit_worker(WORKER_BOOT_ERROR, linger=0.0)
     if config.fail_fast:
@@ -184,6 +186,12 @@ def _watch(served: ServedEngine) -> None:
     logger.error("engine died while serving (%s); this worker exits so gunicorn starts a new one",
                  _one_line(served.error))
     _exit_worker(1, linger=1.0)  # let open streams write their final error records
+
+
+def _first_to_report_failed_start() -> bool:
+    from serving.server import cores
+
+    return cores.CURRENT is None or cores.CURRENT.claim_failed_start()
 
 
 def _one_line(error: BaseException | None) -> str:

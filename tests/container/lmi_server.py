@@ -148,6 +148,64 @@ def running_server(tmp_path_factory, env: dict[str, str] | None = None, name: st
         srv.stop()
 
 
+def children(pid: int) -> list[int]:
+    """Direct child pids of `pid` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def engine_cores(srv: LMIServer) -> list[int]:
+    """The engine core processes: the spawned children of gunicorn's arbiter (`serve` exec'd it)."""
+    return sorted(p for p in children(srv.proc.pid) if b"spawn_main" in _cmdline(p))
+
+
+def frontends(srv: LMIServer) -> list[int]:
+    """The gunicorn workers (HTTP frontends): the arbiter's children that are not multiprocessing's."""
+    return sorted(p for p in children(srv.proc.pid) if b"multiprocessing" not in _cmdline(p) and _cmdline(p))
+
+
+def frontend_of(srv: LMIServer, sock: socket.socket, timeout: float = 10.0) -> int:
+    """The worker that accepted the connection `sock` (the pid holding its server end: its inode in
+    /proc/net/tcp, found among the workers' descriptors)."""
+    client_port = sock.getsockname()[1]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        inode = None
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == srv.port and int(fields[2].split(":")[1], 16) == client_port:
+                inode = fields[9]
+        if inode and inode != "0":
+            for pid in frontends(srv):
+                try:
+                    fds = list(Path(f"/proc/{pid}/fd").iterdir())
+                except OSError:
+                    continue
+                for fd in fds:
+                    try:
+                        if os.readlink(fd) == f"socket:[{inode}]":
+                            return pid
+                    except OSError:
+                        continue
+        time.sleep(0.05)
+    raise TimeoutError(f"no worker accepted the connection from port {client_port}")
+
+
 def read_until_closed(sock: socket.socket, timeout: float) -> bytes:
     """Everything the server sends on `sock` until it closes the connection (or `timeout` passes)."""
     sock.settimeout(timeout)

@@ -333,3 +333,19 @@ def test_properties_file_that_is_not_utf8_names_the_file(tmp_path):
     p.write_bytes(b"option.model_id=caf\xe9\noption.dtype=fp16\n")  # Latin-1, as some editors save it
     with pytest.raises(ConfigError, match=rf"{re.escape(str(p))} is not UTF-8 text \(byte 19"):
         load_config({}, [p])
+
+
+def test_frontends_are_one_per_copy_at_most_half_the_cpus_and_need_engine_cores():
+    from serving.config import auto_frontends
+
+    cfg = lambda env, gpus: load_config(env, [], gpu_count=lambda: gpus)  # noqa: E731
+    assert [auto_frontends(copies, True, 64) for copies in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert auto_frontends(4, True, 4) == 2 and auto_frontends(4, True, 1) == 1  # half the CPUs, at least one
+    assert auto_frontends(4, False, 64) == 1  # engines in the HTTP process: one process holds them
+    assert cfg({}, 1).frontends == 1 and "auto" in cfg({}, 1).sources["frontends"]
+    assert cfg({"SERVING_FRONTENDS": "3", "SERVING_MAX_WORKERS": "2", "OPTION_DEVICE": "cpu"}, 0).frontends == 3
+    assert cfg({"OPTION_FRONTENDS": "2", "OPTION_ENGINE_PROCESS": "true"}, 1).frontends == 2  # one core, 2 frontends
+    with pytest.raises(ConfigError, match="frontends=2 needs the engine in processes of its own"):
+        cfg({"SERVING_FRONTENDS": "2"}, 1)
+    with pytest.raises(ConfigError, match="SERVING_FRONTENDS='0' is invalid: accepts auto|an integer 1..64"):
+        cfg({"SERVING_FRONTENDS": "0"}, 1)
