@@ -5,7 +5,9 @@ Importing this module builds the app but starts nothing: `start()` (called from 
 hub / local / default) and loads it while `/ping` answers 503; then the LoRA adapters under the
 model's `adapters/` are registered, still behind the 503 (one that fails is a failed start).
 `stop()` closes the engine on worker exit. The configuration comes resolved from
-`container/serve` (`config_from_env`).
+`container/serve` (`config_from_env`). With `option.engine_process` this worker is one of
+`option.frontends` HTTP frontends: `start()` connects it to the engine cores the arbiter started
+(serving/server/cores.py) and shares the queue bound, adapter ids and metrics with the others.
 """
 
 from __future__ import annotations
