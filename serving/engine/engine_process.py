@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from serving.engine.engine_loop import EngineDeadError, EngineLoop, EngineState, RequestStream
@@ -95,7 +96,7 @@ class EngineCore:
         """Spawn the core (again). The spawning thread must outlive it: the core's parent-death
         signal follows the thread that forked it. `load_error`: the model could not even be
         fetched; the core then only tells its clients that."""
-        assert self.proc is None or not self.proc.is_alive(), "the core is running"
+        assert self.proc is None or self.exited, "the core is running"
         try:
             os.unlink(self.address.path)  # a core that was killed leaves its socket file
         except FileNotFoundError:
@@ -110,19 +111,22 @@ class EngineCore:
         return self
 
     @property
-    def exitcode(self) -> int | None:
-        return None if self.proc is None else self.proc.exitcode
+    def exited(self) -> bool:
+        """Whether the core process ended. Read from its sentinel, not its exit status: gunicorn's
+        arbiter reaps every child it is signalled about (`waitpid(-1)`), the cores included."""
+        return self.proc is not None and bool(mp_wait([self.proc.sentinel], 0))
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (the core aborts what is left and exits), then SIGKILL after `timeout`."""
         proc = self.proc
-        if proc is not None and proc.is_alive():
+        if proc is not None and not self.exited:
             proc.terminate()
-            proc.join(timeout)
-            if proc.is_alive():
+            mp_wait([proc.sentinel], timeout)
+            if not self.exited:
                 logger.warning("engine core %s did not stop within %s s: killing it", proc.pid, timeout)
                 proc.kill()
-                proc.join(5.0)
+                mp_wait([proc.sentinel], 5.0)
+            proc.join(0)  # (its status, unless the arbiter reaped it already)
         try:
             os.unlink(self.address.path)
         except FileNotFoundError:

@@ -106,8 +106,8 @@ class ServerCores:
                 if self._stopping:
                     return
                 for index, core in enumerate(self.cores):
-                    if core.exitcode is not None:
-                        logger.error("engine core %d exited (code %s): starting a fresh one", index, core.exitcode)
+                    if core.exited:
+                        logger.error("engine core %d (pid %s) exited: starting a fresh one", index, core.proc.pid)
                         self.restarts += 1
                         core.start()
 

@@ -7,14 +7,14 @@ Several HTTP frontends (serving/server/cores.py): the arbiter sets PROMETHEUS_MU
 forks them, so prometheus_client keeps each frontend's counters and histograms in its own file there,
 and `share` makes a scrape of any frontend render the sum over every frontend (those that exited
 included: counters do not go back), with the engine gauges read from the cores (every frontend's
-requests) and `lmi_requests_in_flight` from the shared admission count. An adapter's series that
-`forget_adapter` drops stays in the other frontends' files until they restart.
+requests) and `lmi_requests_in_flight` from the shared admission count. The files cannot drop a
+series: an adapter's counts are left out of the rendering while it is not registered.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -94,6 +94,22 @@ def _speculation(stats: dict):  # noqa: ANN202 - a generator of metric families
     yield c
 
 
+class _Registered:
+    """Every frontend's counters, less the series of adapters that are no longer registered."""
+
+    def __init__(self, collector: object, adapters: Callable[[], Iterable[str]]) -> None:
+        self._collector = collector
+        self._adapters = adapters
+
+    def collect(self):  # noqa: ANN201 - prometheus collector protocol
+        live = None
+        for family in self._collector.collect():  # type: ignore[attr-defined]
+            if family.name == "lmi_adapter_requests":
+                live = set(self._adapters()) if live is None else live
+                family.samples = [s for s in family.samples if s.labels.get("adapter") in live]
+            yield family
+
+
 class Metrics:
     """The counters/histograms of one app and the text exposition."""
 
@@ -112,12 +128,14 @@ class Metrics:
         self.registry.register(self._engine)
         self._multiprocess_dir: str | None = None
 
-    def share(self, inflight: Callable[[], int]) -> None:
+    def share(self, inflight: Callable[[], int], adapters: Callable[[], Iterable[str]]) -> None:
         """Render every frontend's counters (prometheus_client's multiprocess files) and the server's
-        in-flight count from now on (see the module docstring)."""
+        in-flight count from now on (see the module docstring); `adapters`: the names registered now
+        (a series in the files cannot be removed: those of other adapters are left out instead)."""
         path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         assert path, "PROMETHEUS_MULTIPROC_DIR is set by the arbiter before the frontends start"
         self._multiprocess_dir = path
+        self._adapters = adapters
         self._engine._inflight = inflight
 
     def forget_adapter(self, name: str) -> None:
@@ -136,6 +154,6 @@ class Metrics:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=self._multiprocess_dir)
+        registry.register(_Registered(MultiProcessCollector(None, path=self._multiprocess_dir), self._adapters))
         registry.register(self._engine)
         return generate_latest(registry)

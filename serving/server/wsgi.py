@@ -250,7 +250,7 @@ def _share_with_other_frontends(slot: int | None) -> None:
     assert shared is not None and slot is not None, "a frontend needs the arbiter's cores and its slot"
     app.extensions["admission"].share(shared.queue.attach(slot))
     app.extensions["adapters"].share(shared.next_adapter_id)
-    app.extensions["metrics"].share(shared.queue.total)
+    app.extensions["metrics"].share(shared.queue.total, adapters=app.extensions["adapters"].names)
 
 
 def _model_dir():  # noqa: ANN202 - Path | str | None
