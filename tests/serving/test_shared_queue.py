@@ -7,6 +7,7 @@ process's releases free slots for the others, and a dead frontend's slot is zero
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 from serving.server.shared_queue import SharedQueue
 
@@ -50,3 +51,36 @@ def test_release_frees_a_slot_and_never_goes_below_zero():
     queue.release()  # one more than admitted (its slot was reset meanwhile): stays at 0
     assert queue.total() == 0 and queue.try_acquire(1)
     assert queue.free_slot({0, None}) == 1 and queue.free_slot(set()) == 0
+
+
+def _frontend(queue: SharedQueue, admitted, release) -> None:  # noqa: ANN001
+    from serving.server.admission import Admission, Health
+
+    admission = Admission(3, lambda: Health(200, {}), reject_body=lambda path, message: {"error": message})
+    admission.share(queue.attach(1))
+    admitted.value = sum(admission.decide(b"POST /invocations HTTP/1.1\r\nHost: x\r\n\r\n").admitted for _ in range(2))
+    release.wait(10)
+    admission.release(0.1)
+
+
+def test_admission_answers_503_at_the_bound_of_every_frontend_together():
+    from serving.server.admission import Admission, Health
+
+    ctx = mp.get_context("fork")
+    queue = SharedQueue(2)
+    admitted, release = ctx.Value("i", -1), ctx.Event()
+    other = ctx.Process(target=_frontend, args=(queue, admitted, release))
+    other.start()
+    while admitted.value < 0 and other.is_alive():
+        time.sleep(0.01)
+    assert admitted.value == 2  # the other frontend holds 2 of the 3
+    admission = Admission(3, lambda: Health(200, {}), reject_body=lambda path, message: {"error": message})
+    admission.share(queue.attach(0))
+    head = b"POST /invocations HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert admission.decide(head).admitted
+    refused = admission.decide(head)
+    assert not refused.admitted and refused.answer.startswith(b"HTTP/1.1 503") and b"capacity exceeded (3" in refused.answer
+    assert admission.total_in_flight == 3
+    release.set()  # one of the other frontend's requests ends
+    other.join(10)
+    assert admission.decide(head).admitted and admission.total_in_flight == 3
