@@ -57,7 +57,7 @@ def test_buckets_end_at_the_limit() -> None:
 
 
 def test_buckets_no_faster_than_a_larger_one_are_dropped() -> None:
-    # (an H100's 8B layer: 288 rows took longer than 320, 224 longer than 256; bench/step_gemms.py)
+    # (an H100's 8B layer: 288 rows took longer than 320, 224 longer than 256; bench/studies/step_gemms.py)
     buckets = [16, 32, 64, 96, 128]
     assert faster_buckets(buckets, [1.0, 2.0, 5.0, 4.0, 4.5]) == [16, 32, 96, 128]
     assert faster_buckets(buckets, [1.0, 1.0, 1.0, 1.0, 1.0]) == [128]  # ties go to the larger bucket

@@ -26,8 +26,8 @@ Modes: `max` (host 0, gpu 0: the engine runs as fast as it can, so the HTTP thre
 and whatever they cost per record shows up directly as lost engine steps) and `paced` (a GPU-like
 step: the HTTP threads can keep up, mostly one record per stream per step, as on the GPU).
 
-  OMP_NUM_THREADS=1 .venv/bin/python bench/http_stream_overhead.py
-  OMP_NUM_THREADS=1 .venv/bin/python bench/http_stream_overhead.py --streams 128 --formats lmi --modes max
+  OMP_NUM_THREADS=1 .venv/bin/python bench/studies/http_stream_overhead.py
+  OMP_NUM_THREADS=1 .venv/bin/python bench/studies/http_stream_overhead.py --streams 128 --formats lmi --modes max
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # before bench/ (bench/serving.py would shadow the serving package)
 
 from serving.outputs import StreamDelta  # noqa: E402

@@ -6,7 +6,7 @@ a valid instance of the schema tokenized by the model's tokenizer (SmolLM2, V=49
 row stays inside its grammar for the whole run; rows are staggered so they sit at different
 points of the document. Coverage: which of a set of JSON-schema features each library compiles.
 
-    .venv/bin/python -m bench.grammar_libs [--rows 64]
+    .venv/bin/python -m bench.studies.grammar_libs [--rows 64]
 """
 
 from __future__ import annotations

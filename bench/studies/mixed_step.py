@@ -5,8 +5,8 @@ prompt of N tokens (random ids: no prefix-cache hit) is added and the step that 
 timed, against the pure decode steps around it. Synchronous scheduling, so each `step()` is one
 whole step (host + GPU). Prints the median of `--repeats` per N.
 
-  python bench/mixed_step.py --shape llama-3-8b --decodes 16 --sizes 0,128,256,512,1024,2048
-  python bench/mixed_step.py --decodes 16 --sizes 0 --profile 256   # + torch.profiler of one such step
+  python bench/studies/mixed_step.py --shape llama-3-8b --decodes 16 --sizes 0,128,256,512,1024,2048
+  python bench/studies/mixed_step.py --decodes 16 --sizes 0 --profile 256   # + torch.profiler of one such step
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.dummy_model import dummy_dir, make_dummy_model_dir  # noqa: E402

@@ -7,8 +7,8 @@ intervals), idle time split by gap length, and the kernels ranked by total time,
 families (GEMM, attention, sampling, ...). If busy ≈ wall the run is GPU-bound and the kernel
 table says what to make faster; large idle time means the host is the limit.
 
-  python bench/profile_workload.py --shape llama-3.2-1b [--out /tmp/prof.json]
-  python bench/profile_workload.py --shape llama-3-8b --makespan 0,256    # the scheduler's makespan_step_tokens A/B
+  python bench/studies/profile_workload.py --shape llama-3.2-1b [--out /tmp/prof.json]
+  python bench/studies/profile_workload.py --shape llama-3-8b --makespan 0,256    # the scheduler's makespan_step_tokens A/B
 
 With `--makespan`, the same engine runs the unprofiled and profiled runs once per value (the scheduler's
 `makespan_step_tokens`; 0: FCFS), and the report also counts the steps each value took.
@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.dummy_model import add_dummy_model_args, dummy_llm  # noqa: E402

@@ -9,7 +9,7 @@ shows the base GEMMs alone and the microseconds each variant adds per layer (the
 is ~22 us: 0.70 ms over 32 layers). Each variant's output is checked against the split
 variant's before it is timed.
 
-  python bench/lora_kernels.py            # ~1 minute on an H200 (mostly Triton compiles)
+  python bench/studies/lora_kernels.py            # ~1 minute on an H200 (mostly Triton compiles)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

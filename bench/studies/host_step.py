@@ -11,7 +11,7 @@ is on, as on a GPU. Rows: `--num-seqs` sequences of `--prompt-len` tokens all de
 timed steps come after every prompt is computed; `--churn` ends and admits a sequence every
 few steps (joins and leaves in the steady batch).
 
-  python bench/host_step.py [--num-seqs 256] [--steps 200] [--repeat 5] [--churn 0]
+  python bench/studies/host_step.py [--num-seqs 256] [--steps 200] [--repeat 5] [--churn 0]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 PARTS = ("schedule", "plan", "apply", "prepare", "sample", "process", "step")

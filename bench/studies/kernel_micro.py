@@ -1,6 +1,6 @@
 """Micro timings of our Triton kernels at Llama-3-8B shapes on the GPU, against the copy ceiling.
 
-Run: python bench/kernel_micro.py. Prints one table: achieved GB/s (bytes each kernel must move)
+Run: python bench/studies/kernel_micro.py. Prints one table: achieved GB/s (bytes each kernel must move)
 and the fraction of the measured device-to-device copy bandwidth.
 """
 
@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "kernels"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "kernels"))
 
 import kernels  # noqa: E402
 from bench.ceilings import copy_bandwidth_gbs, graphed, matmul_tflops, time_ms  # noqa: E402

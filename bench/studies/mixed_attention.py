@@ -2,9 +2,9 @@
 kernel (what mixed-step graphs launch) against the decode + prefill kernel pair (what eager steps
 launch), on random K/V of a model shape's head layout.
 
-  python bench/mixed_attention.py                     # 8B and 1B layouts, the default mixes
-  python bench/mixed_attention.py --block-m 16,32,64  # the mixed kernel's tile rows
-  python bench/mixed_attention.py --configs 16/64/4/2,16/128/4/3   # tile rows/tile columns/warps/stages
+  python bench/studies/mixed_attention.py                     # 8B and 1B layouts, the default mixes
+  python bench/studies/mixed_attention.py --block-m 16,32,64  # the mixed kernel's tile rows
+  python bench/studies/mixed_attention.py --configs 16/64/4/2,16/128/4/3   # tile rows/tile columns/warps/stages
 
 A mix "32x1000+256@0" is 32 decodes at context 1000 and one 256-token prompt chunk with no cached
 prefix. The mixed kernel runs on buffers padded as a graph pads them (T = the step's bucket,
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 LAYOUTS = {"llama-3-8b": (32, 8, 128), "llama-3.2-1b": (32, 8, 64)}

@@ -5,7 +5,7 @@ and fill their next-token bitmasks (`GuidedDecoder.fill`, [64, 1536] int32 for S
 tokens); the plan then carries the bitmasks (pickle cost measured on a 256-row decode plan).
 Device (rank 0) side: `apply_token_masks` on [256, V] float32 logits (here on the CPU).
 
-    .venv/bin/python -m bench.guided_step [--rows 64 --batch 256]
+    .venv/bin/python -m bench.studies.guided_step [--rows 64 --batch 256]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.grammar_libs import INSTANCE, SCHEMA
+from bench.studies.grammar_libs import INSTANCE, SCHEMA
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ open, so constrained rows keep generating as free ones do; a row that completes 
 early, hence tokens/s rather than seconds). Both in one process, after a warm-up, on the same LLM,
 alternated twice.
 
-    python3 bench/guided_gpu.py [--shape llama-3.2-1b] [--num-seqs 256]
+    python3 bench/studies/guided_gpu.py [--shape llama-3.2-1b] [--num-seqs 256]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

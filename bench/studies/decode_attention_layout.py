@@ -10,7 +10,7 @@ same compiled code: the head-major cache is passed as a permuted view of shape
 batch sizes (cuBLAS through `F.linear`) against the matmul ceiling and copy bandwidth, to see which
 of the two halves of the step has room left.
 
-  python bench/decode_attention_layout.py [--out /tmp/layout.json]
+  python bench/studies/decode_attention_layout.py [--out /tmp/layout.json]
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs, graphed, matmul_tflops, time_ms  # noqa: E402
-from bench.decode_attention_sweep import make_case  # noqa: E402
+from bench.studies.decode_attention_sweep import make_case  # noqa: E402
 from kernels.paged_decode_attention import _default_num_splits, paged_decode_attention_impl  # noqa: E402
 
 KV_HEADS = 8  # the Llama shapes (make_case builds 32 query heads over 8 KV heads)

@@ -4,7 +4,7 @@ Loads the embedded default model's checkpoint (SmolLM2-135M) into memory, then t
 the load-time check (one `torch.aminmax` per tensor, one host wait for all) against the obvious
 per-tensor `isfinite().all().item()`, in fp32 and bf16, on 1 and 2 threads:
 
-    PYTHONPATH=. python -m bench.finite_weights
+    PYTHONPATH=. python -m bench.studies.finite_weights
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Paged decode attention launch shapes on the GPU: KV read bandwidth per (BLOCK_N, warps, stages).
 
 The reference workload's decode steps spend 35-42 % of the GPU time in stage 1 of
-`kernels/paged_decode_attention.py` (bench/profile_workload.py). This times it on the Llama
+`kernels/paged_decode_attention.py` (bench/studies/profile_workload.py). This times it on the Llama
 head shapes (32 query heads, 8 KV heads; head_dim 64 = 1B, 128 = 8B) at decode batches of the
 workload (256 and 64 sequences; contexts uniform in [100, 2000], blocks of 16 scattered at
 random over a cache as large as the engine's), for each candidate launch shape, against the copy
 bandwidth measured in the same run, and prints the best shape per case.
 
-  python bench/decode_attention_sweep.py [--out /tmp/sweep.json]
+  python bench/studies/decode_attention_sweep.py [--out /tmp/sweep.json]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -4,7 +4,7 @@ cProfile around one `generate` of the reference workload (random weights); GPU t
 as time inside the one host sync per step (`tolist` in the sampler). Prints the top functions
 by own time and by cumulative time.
 
-  python bench/profile_offline.py --shape llama-3.2-1b
+  python bench/studies/profile_offline.py --shape llama-3.2-1b
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.dummy_model import add_dummy_model_args, dummy_llm  # noqa: E402

@@ -4,7 +4,7 @@ Runs the reference workload's first prompts through the engine on random weights
 (1) the first step (a full-budget prefill: `--budget` tokens of many prompts), and (2) a
 decode step with every prompt running. Prints CUDA time per kernel, top first.
 
-  python bench/profile_kernels.py --shape llama-3.2-1b [--budget 16384]
+  python bench/studies/profile_kernels.py --shape llama-3.2-1b [--budget 16384]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.dummy_model import add_dummy_model_args, dummy_llm  # noqa: E402

@@ -7,7 +7,7 @@ and prints µs per layer beside the layer's bound, max(weight bytes / copy bandw
 rate), both measured in the same run. A step's M is worth filling with prompt tokens up to where
 the time starts to rise with M; the ratio to the bound shows how tile sizes treat each M.
 
-  python bench/step_gemms.py --shapes llama-3.2-1b,llama-3-8b --m 128,192,256,288,320,384,512
+  python bench/studies/step_gemms.py --shapes llama-3.2-1b,llama-3-8b --m 128,192,256,288,320,384,512
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
