@@ -60,7 +60,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def default_tokenizer_dir() -> Path:
-    from serving.default_model import default_model_path
+    from serving.checkpoint.default_model import default_model_path
 
     return Path(default_model_path())
 

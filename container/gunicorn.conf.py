@@ -9,7 +9,7 @@ not survive fork. Never `preload_app`, never gevent (its hub starves /ping under
 
 import os
 
-from serving.config import config_from_env
+from serving.server.settings.config import config_from_env
 
 _config = config_from_env(os.environ)  # resolved by container/serve
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
+from serving.checkpoint.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
 from serving.speculative_config import SpeculativeConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's per-step token budget with chunked prefill

@@ -97,7 +97,7 @@ class LoraAdapters:
     def __call__(self, base: str) -> tuple[Path, dict[str, Path]]:
         if base not in self._built:
             if base == "default":
-                from serving.default_model import default_model_path
+                from serving.checkpoint.default_model import default_model_path
 
                 base_dir = Path(default_model_path())
             elif base == "llama":

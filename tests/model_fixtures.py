@@ -328,7 +328,7 @@ def build_tiny_model(
     if legacy_rope_keys:
         _to_legacy_rope_keys(out_dir / "config.json")
     if tokenizer_dir is None:
-        from serving.default_model import default_model_path
+        from serving.checkpoint.default_model import default_model_path
 
         tokenizer_dir = default_model_path()
     for name in TOKENIZER_FILES:
@@ -361,6 +361,6 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The converted default model dir (converted on first use, ~30 s once per machine)."""
-    from serving.default_model import default_model_path
+    from serving.checkpoint.default_model import default_model_path
 
     return default_model_path()

@@ -14,7 +14,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from serving.default_model import default_model_path
+from serving.checkpoint.default_model import default_model_path
 from serving.executor.finite_weights import check_finite
 from serving.executor.weights import checkpoint_files
 

@@ -201,7 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64)
     args = ap.parse_args()
-    from serving.default_model import default_model_path
+    from serving.checkpoint.default_model import default_model_path
     from transformers import AutoTokenizer
 
     path = default_model_path()

@@ -26,12 +26,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--batch", type=int, default=256)
     args = ap.parse_args()
-    from serving.default_model import default_model_path
+    from serving.checkpoint.default_model import default_model_path
     from serving.engine.guided import GuidedDecoder
     from serving.executor.plan import SampledToken, StepPlan
     from serving.executor.sampler import apply_token_masks
     from serving.sampling_params import GuidedDecodingParams
-    from serving.tokenizer import load_tokenizer
+    from serving.engine.tokenizer import load_tokenizer
 
     path = default_model_path()
     tok = load_tokenizer(str(path))

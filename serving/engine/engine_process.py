@@ -121,8 +121,8 @@ class EngineProcess:
             child_conn.close()
             # The edge's tokenizer, loaded here while the child builds the engine (same files).
             if not config.skip_tokenizer_init:
-                from serving.model_files import resolve_model_dir
-                from serving.tokenizer import load_tokenizer
+                from serving.checkpoint.model_files import resolve_model_dir
+                from serving.engine.tokenizer import load_tokenizer
 
                 path = config.tokenizer or str(resolve_model_dir(config.model, config.revision))
                 self.tokenizer = load_tokenizer(path, config.revision, config.trust_remote_code)

@@ -44,8 +44,8 @@ import kernels
 from serving.engine_config import EngineConfig
 from serving.executor import parallel
 from serving.executor.models.layers import ColumnParallelLinear, RowParallelLinear
-from serving.lora_adapter import AdapterWeights, read_adapter
-from serving.model_config import ModelArgs
+from serving.checkpoint.lora_adapter import AdapterWeights, read_adapter
+from serving.checkpoint.model_config import ModelArgs
 
 logger = logging.getLogger(__name__)
 

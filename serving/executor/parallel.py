@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from serving.model_config import ModelArgs
+    from serving.checkpoint.model_config import ModelArgs
 
 logger = logging.getLogger(__name__)
 

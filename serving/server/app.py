@@ -26,8 +26,8 @@ from pathlib import Path
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from serving.adapter_allowlist import SourceNotAllowed, management_on
-from serving.config import ServingConfig
+from serving.server.settings.adapter_allowlist import SourceNotAllowed, management_on
+from serving.server.settings.config import ServingConfig
 from serving.engine.grammar_compiler import COMPILE_CANCELLED
 from serving.server.access_log import RequestRecord
 from serving.server.admission import Admission, Health, health_answer

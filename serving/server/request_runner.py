@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from serving.config import ServingConfig
+from serving.server.settings.config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState, RequestStream
 from serving.engine.schema_validator import OUTPUT_INVALID, output_problem

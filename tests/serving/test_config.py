@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from serving.config import ConfigError, load_config, log_config, read_properties
-from serving.config_keys import KEYS
+from serving.server.settings.config import ConfigError, load_config, log_config, read_properties
+from serving.server.settings.config_keys import KEYS
 
 
 def test_defaults_serve_the_embedded_model():
@@ -114,7 +114,7 @@ def test_async_scheduling_is_auto_unless_set():
 
 
 def test_prefill_tokens_while_decoding_server_default_follows_chunked_prefill():
-    from serving.config_keys import PREFILL_TOKENS_WHILE_DECODING
+    from serving.server.settings.config_keys import PREFILL_TOKENS_WHILE_DECODING
     from serving.engine_config import EngineConfig
 
     assert EngineConfig().max_prefill_tokens_while_decoding == 0  # offline: off
@@ -177,7 +177,7 @@ def test_hf_model_id_beats_option_model_id():
 @pytest.mark.parametrize("rb", ["auto", "vllm", "lmi-dist", "scheduler", "disable", "deepspeed", "trtllm", "tnx"])
 def test_every_rolling_batch_is_served_and_explained(rb, caplog):
     cfg = load_config({"OPTION_ROLLING_BATCH": rb.upper()}, [])
-    with caplog.at_level(logging.INFO, logger="serving.config"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.config"):
         log_config(cfg)
     assert f"option.rolling_batch={rb}:" in caplog.text and "option.max_rolling_batch_size" in caplog.text
 
@@ -185,7 +185,7 @@ def test_every_rolling_batch_is_served_and_explained(rb, caplog):
 def test_unknown_keys_warn(caplog, tmp_path):
     props = tmp_path / "serving.properties"
     props.write_text("option.bogus=1\noption.entryPoint=model.py\n")
-    with caplog.at_level(logging.INFO, logger="serving.config"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.config"):
         load_config({"OPTION_NOT_A_THING": "1"}, [props])
     assert "unknown setting option.not_a_thing (env OPTION_NOT_A_THING)" in caplog.text
     assert "unknown setting option.bogus" in caplog.text
@@ -310,7 +310,7 @@ def test_lora_keys_lmi_defaults_env_and_properties(tmp_path, caplog):
     e = cfg.engine
     assert (e.enable_lora, e.max_loras, e.max_lora_rank, e.max_cpu_loras) == (True, 16, 64, 32)
     assert cfg.sources["engine.max_loras"] == "env OPTION_MAX_LORAS" and cfg.lora_extra_vocab_size == 512
-    with caplog.at_level(logging.INFO, logger="serving.config"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.config"):
         log_config(cfg)
     assert "LoRA adapters enabled: 16 on the device at once, 32 kept in host memory, rank <= 64" in caplog.text
     assert "option.lora_extra_vocab_size=512 (env OPTION_LORA_EXTRA_VOCAB_SIZE) accepted and has no effect" \

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from serving import default_model, gguf_convert
-from serving.model_files import ModelNotFoundError, resolve_model_dir
+from serving.checkpoint import default_model, gguf_convert
+from serving.checkpoint.model_files import ModelNotFoundError, resolve_model_dir
 
 
 def test_default_model_dir_is_a_complete_fp32_hf_dir(smollm2_path):  # noqa: F811
@@ -102,6 +102,8 @@ def test_resolve_local_dirs_and_bad_paths(tmp_path):
         resolve_model_dir(str(empty))
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         resolve_model_dir(str(tmp_path / "missing"))
+    with pytest.raises(ModelNotFoundError, match="does not exist"):  # a hub id never starts with '.'
+        resolve_model_dir(".no-such-model-dir")
 
 
 def test_unreachable_hub_id_names_the_id(monkeypatch, tmp_path):

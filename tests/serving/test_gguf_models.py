@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from serving.default_model import gguf_path
-from serving.model_files import ModelNotFoundError, resolve_model_dir
+from serving.checkpoint.default_model import gguf_path
+from serving.checkpoint.model_files import ModelNotFoundError, resolve_model_dir
 
 
 def test_a_gguf_file_or_its_dir_serves_its_conversion(tmp_path, monkeypatch, smollm2_path):

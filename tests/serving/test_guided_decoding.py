@@ -98,10 +98,10 @@ PROMPT = "Describe a person as JSON:"
 
 @pytest.fixture(scope="module")
 def smol():  # noqa: ANN201
-    from serving.default_model import default_model_path
+    from serving.checkpoint.default_model import default_model_path
     from serving.engine_config import EngineConfig
     from serving.executor.model_runner import ModelRunner
-    from serving.tokenizer import load_tokenizer
+    from serving.engine.tokenizer import load_tokenizer
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

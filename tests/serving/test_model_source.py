@@ -7,8 +7,8 @@ import re
 import boto3
 import pytest
 
-from serving.config import load_config
-from serving.model_source import ModelSourceError, check_no_remote_code, download_s3, resolve_model
+from serving.server.settings.config import load_config
+from serving.server.settings.model_source import ModelSourceError, check_no_remote_code, download_s3, resolve_model
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 
@@ -41,7 +41,7 @@ def test_s3_download_parallel_and_resumable(s3, s3_endpoint, tmp_path, caplog):
     client, files = s3
     env = {"HF_MODEL_ID": "s3://models/m/", "AWS_ENDPOINT_URL_S3": s3_endpoint, "SERVING_DOWNLOAD_DIR": str(tmp_path)}
     cfg = load_config(env, [])
-    with caplog.at_level(logging.INFO, logger="serving.model_source"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.model_source"):
         path = resolve_model(cfg)
     assert path == tmp_path / "s3" / "models" / "m"
     for key, data in files.items():
@@ -50,7 +50,7 @@ def test_s3_download_parallel_and_resumable(s3, s3_endpoint, tmp_path, caplog):
     caplog.clear()
     (path / "tokenizer.json").write_bytes(b"{")  # a broken/partial file is fetched again
     client.put_object(Bucket="models", Key="m/sub/extra.txt", Body=b"HELLO")  # same size, new ETag
-    with caplog.at_level(logging.INFO, logger="serving.model_source"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.model_source"):
         download_s3("s3://models/m", tmp_path, endpoint_url=s3_endpoint)
     assert "2 files fetched, 2 already complete" in caplog.text
     assert (path / "sub/extra.txt").read_bytes() == b"HELLO" and (path / "tokenizer.json").read_bytes() == b'{"x": 1}'
@@ -89,7 +89,7 @@ def test_unreachable_hub_is_a_clear_error(tmp_path, monkeypatch):
 def test_a_gguf_in_opt_ml_model_or_named_by_path_is_served_converted(tmp_path, monkeypatch):
     """SageMaker artifacts holding only a .gguf (and HF_MODEL_ID naming the file) serve its conversion,
     made once (not the default model, as a dir without config.json would otherwise mean)."""
-    from serving import gguf_convert
+    from serving.checkpoint import gguf_convert
 
     monkeypatch.setenv("OPEN_LMI_CACHE", str(tmp_path / "cache"))
     calls = []
@@ -167,7 +167,7 @@ def test_a_symlink_in_the_mirror_is_not_followed_out(s3, s3_endpoint, tmp_path):
 
 
 def test_unreadable_model_files_are_named_not_tracebacks(tmp_path):
-    from serving.model_config import ModelConfigError, read_json_object
+    from serving.checkpoint.model_config import ModelConfigError, read_json_object
 
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ModelSourceError, match=r"config.json holds a JSON list, not an object"):
@@ -182,7 +182,7 @@ def test_unreadable_model_files_are_named_not_tracebacks(tmp_path):
 
 def test_a_hub_snapshot_reaching_outside_its_cache_is_refused(tmp_path, monkeypatch):
     """The hub client checks file names itself; the finished snapshot is checked again here."""
-    from serving import model_files
+    from serving.checkpoint import model_files
 
     (tmp_path / "outside").mkdir()
 

@@ -15,7 +15,7 @@ from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig
 from serving.executor.model_runner import ModelRunner
-from serving.model_config import ModelArgs
+from serving.checkpoint.model_config import ModelArgs
 
 ATOL = 2e-4
 

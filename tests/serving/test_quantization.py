@@ -35,8 +35,8 @@ from serving.executor.models.layers import OutputPart, PackedColumnParallelLinea
 from serving.executor.parallel import TPShard
 from serving.executor.quant import linear_method, process_weights_after_loading
 from serving.executor.weights import init_dummy_weights
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig, QuantizationError, resolve_quantization
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig, QuantizationError, resolve_quantization
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 MAX_NEW = 12
@@ -101,8 +101,8 @@ def test_config_errors_name_the_field(qc, option, match):
 
 
 def test_quantize_option_in_the_container_config():
-    from serving.config import load_config
-    from serving.config_keys import ConfigError
+    from serving.server.settings.config import load_config
+    from serving.server.settings.config_keys import ConfigError
 
     assert load_config({"OPTION_QUANTIZE": "AWQ"}, []).engine.quantization == "awq"
     assert load_config({"HF_MODEL_QUANTIZE": "gptq_marlin"}, []).engine.quantization == "gptq"
@@ -114,7 +114,7 @@ def test_quantize_option_in_the_container_config():
 
 
 def test_startup_summary_names_the_format(tmp_path):
-    from serving.quantization import startup_summary
+    from serving.checkpoint.quantization import startup_summary
 
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
         "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}))

@@ -19,8 +19,8 @@ from quant_fixtures import Format, write_quantized
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 from serving.executor.models import build_model
 from serving.executor.weights import load_weights
-from serving.model_config import ModelArgs
-from serving.quantization import resolve_quantization
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import resolve_quantization
 
 pytestmark = pytest.mark.gpu
 

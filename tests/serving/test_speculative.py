@@ -41,7 +41,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 @pytest.fixture(scope="module")
 def smol(smollm2_path):  # noqa: ANN001, ANN201
     from serving.executor.model_runner import ModelRunner
-    from serving.tokenizer import load_tokenizer
+    from serving.engine.tokenizer import load_tokenizer
 
     d = str(smollm2_path)
     return d, ModelRunner(EngineConfig(model=d, block_size=4, num_gpu_blocks_override=400, dtype="float32")), \

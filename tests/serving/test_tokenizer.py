@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from serving.sampling_params import SamplingParams
-from serving.tokenizer import IncrementalDetokenizer
+from serving.engine.tokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
 def smol_tokenizer():
-    from serving.default_model import default_model_path
-    from serving.tokenizer import load_tokenizer
+    from serving.checkpoint.default_model import default_model_path
+    from serving.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(str(default_model_path()))
 

@@ -23,8 +23,8 @@ from serving.executor import parallel
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 from serving.executor.models import build_model
 from serving.executor.weights import load_weights
-from serving.model_config import ModelArgs
-from serving.quantization import resolve_quantization
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import resolve_quantization
 
 
 @dataclass

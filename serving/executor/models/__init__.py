@@ -36,12 +36,12 @@ from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.models.olmo import OlmoForCausalLM
 from serving.executor.parallel import TPShard
-from serving.model_config import (
+from serving.checkpoint.model_config import (
     SUPPORTED_ARCHITECTURES,
     ModelArgs,
     UnsupportedModelError,
 )
-from serving.quantization import QuantConfig
+from serving.checkpoint.quantization import QuantConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -75,7 +75,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
-assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES), "serving/model_config.py lists what we run"
+assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES), "serving/checkpoint/model_config.py lists what we run"
 
 
 def get_model_class(args: ModelArgs) -> type[nn.Module]:

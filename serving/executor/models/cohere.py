@@ -26,8 +26,8 @@ from serving.executor.models.layers import (
 from serving.executor.models.llama import LlamaForCausalLM
 from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 class CohereDecoderLayer(nn.Module):

@@ -30,8 +30,8 @@ from serving.executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from serving.executor.models.multimodal_text import text_checkpoint_name
 from serving.executor.models.stack import bind_rope_caches
 from serving.executor.parallel import TPShard
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -50,8 +50,8 @@ from serving.executor.models.llama import LlamaForCausalLM
 from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard
 from serving.executor.quant import linear_method
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 # activation name in HF configs -> the function (gelu_new / gelu_fast: the tanh approximation, as gelu_pytorch_tanh)
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

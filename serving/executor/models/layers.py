@@ -38,8 +38,8 @@ from serving.executor import parallel
 from serving.executor.attention_metadata import get_attention_metadata
 from serving.executor.parallel import TPShard, attention_shard, vocab_per_rank
 from serving.executor.quant import LinearMethod, LinearSpec, linear_method
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 SINGLE = TPShard()  # one process holds everything
 

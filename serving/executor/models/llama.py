@@ -35,8 +35,8 @@ from serving.executor.parallel import (
     tp_shard,
     validate_tensor_parallel,
 )
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 class LlamaDecoderLayer(nn.Module):

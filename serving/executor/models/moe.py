@@ -32,8 +32,8 @@ import kernels
 from serving.executor import parallel
 from serving.executor.models.layers import GatedMLP, Linear
 from serving.executor.parallel import TPShard
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 class SparseMoeBlock(nn.Module):

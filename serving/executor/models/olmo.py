@@ -28,8 +28,8 @@ from serving.executor.models.layers import (
 from serving.executor.models.llama import LlamaForCausalLM
 from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard, attention_shard
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, full: int, reduce: bool) -> torch.Tensor:

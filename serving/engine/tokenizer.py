@@ -21,7 +21,7 @@ from serving.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-logger = logging.getLogger("serving.tokenizer")
+logger = logging.getLogger("serving.engine.tokenizer")
 
 # How many prompt tokens of context precede the first output token in the decode window
 # (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from serving.download_paths import S3_BUCKET
+from serving.server.settings.download_paths import S3_BUCKET
 
 OPTION = "option.runtime_adapter_sources"
 OPTION_ENV = "OPTION_RUNTIME_ADAPTER_SOURCES"

@@ -2,7 +2,7 @@
 
 One row per key: its serving.properties name (env `OPTION_FOO` maps to `option.foo`), vLLM-name
 aliases, the `ServingConfig` / `EngineConfig` field it sets, a parser that raises `ValueError`,
-and the "accepts" text used in start-up error messages. `serving/config.py` applies it.
+and the "accepts" text used in start-up error messages. `serving/server/settings/config.py` applies it.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.adapter_allowlist import OPTION as ALLOWLIST_OPTION
-from serving.adapter_allowlist import parse_allowlist
+from serving.server.settings.adapter_allowlist import OPTION as ALLOWLIST_OPTION
+from serving.server.settings.adapter_allowlist import parse_allowlist
 from serving.engine_config import normalize_dtype
-from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
+from serving.checkpoint.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
 from serving.speculative_config import SpeculativeConfig
 
 

@@ -3,7 +3,7 @@
 `default_model_path()` returns an HF-format dir (config.json + float32 model.safetensors +
 tokenizer files + chat template), converting the GGUF once through transformers into
 `$OPEN_LMI_CACHE/smollm2-135m-instruct` (default root `~/.cache/open-lmi`), as any GGUF file is
-converted (`serving/gguf_convert.py`: once, locked, atomic).
+converted (`serving/checkpoint/gguf_convert.py`: once, locked, atomic).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from serving.gguf_convert import cache_root, converted_dir, is_converted
+from serving.checkpoint.gguf_convert import cache_root, converted_dir, is_converted
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,12 @@
 """Where the model comes from: a local dir, `/opt/ml/model`, an `s3://` prefix, or a hub id; a GGUF
-file (or a dir holding one and no config.json) is served as its conversion (`serving/gguf_convert.py`).
+file (or a dir holding one and no config.json) is served as its conversion
+(`serving/checkpoint/gguf_convert.py`).
 
 `resolve_model(config)` turns `ServingConfig.model_id` into a local directory (or None for the
 embedded default model), downloading when needed: S3 with boto3 into `download_dir`, several
 files at once, skipping files already complete (same size and ETag) so a restart resumes; hub
-ids through `serving/model_files.py` when present, else `huggingface_hub`. It also refuses a
-model that needs remote code, since this server never executes it.
+ids through `serving/checkpoint/model_files.py`, which also judges every local dir (one resolver,
+one allow-list). It also refuses a model that needs remote code, since this server never executes it.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from serving.config import OPT_ML_MODEL, ServingConfig
-from serving.download_paths import S3_BUCKET, UnsafePathError, check_names, check_tree, destination
-from serving.gguf_convert import GGUFConversionError, gguf_model_dir, is_gguf_source
+from serving.checkpoint import model_files
+from serving.server.settings.config import OPT_ML_MODEL, ServingConfig
+from serving.server.settings.download_paths import S3_BUCKET, UnsafePathError, check_names, check_tree, destination
 
-logger = logging.getLogger("serving.model_source")
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+logger = logging.getLogger("serving.server.settings.model_source")
 _META_DIR = ".open-lmi-s3"  # per-file ETag records, so a restart can skip finished files
 
 
@@ -29,17 +29,11 @@ class ModelSourceError(RuntimeError):
     """The model cannot be found or fetched; the message says where we looked and why."""
 
 
-def _looks_like_model(path: Path) -> bool:
-    return (path / "config.json").is_file() or is_gguf_source(path)
-
-
-def _converted_if_gguf(path: Path) -> Path:
-    """A GGUF file, or a dir of one without config.json: its HF dir (converted once, cached)."""
-    if not is_gguf_source(path):
-        return path
+def _local_model_dir(path: Path) -> Path:
+    """`model_files.local_model_dir`, its refusal as a ModelSourceError."""
     try:
-        return gguf_model_dir(path)
-    except GGUFConversionError as e:
+        return model_files.local_model_dir(path)
+    except model_files.ModelNotFoundError as e:
         raise ModelSourceError(str(e)) from e
 
 
@@ -47,20 +41,18 @@ def resolve_model(config: ServingConfig, opt_ml_model: str | Path = OPT_ML_MODEL
     """A local model dir for `config.model_id`; None means the embedded default model."""
     src = config.model_id
     if not src:
-        if _looks_like_model(Path(opt_ml_model)):
+        if model_files.looks_like_model_dir(Path(opt_ml_model)):
             logger.info("no model id given: serving the SageMaker model artifacts in %s", opt_ml_model)
             path = Path(opt_ml_model)
         else:
             return None
     elif src.startswith("s3://"):
         path = download_s3(src, Path(config.download_dir), endpoint_url=config.s3_endpoint_url)
-    elif src.startswith(("/", ".", "~")) or Path(src).exists():
+    elif model_files.names_local_path(src):
         path = Path(src).expanduser()
-        if not path.is_dir() and not is_gguf_source(path):
-            raise ModelSourceError(f"model path {src} is not a directory (nor a .gguf file)")
     else:
         path = download_hub(src, config.revision, config.hf_token, Path(config.download_dir) / "hub")
-    path = _converted_if_gguf(path)
+    path = _local_model_dir(path)
     check_no_remote_code(path, config.trust_remote_code)
     return path
 
@@ -70,7 +62,12 @@ def check_no_remote_code(path: Path, trust_remote_code: bool) -> None:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelSourceError(f"{path} has no config.json: not a Hugging Face model directory")
-    from serving.model_config import ModelConfigError, UnsupportedModelError, check_supported, read_json_object
+    from serving.checkpoint.model_config import (
+        ModelConfigError,
+        UnsupportedModelError,
+        check_supported,
+        read_json_object,
+    )
 
     try:
         cfg = read_json_object(cfg_file)
@@ -114,8 +111,8 @@ def download_s3(uri: str, cache_dir: Path, *, endpoint_url: str | None = None, m
                 client: object | None = None) -> Path:
     """Mirror `s3://bucket/prefix` into `cache_dir/s3/bucket/prefix`; returns that directory.
 
-    Every key is checked before anything is written (`serving/download_paths.py`): a key that is
-    absolute, holds '..', '.' or empty segments, names this mirror's bookkeeping directory, or
+    Every key is checked before anything is written (`serving/server/settings/download_paths.py`): a
+    key that is absolute, holds '..', '.' or empty segments, names this mirror's bookkeeping directory, or
     resolves outside the mirror (a symlink in the tree) fails the whole download, naming the key.
     Files already present with the same size (and the same ETag, when we recorded one) are
     skipped; each file is written to a temp name and renamed, so an interrupted run resumes.
@@ -186,17 +183,7 @@ def _checked_targets(uri: str, dest: Path, prefix: str, keys: list[str]) -> dict
 def download_hub(repo_id: str, revision: str | None, token: str | None, cache_dir: Path) -> Path:
     """Fetch a hub model (weights, config, tokenizer) and return its local snapshot directory."""
     try:
-        try:
-            from serving.model_files import resolve_model_dir  # the models helper's hub loader
-        except ImportError:
-            resolve_model_dir = None
-        if resolve_model_dir is not None:
-            path = Path(resolve_model_dir(repo_id, revision=revision, token=token, cache_dir=str(cache_dir)))
-        else:
-            from huggingface_hub import snapshot_download
-
-            path = Path(snapshot_download(repo_id, revision=revision, token=token, allow_patterns=_HUB_PATTERNS,
-                                          cache_dir=str(cache_dir)))
+        path = Path(model_files.resolve_model_dir(repo_id, revision=revision, token=token, cache_dir=str(cache_dir)))
     except Exception as exc:  # noqa: BLE001 - offline, 401, 404, DNS: all become one clear message
         raise ModelSourceError(
             f"cannot fetch model {repo_id!r} (revision {revision or 'main'}) from the Hugging Face hub: "

@@ -1,11 +1,15 @@
 """Turn the `model=` option into a local HF-format directory.
 
-`None` -> the embedded default model (converted once, see `serving/default_model.py`); an
-existing directory -> itself; a `.gguf` file, or a directory without config.json holding one ->
-its conversion (once, cached: `serving/gguf_convert.py`); anything else is taken as a Hugging Face hub id and fetched with
-`huggingface_hub.snapshot_download` (weights as safetensors, configs, tokenizer files only).
+`None` -> the embedded default model (converted once, see `serving/checkpoint/default_model.py`);
+an existing directory -> itself; a `.gguf` file, or a directory without config.json holding one ->
+its conversion (once, cached: `serving/checkpoint/gguf_convert.py`); anything else is taken as a
+Hugging Face hub id and fetched with `huggingface_hub.snapshot_download` (weights as safetensors,
+configs, tokenizer files only).
 When the hub cannot be reached, or offline mode is on and the id is not cached, the error
 names the id and says what to do. (s3:// sources are the container's job, upstream of this.)
+
+`local_model_dir` is the one judge of what a local model dir is, and `_ALLOW_PATTERNS` the one list
+of files fetched from the hub: the edge's `model_source` resolves local paths and hub ids here.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from serving.gguf_convert import GGUFConversionError, gguf_model_dir, is_gguf_source
+from serving.checkpoint.gguf_convert import GGUFConversionError, gguf_model_dir, is_gguf_source
 
 logger = logging.getLogger(__name__)
 
-# What a snapshot needs: no .bin / .pth / .gguf duplicates, no remote code.
+# What a hub snapshot needs: no .bin / .pth / .gguf duplicates, no remote code. The one allow-list:
+# `serving/server/settings/model_source.py` fetches hub ids through `resolve_model_dir` too.
 _ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
 
 
@@ -25,16 +30,21 @@ class ModelNotFoundError(OSError):
     """The model source is neither a local model dir nor a reachable hub id."""
 
 
-def resolve_model_dir(
-    model: str | None, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
-) -> Path:
-    """Local directory holding config.json + weights + tokenizer for `model`."""
-    if model is None or str(model).strip() == "":
-        from serving.default_model import default_model_path
+def names_local_path(model: str) -> bool:
+    """`model` names a local path, not a hub id: it exists, or it starts like a path (a hub id
+    never starts with '/', '.' or '~')."""
+    return model.startswith(("/", ".", "~")) or Path(model).expanduser().exists()
 
-        return default_model_path()
-    model = str(model)
-    path = Path(model).expanduser()
+
+def looks_like_model_dir(path: Path) -> bool:
+    """`path` holds a checkpoint `local_model_dir` serves: a dir with config.json, or GGUF."""
+    return (path / "config.json").is_file() or is_gguf_source(path)
+
+
+def local_model_dir(path: Path) -> Path:
+    """The HF-format dir that local `path` serves: a dir with config.json is itself; a `.gguf`
+    file, or a dir without config.json holding one, is its conversion (once, cached). Anything
+    else raises ModelNotFoundError saying what is missing."""
     if is_gguf_source(path):  # llama.cpp's single-file format
         try:
             return gguf_model_dir(path)
@@ -44,8 +54,20 @@ def resolve_model_dir(
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model directory {path} has no config.json (not a Hugging Face model dir)")
         return path
-    if model.startswith(("/", "./", "../", "~")) or path.exists():
-        raise ModelNotFoundError(f"model path {model!r} does not exist or is not a directory")
+    raise ModelNotFoundError(f"model path {str(path)!r} does not exist or is not a directory (nor a .gguf file)")
+
+
+def resolve_model_dir(
+    model: str | None, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
+) -> Path:
+    """Local directory holding config.json + weights + tokenizer for `model`."""
+    if model is None or str(model).strip() == "":
+        from serving.checkpoint.default_model import default_model_path
+
+        return default_model_path()
+    model = str(model)
+    if names_local_path(model):
+        return local_model_dir(Path(model).expanduser())
     if model.startswith("s3://"):
         raise ModelNotFoundError(f"{model!r}: download s3:// models first (the container does this); "
                                  "pass the local directory here")

@@ -3,7 +3,7 @@
 A `.gguf` file (llama.cpp's format: weights, often quantized, plus tokenizer and chat template in
 its metadata) is dequantized by transformers and saved as config.json + model.safetensors +
 tokenizer files under `$OPEN_LMI_CACHE` (default `~/.cache/open-lmi`). The engine then serves that
-dir like any checkpoint. The embedded default model is one such file (`serving/default_model.py`);
+dir like any checkpoint. The embedded default model is one such file (`serving/checkpoint/default_model.py`);
 a user's `HF_MODEL_ID` may name another (`gguf_model_dir`), or a dir holding exactly one.
 
 The conversion writes a temp dir and renames it into place under a file lock, so concurrent

@@ -4,7 +4,7 @@
 nothing else in `serving/` reads `os.environ`). Precedence is LMI's: defaults < environment
 (`OPTION_FOO` -> `option.foo`, `SERVING_FOO` -> `foo`, `HF_MODEL_ID`, `TENSOR_PARALLEL_DEGREE`,
 TGI aliases) < `serving.properties` (the file wins). Keys, parsers and targets live in the table
-in `serving/config_keys.py`; each resolved value remembers where it came from for the start log.
+in `serving/server/settings/config_keys.py`; each resolved value remembers where it came from for the start log.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from serving.config_keys import (
+from serving.server.settings.config_keys import (
     IGNORED_KEYS,
     KEYS,
     PREFILL_TOKENS_WHILE_DECODING,
@@ -29,9 +29,9 @@ from serving.config_keys import (
     Key,
 )
 from serving.engine_config import EngineConfig
-from serving.quantization import startup_summary
+from serving.checkpoint.quantization import startup_summary
 
-logger = logging.getLogger("serving.config")
+logger = logging.getLogger("serving.server.settings.config")
 
 OPT_ML_MODEL = "/opt/ml/model"
 PROPERTIES_NAME = "serving.properties"
@@ -57,7 +57,7 @@ class ServingConfig:
     """Everything the container needs, resolved once at start (engine options use vLLM names).
 
     `engine.model` is None for the embedded default model and otherwise the *source* string
-    (hub id, s3:// URI or local path); `serving/model_source.py` turns it into a local dir.
+    (hub id, s3:// URI or local path); `serving/server/settings/model_source.py` turns it into a local dir.
     """
 
     engine: EngineConfig
@@ -97,7 +97,7 @@ class ServingConfig:
     prefix_affinity: bool = True
     threads: int = 0  # gunicorn threads; 0 -> job_queue_size + headroom (capped)
     graceful_timeout: float = 25.0
-    # Where the adapter management API may load adapters from (serving/adapter_allowlist.py); empty: that API is off.
+    # Where the adapter management API may load adapters from (adapter_allowlist.py); empty: that API is off.
     runtime_adapter_sources: tuple[str, ...] = ()
     lora_extra_vocab_size: int = 256  # LMI / vLLM: accepted, logged; adapters adding tokens are refused
     # Engine copies behind the endpoint: max_workers, else visible GPUs // tensor_parallel_degree (1 on CPU).
