@@ -33,7 +33,7 @@ def _child(args: argparse.Namespace) -> dict:
     import triton
     from triton import knobs
 
-    from bench.dummy_model import make_dummy_model_dir
+    from tests.support.dummy_model import make_dummy_model_dir
     from bench.offline import run_ours
     from bench.workload import reference_workload, workload_floor_s
     from bench.ceilings import copy_bandwidth_gbs, matmul_tflops

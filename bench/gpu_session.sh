@@ -21,7 +21,7 @@ summary=()
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-python3 bench/dummy_model.py "$MODELS" "$TOK" >/dev/null
+python3 tests/support/dummy_model.py "$MODELS" "$TOK" >/dev/null
 
 for stage in $STAGES; do
   t0=$(date +%s)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs, matmul_tflops  # noqa: E402
-from bench.dummy_model import SHAPES, make_dummy_model_dir, weight_bytes  # noqa: E402
+from tests.support.dummy_model import SHAPES, make_dummy_model_dir, weight_bytes  # noqa: E402
 from bench.workload import reference_workload, workload_floor_s  # noqa: E402
 
 SHAPES.setdefault("llama-3-70b", dict(

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.dummy_model import SHAPES, dummy_dir, make_dummy_model_dir  # noqa: E402
+from tests.support.dummy_model import SHAPES, dummy_dir, make_dummy_model_dir  # noqa: E402
 from serving.llm import LLM  # noqa: E402
 from serving.sampling_params import SamplingParams  # noqa: E402
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from bench.dummy_model import shape_info, weight_bytes
+from tests.support.dummy_model import shape_info, weight_bytes
 
 
 def reference_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024):

@@ -1,6 +1,6 @@
 """GPU: tokens/s of the reference workload with 25 % of rows under a JSON schema vs none (issue 15).
 
-Random-weight Llama-3.2-1B shape (`bench/dummy_model.py`), the reference workload
+Random-weight Llama-3.2-1B shape (`tests/support/dummy_model.py`), the reference workload
 (`bench/workload.py`: 256 prompts), temperature 0.6, ignore_eos. Run A: every row free. Run B: the
 same, with every 4th row constrained to a JSON schema (an object with a string field, which stays
 open, so constrained rows keep generating as free ones do; a row that completes its object ends
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.dummy_model import make_dummy_model_dir  # noqa: E402
+from tests.support.dummy_model import make_dummy_model_dir  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 
 # An object whose one string field stays open (random weights rarely pick the closing quote among

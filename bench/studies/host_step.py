@@ -31,7 +31,7 @@ PARTS = ("schedule", "plan", "apply", "prepare", "sample", "process", "step")
 
 
 def _model_dir(vocab: int) -> Path:
-    from bench.dummy_model import SHAPES, _COMMON
+    from tests.support.dummy_model import SHAPES, _COMMON
 
     out = Path(tempfile.mkdtemp(prefix="open-lmi-host-step-"))
     config = {**_COMMON, **SHAPES["tiny"], "vocab_size": vocab, "bos_token_id": 1, "eos_token_id": 2,

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.dummy_model import dummy_dir, make_dummy_model_dir  # noqa: E402
+from tests.support.dummy_model import dummy_dir, make_dummy_model_dir  # noqa: E402
 
 
 def main() -> None:

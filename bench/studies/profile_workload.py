@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.dummy_model import add_dummy_model_args, dummy_llm  # noqa: E402
+from tests.support.dummy_model import add_dummy_model_args, dummy_llm  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 
 FAMILIES = (  # (family, substrings of the kernel name), first match wins

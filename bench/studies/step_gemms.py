@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs, graphed, matmul_tflops, time_ms  # noqa: E402
-from bench.dummy_model import shape_info  # noqa: E402
+from tests.support.dummy_model import shape_info  # noqa: E402
 
 
 def layer_linears(shape: str) -> list[tuple[str, int, int]]:

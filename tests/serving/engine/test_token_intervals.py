@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_engine_loop import CONFIG, FakeRunner, collect
+from fake_runner import CONFIG, FakeRunner, collect
 
 from serving.engine.engine_loop import EngineLoop
 from serving.engine.llm_engine import LLMEngine

@@ -19,6 +19,7 @@ from model_fixtures import build_tiny_model
 from serving.executor.executor import WorkerFailedError
 from serving.llm import LLM
 from serving.sampling_params import SamplingParams
+from processes import alive
 
 pytestmark = pytest.mark.slow
 
@@ -69,15 +70,6 @@ def test_llama_with_one_kv_head_replicated_tp2_equals_tp1(tmp_path):
     _compare(str(path))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
-
-
 def test_killed_rank_fails_the_executor_within_5s_and_leaves_no_process(qwen2_kv2):
     # The fault path (rank pipe EOF -> failure callback -> reap) does not depend on the model: the tiny
     # Qwen2 (as in the hung-rank test) starts its ranks in a third of the default model's time.
@@ -95,9 +87,9 @@ def test_killed_rank_fails_the_executor_within_5s_and_leaves_no_process(qwen2_kv
     with pytest.raises(WorkerFailedError):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     deadline = time.monotonic() + 5.0
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+    assert not any(alive(p) for p in pids), [p for p in pids if alive(p)]
     llm.llm_engine.shutdown()
 
 
@@ -122,12 +114,12 @@ def test_hung_rank_fails_the_executor_within_5s(qwen2_kv2):
             time.sleep(0.05)
         assert failures and "stopped responding" in str(failures[0]), failures
         deadline = time.monotonic() + 5.0
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(p) for p in pids)
+        assert not any(alive(p) for p in pids)
     finally:
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         llm.llm_engine.shutdown()
 

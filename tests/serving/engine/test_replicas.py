@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from test_engine_loop import CONFIG, FakeRunner, collect
+from fake_runner import CONFIG, FakeRunner, collect
 
 from serving.engine.engine_loop import EngineLoop, EngineState
 from serving.engine.llm_engine import LLMEngine

@@ -5,7 +5,7 @@ the tokenizer files of `tokenizer_dir` (the script's default: the embedded SmolL
 converted on the CPU machine) beside it, so the engine starts with `load_format="dummy"` and no checkpoint. The
 config keeps the real vocab (128256); prompts must use ids below the tokenizer's size, and
 generated ids past it detokenize to nothing. Run as a script to build both shapes:
-`python bench/dummy_model.py OUT_DIR [TOKENIZER_DIR]`.
+`python tests/support/dummy_model.py OUT_DIR [TOKENIZER_DIR]`.
 
 Quantized variants (`QUANT_VARIANTS`, the benches' `--quantize`): `gptq` / `awq` write a
 `quantization_config` (int4, group 128) into the config, so the dummy load draws packed int4

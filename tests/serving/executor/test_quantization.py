@@ -1,6 +1,6 @@
 """Quantized checkpoints (issue 12) on the CPU reference path: config, packing, layers, models, TP.
 
-Checkpoints are packed in `tests/quant_fixtures.py` from the published formats; the AWQ packer
+Checkpoints are packed in `tests/support/quant_fixtures.py` from the published formats; the AWQ packer
 is proven against compressed-tensors' AutoAWQ converter and dequantiser, the GPTQ packer
 against the format's formula and against the AWQ one (same integers, both layouts, same layer
 output). Model oracle: transformers (and our unquantized path) on the same model with the

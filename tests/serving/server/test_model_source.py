@@ -94,7 +94,7 @@ def test_a_gguf_in_opt_ml_model_or_named_by_path_is_served_converted(tmp_path, m
     monkeypatch.setenv("OPEN_LMI_CACHE", str(tmp_path / "cache"))
     calls = []
 
-    def fake_export(gguf, out_dir):  # the conversion itself: tests/serving/test_gguf_models.py
+    def fake_export(gguf, out_dir):  # the conversion itself: tests/serving/checkpoint/test_gguf_models.py
         calls.append(gguf.name)
         (out_dir / "config.json").write_text(json.dumps(CONFIG))
         for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):

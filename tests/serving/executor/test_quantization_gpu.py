@@ -104,10 +104,7 @@ def test_fp8_at_load_is_close_to_bf16(checkpoints):
 
 
 def test_8b_shape_gptq_int4_dummy_generates(tmp_path):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from bench.dummy_model import make_dummy_model_dir
+    from dummy_model import make_dummy_model_dir
 
     from serving import LLM, SamplingParams
 
