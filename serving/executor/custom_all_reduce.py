@@ -49,7 +49,7 @@ _ALIGN = 16  # bytes: the kernels' widest vector; both ops check offset and size
 # Largest message (bytes) per path by world size, before measurement on 4x H100 NVLink:
 # one-shot reads W x the message per rank, so its range shrinks as W grows.
 _ONE_SHOT_MAX = {2: 512 << 10, 4: 256 << 10, 8: 128 << 10}
-_TWO_SHOT_MAX = 8 << 20
+_TWO_SHOT_MAX = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,8 @@ class CustomAllReduce:
         self._handle = handle
         ops = torch.ops.symm_mem
         self._one_shot_copy = getattr(ops, "one_shot_all_reduce_copy_out", None)  # newer torch: one kernel
-        self._two_shot_out = getattr(ops, "two_shot_all_reduce_out", None)
+        # The out variant is compiled for 2, 4 and 8 ranks only; the in-place one for any degree.
+        self._two_shot_out = getattr(ops, "two_shot_all_reduce_out", None) if self.world_size in (2, 4, 8) else None
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device,
