@@ -157,7 +157,7 @@ def _check(custom, group, degree: int, rank: int, n_bytes: int) -> str:  # noqa:
         yb = xb.clone()
         custom.run(yb, path)
         err = ((yb.float() - refb.float()).abs().max() / refb.float().abs().max().clamp_min(1e-6)).item()
-        if err > 2 ** -6:
+        if err > 2 ** -4:  # a few bf16 ulps at the largest value; wrong data is O(1)
             problems.append(f"{path} bf16 rel err {err:.2e}")
         every = [torch.empty_like(yb) for _ in range(degree)]
         dist.all_gather(every, yb, group=group)
