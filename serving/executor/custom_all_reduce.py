@@ -132,8 +132,9 @@ class CustomAllReduce:
     """One process group's symmetric buffer and the two kernels that sum through it.
 
     Build with `create` (a collective over `group`: every rank calls it, with the same policy).
-    `all_reduce_(t)` sums `t` over the group in place along `policy.path(t)`; call it only where
-    that path is not None. `close()` drops the buffer (every rank, before the group goes).
+    `run(t, path)` sums `t` over the group in place along `path`: `policy.path(t)` where that is
+    not None (`parallel.all_reduce`), either kernel in the bench. `close()` drops the buffer
+    (every rank, before the group goes).
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, policy: AllReducePolicy,
@@ -215,16 +216,8 @@ class CustomAllReduce:
             if not bool((t == expect).all()):
                 raise RuntimeError(f"{path} self-test summed to {t[0].item()}, expected {expect}")
 
-    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the group in place along the policy's path; returns `t`."""
-        path = self.policy.path(t)
-        if path is None:
-            raise ValueError(f"the custom all-reduce does not take {t.dtype} {tuple(t.shape)} "
-                             f"(offset {t.storage_offset()}): use the process group's all-reduce")
-        return self.run(t, path)
-
     def run(self, t: torch.Tensor, path: str) -> torch.Tensor:
-        """Sum `t` in place along `path` (ONE_SHOT or TWO_SHOT), whatever the policy says (the bench)."""
+        """Sum `t` over the group in place along `path` (ONE_SHOT or TWO_SHOT); returns `t`."""
         nbytes = t.numel() * t.element_size()
         if (nbytes > self._buffer.numel() or nbytes % _ALIGN or t.storage_offset() * t.element_size() % _ALIGN
                 or t.dtype not in _DTYPES or not t.is_contiguous()):
