@@ -224,6 +224,7 @@ KEYS: tuple[Key, ...] = (
     Key("option.gpu_memory_utilization", "engine.gpu_memory_utilization", _float(0.0, 1.0, lo_open=True),
         "a number in (0, 1]", 0.9),
     Key("option.enforce_eager", "engine.enforce_eager", _bool, "true|false", False),
+    Key("option.disable_custom_all_reduce", "engine.disable_custom_all_reduce", _bool, "true|false", False),
     Key("option.async_scheduling", "engine.async_scheduling", _optional_bool, "auto|true|false", None),
     Key("option.distributed_executor_backend", "engine.distributed_executor_backend", _choice("mp", "uni"),
         "mp|uni", None),
