@@ -7,7 +7,7 @@ Used by the chat and completions APIs, vLLM's `/generate` and the Responses API 
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from serving.sampling_params import SamplingParams
 from serving.server.errors import lmi_error, openai_error
@@ -18,16 +18,15 @@ from serving.server.structured import ToolSpec, guided_from
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM /v1/completions (and /generate) default
 _OPENAI_FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "abort": "abort",
                   "error": "error"}
-
 OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-                  "presence_penalty", "frequency_penalty", "user", "logit_bias", "top_k", "min_p",
-                  "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
-                  "include_stop_str_in_output", "spaces_between_special_tokens", "best_of"}
+                 "presence_penalty", "frequency_penalty", "user", "logit_bias", "top_k", "min_p",
+                 "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
+                 "include_stop_str_in_output", "spaces_between_special_tokens", "best_of"}
 
 
 def openai_params(body: dict, max_tokens: int | None, top_logprobs: int | None,
-                   lmi_route: bool, tools: ToolSpec | None = None, structured: bool = False,
-                   best_of_ok: bool = False) -> SamplingParams:
+                  lmi_route: bool, tools: ToolSpec | None = None, structured: bool = False,
+                  best_of_ok: bool = False) -> SamplingParams:
     """vLLM / OpenAI sampling fields -> SamplingParams. With `best_of_ok` (completions, /generate) a
     best_of above n generates best_of samples (`n` = best_of): the caller keeps the n best (`keep_best`)."""
     kw = common_sampling(body)
@@ -121,8 +120,8 @@ class OpenAIFormat(Formatter):
     on_invocations: ClassVar[bool] = False
     id_prefix: ClassVar[str] = "chatcmpl-"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.id = self.id_prefix + self.hex_id
         self._prefix: str | None = None  # the constant start of every streamed record (`_fast_chunk`)
 

@@ -10,7 +10,7 @@ JSON lines. With tools, the calls are read from the text (`serving/server/struct
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from flask import Blueprint, Response
 
@@ -147,7 +147,7 @@ class ChatChunks(ChatFormat):
     _open: ClassVar[str] = "data: "
     _close: ClassVar[str] = "\n\n"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._role_sent: set[int] = set()
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice, with tools: the calls read so far

@@ -55,7 +55,7 @@ def parse_completions(body: dict) -> GenerateRequest:
     stream = get_bool(body, "stream", False)
     max_tokens = get_int(body, "max_tokens", 1)
     params = openai_params(body, max_tokens or OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, False,
-                            structured=True, best_of_ok=True)
+                           structured=True, best_of_ok=True)
     if logprobs is not None and get_bool(body, "echo", False):
         params = params.replace(prompt_logprobs=logprobs)  # echo: the prompt tokens' logprobs come first
     model = model_field(body)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
+from typing import Any
 
 from flask import Blueprint, Response
 
@@ -170,7 +171,7 @@ class ResponsesWriter:
 class ResponsesFormat(OpenAIFormat):
     """What both Responses formats share: the writer of this answer's object and events."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._writer = ResponsesWriter(self.req, self.model, self.hex_id, self.created)
 

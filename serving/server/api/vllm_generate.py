@@ -20,7 +20,7 @@ from serving.server.errors import stream_error
 from serving.server.formatters import Result, Sample, dumps
 from serving.server.protocol import GenerateRequest, get_bool, get_int, show, warn_unknown
 
-logger = logging.getLogger("serving.server.protocol")  # where every parser's warnings are logged
+logger = logging.getLogger("serving.server.protocol")  # the parsers' warnings, under one name (`warn_unknown`)
 blueprint = Blueprint("vllm_generate", __name__)
 
 

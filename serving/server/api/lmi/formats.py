@@ -8,7 +8,7 @@ Finish reasons stay LMI's (`length|eos_token|stop_sequence|error`); errors are L
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from serving.outputs import StreamDelta
 from serving.server.errors import lmi_error
@@ -20,8 +20,8 @@ class LmiFormat(Formatter):
 
     tgi: ClassVar[bool] = False  # TGI's names: `logprob` / `special` (LMI: `log_prob` / `special_token`)
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._lp_key = "logprob" if self.tgi else "log_prob"
         self._special_key = "special" if self.tgi else "special_token"
 
@@ -124,7 +124,7 @@ class LmiTokenStream(LmiFormat):
     _open: ClassVar[str] = ""
     _close: ClassVar[str] = "\n"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._lp_json = f"{json.dumps(self._lp_key)}: "  # the constant parts of a token record
         self._special_json = f", {json.dumps(self._special_key)}: true"
