@@ -373,7 +373,8 @@ def python_per_record(fmt: str, backlog: bool, tokens: int = 2000) -> tuple[floa
     stream is queued before it is read (coalesced); else every record is its own write."""
     from serving.server.settings.config import load_config
     from serving.engine.engine_loop import RequestStream
-    from serving.server.protocol import parse_chat, parse_invocations
+    from serving.server.api.lmi.request import parse_invocations
+    from serving.server.api.openai_chat import parse_chat
     from serving.server.request_runner import RequestRunner
 
     class Loop:  # the EngineLoop surface RequestRunner uses; add_request queues the whole stream

@@ -13,7 +13,10 @@ import pytest
 
 from serving.outputs import StreamDelta
 from serving.server.formatters import Formatter, Result
-from serving.server.protocol import GenerateRequest, parse_chat, parse_completions, parse_invocations
+from serving.server.api.lmi.request import parse_invocations
+from serving.server.api.openai_chat import parse_chat
+from serving.server.api.openai_completions import parse_completions
+from serving.server.protocol import GenerateRequest
 
 VOCAB = {1: "<s>", 101: "长城", 102: "是", 103: "😀", 104: "！", 105: "的", 106: "历史"}
 PROMPT = "长城"

@@ -1,19 +1,18 @@
 """Request parsing (LMI / OpenAI) and the exact response bytes of lmi-contract.md §4."""
 
+import dataclasses
 import json
 
 import pytest
 
 from serving.server.formatters import Formatter, Result
 from serving.outputs import StreamDelta
-from serving.server.protocol import (
-    loads_body,
-    parse_chat,
-    parse_completions,
-    parse_custom_attributes,
-    parse_generate,
-    parse_invocations,
-)
+from serving.server.adapters import header_adapter
+from serving.server.api.lmi.request import parse_invocations
+from serving.server.api.openai_chat import parse_chat
+from serving.server.api.openai_completions import parse_completions
+from serving.server.api.vllm_generate import parse_generate
+from serving.server.protocol import loads_body
 
 PROMPT = "What is Deep Learning?"
 TOKENS = [(304, "Deep", -0.05), (11157, " Learning", -1.28), (338, " is", -0.007)]
@@ -133,8 +132,24 @@ def test_openai_parsing():
 
 
 def test_custom_attributes():
-    assert parse_custom_attributes(" adapter = a1 ; x-max-items=3;flag") == {"adapter": "a1", "x-max-items": "3",
-                                                                             "flag": ""}
+    # DJL's rules (split on ';', then on the first '=', both sides trimmed), on the one parser of the header
+    assert header_adapter(" adapter = a1 ; x-max-items=3;flag") == "a1"
+    assert header_adapter(" x-max-items=3;flag;ADAPTER=\"a=2\" ") == "a=2"
+    assert header_adapter("flag; adapter; x=adapter=a1") is None
+
+
+def test_each_wire_format_is_the_class_the_table_files_under_its_name():
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    reqs = [parse_invocations({"inputs": "x"}), parse_invocations({"inputs": "x", "stream": True}, tgi_compat=True),
+            parse_invocations({"inputs": "x", "parameters": {"output_formatter": "none"}}), parse_invocations(chat),
+            parse_invocations({**chat, "stream": True}), parse_chat({**chat, "stream": True}), parse_chat(chat),
+            parse_completions({"prompt": "x"}), parse_generate({"prompt": "x", "stream": True})]
+    for req in reqs:
+        fmt = Formatter(req)
+        assert type(fmt) is Formatter.FORMATS[req.fmt] and fmt.name == req.fmt and fmt.streams == req.stream
+    assert len({req.fmt for req in reqs}) == len(reqs)
+    with pytest.raises(AssertionError, match="no wire format 'bogus'"):
+        Formatter(dataclasses.replace(reqs[0], fmt="bogus"))
 
 
 # ---- exact bytes (lmi-contract.md §4, [ran] examples) ------------------------------------------

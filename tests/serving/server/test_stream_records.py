@@ -13,7 +13,9 @@ from serving.server.settings.config import load_config
 from serving.engine.engine_loop import RequestStream
 from serving.server.formatters import Formatter, Result
 from serving.outputs import StreamDelta
-from serving.server.protocol import parse_chat, parse_completions, parse_invocations
+from serving.server.api.lmi.request import parse_invocations
+from serving.server.api.openai_chat import parse_chat
+from serving.server.api.openai_completions import parse_completions
 from serving.server.request_runner import RequestRunner
 
 TEXTS = ["", " the", "caf\u00e9", '"q"', "back\\slash", "\n", "\t\x00\x1f", "\u2028", "\U0001f600",
@@ -86,7 +88,7 @@ def test_mid_stream_records_take_the_template_path(name, monkeypatch):
     first = StreamDelta("r", 0, (5,), "a", logprobs=(-0.5,))
     r.add(first)
     fmt.chunk(r, first)  # may set up the chat role
-    monkeypatch.setattr(Formatter, "_chunk", lambda *a: pytest.fail("slow path on a mid-stream record"))
+    monkeypatch.setattr(type(fmt), "_chunk", lambda *a: pytest.fail("slow path on a mid-stream record"))
     for i in range(3):
         d = StreamDelta("r", 0, (6 + i,), "b", logprobs=(-0.25,))
         r.add(d)

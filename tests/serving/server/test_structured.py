@@ -7,7 +7,9 @@ import json
 import pytest
 
 from serving.sampling_params import GuidedDecodingParams as G
-from serving.server.protocol import parse_chat, parse_completions, parse_invocations
+from serving.server.api.lmi.request import parse_invocations
+from serving.server.api.openai_chat import parse_chat
+from serving.server.api.openai_completions import parse_completions
 from serving.server.structured import ToolSpec, guided_from, parse_tool_calls, tool_schema, tools_from
 from serving.server.tool_stream import ToolCallStream
 

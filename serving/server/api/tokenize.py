@@ -10,12 +10,51 @@ raises ValueError (a 400).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from importlib import metadata
 
-from serving.server.protocol import parse_chat
-from serving.server.request_runner import RequestRunner
+from flask import Blueprint, Response
+
+from serving.server.api.openai_chat import parse_chat
+from serving.server.edge import current_edge
+from serving.server.request_runner import HTTPError, RequestRunner
 
 _DIST = "open-lmi"
+blueprint = Blueprint("tokenize", __name__)
+
+
+@blueprint.get("/version")
+def server_version() -> Response:
+    edge = current_edge()
+    edge.metrics.observe_request("/version", 200)
+    return Response(json.dumps(version()), 200, mimetype="application/json")
+
+
+@blueprint.post("/tokenize")
+def tokenize_route() -> Response:
+    edge = current_edge()
+    return _tokenizer_call("/tokenize", lambda b: tokenize(edge.runner, b, edge.engine.max_model_len))
+
+
+@blueprint.post("/detokenize")
+def detokenize_route() -> Response:
+    return _tokenizer_call("/detokenize", lambda b: detokenize(current_edge().runner, b))
+
+
+def _tokenizer_call(route: str, call: Callable[[dict], dict]) -> Response:
+    edge = current_edge()
+    body = edge.ready_body(route)
+    if isinstance(body, Response):
+        return body
+    try:
+        out = call(body)
+    except ValueError as exc:
+        return edge.error(400, str(exc), route)
+    except HTTPError as exc:
+        return edge.error(exc.status, exc.message, route)
+    edge.metrics.observe_request(route, 200)
+    return Response(json.dumps(out), 200, mimetype="application/json")
 
 
 def version() -> dict:

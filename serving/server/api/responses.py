@@ -15,13 +15,27 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
+from typing import Any
 
-from serving.server.protocol import GenerateRequest, parse_chat
+from flask import Blueprint, Response
 
+from serving.outputs import StreamDelta
+from serving.server.api.openai import OpenAIFormat
+from serving.server.api.openai_chat import parse_chat
+from serving.server.edge import current_edge
+from serving.server.formatters import Result, dumps
+from serving.server.protocol import GenerateRequest
+
+blueprint = Blueprint("responses", __name__)
 _UNSUPPORTED = ("tools", "previous_response_id", "conversation", "reasoning", "prompt")
 _KNOWN = {"input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "model", "store",
           "metadata", "user", "text", "truncation", "tool_choice", "parallel_tool_calls", "include", "seed",
           "stream_options", "background", "service_tier", *_UNSUPPORTED}
+
+
+@blueprint.post("/v1/responses")
+def responses() -> Response:
+    return current_edge().generate("/v1/responses", parse_responses, model_field=True)
 
 
 def _content(value: object, where: str) -> str:
@@ -75,7 +89,7 @@ def parse_responses(body: dict) -> GenerateRequest:
     except ValueError as exc:  # name the Responses field, not the chat one it became
         raise ValueError(str(exc).replace("max_tokens", "max_output_tokens")) from None
     unknown = sorted(set(body) - _KNOWN)
-    return replace(req, route="responses", fmt="responses_sse" if req.stream else "responses",
+    return replace(req, route="responses", fmt=ResponsesEvents.name if req.stream else ResponsesObject.name,
                    instructions=body.get("instructions"),
                    warnings=(f"dropped unsupported responses fields: {', '.join(unknown)}",) if unknown else ())
 
@@ -152,3 +166,48 @@ class ResponsesWriter:
                 self.event("response.content_part.done", **at, part=self.part(text)),
                 self.event("response.output_item.done", output_index=0, item=self.item(text, "completed")),
                 self.event(f"response.{status}", response=final)]
+
+
+class ResponsesFormat(OpenAIFormat):
+    """What both Responses formats share: the writer of this answer's object and events."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._writer = ResponsesWriter(self.req, self.model, self.hex_id, self.created)
+
+
+class ResponsesObject(ResponsesFormat):
+    """One `response` object."""
+
+    name = "responses"
+    content_type = "application/json"
+
+    def body(self, results: list[Result]) -> bytes:
+        r = results[0]
+        s = r.sample(0)
+        return dumps(self._writer.response(ResponsesWriter.status_of(s.finish_reason, s.error), s.text,
+                                           len(r.prompt_token_ids), len(s.token_ids),
+                                           self._finish(s.finish_reason), s.error)).encode()
+
+
+class ResponsesEvents(ResponsesFormat):
+    """The Responses stream: server-sent events named by their type."""
+
+    name = "responses_sse"
+    content_type = "text/event-stream"
+    streams = True
+
+    def start(self, results: list[Result]) -> bytes:
+        return self._events(self._writer.start_events(len(results[0].prompt_token_ids)))
+
+    def chunk(self, r: Result, delta: StreamDelta, prompt_index: int = 0) -> bytes:
+        s = r.sample(delta.index)
+        events = self._writer.delta_events(delta.text)
+        if delta.finish_reason is not None:
+            events += self._writer.end_events(s.text, len(r.prompt_token_ids), len(s.token_ids),
+                                              self._finish(delta.finish_reason), s.error)
+        return self._events(events)
+
+    @staticmethod
+    def _events(events: list[dict]) -> bytes:
+        return "".join(f"event: {e['type']}\ndata: {dumps(e)}\n\n" for e in events).encode()
