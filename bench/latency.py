@@ -22,11 +22,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 import torch  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
-from tests.support.dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, weight_bytes  # noqa: E402
+from dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, weight_bytes  # noqa: E402
 
 
 def _time_request(llm, prompt: list[int], max_tokens: int, reps: int = 3) -> float:

@@ -26,11 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 import torch  # noqa: E402
 
-from tests.support.dummy_model import dummy_dir, make_dummy_model_dir, shape_info  # noqa: E402
-from tests.support.random_adapter import write_random_adapter  # noqa: E402
+from dummy_model import dummy_dir, make_dummy_model_dir, shape_info  # noqa: E402
+from random_adapter import write_random_adapter  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 
 def timed_generate(llm, prompts: list[list[int]], params, loras=None) -> tuple[float, int]:

@@ -29,11 +29,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 import torch  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs, matmul_tflops  # noqa: E402
-from tests.support.dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, shape_info  # noqa: E402
+from dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, shape_info  # noqa: E402
 from bench.workload import reference_workload, workload_floor_s  # noqa: E402
 
 

@@ -20,10 +20,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 import torch  # noqa: E402
 
-from tests.support.dummy_model import make_dummy_model_dir  # noqa: E402
+from dummy_model import make_dummy_model_dir  # noqa: E402
 from bench.workload import reference_workload  # noqa: E402
 
 # An object whose one string field stays open (random weights rarely pick the closing quote among

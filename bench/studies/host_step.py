@@ -26,12 +26,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 PARTS = ("schedule", "plan", "apply", "prepare", "sample", "process", "step")
 
 
 def _model_dir(vocab: int) -> Path:
-    from tests.support.dummy_model import SHAPES, _COMMON
+    from dummy_model import SHAPES, _COMMON
 
     out = Path(tempfile.mkdtemp(prefix="open-lmi-host-step-"))
     config = {**_COMMON, **SHAPES["tiny"], "vocab_size": vocab, "bos_token_id": 1, "eos_token_id": 2,

@@ -20,8 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
-from tests.support.dummy_model import dummy_dir, make_dummy_model_dir  # noqa: E402
+from dummy_model import dummy_dir, make_dummy_model_dir  # noqa: E402
 
 
 def main() -> None:

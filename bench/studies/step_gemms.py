@@ -18,12 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs, graphed, matmul_tflops, time_ms  # noqa: E402
-from tests.support.dummy_model import shape_info  # noqa: E402
+from dummy_model import shape_info  # noqa: E402
 
 
 def layer_linears(shape: str) -> list[tuple[str, int, int]]:
