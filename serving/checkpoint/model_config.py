@@ -166,7 +166,7 @@ class ModelArgs:
             if "tie_word_embeddings" in outer:  # the composite model's own setting wins (transformers 5.x)
                 d["tie_word_embeddings"] = outer["tie_word_embeddings"]
         model_type = str(d.get("model_type", ""))
-        spec = architectures.model_type(model_type)
+        spec = architectures.declaration(model_type)
         d = spec.rewrite(d)
         if "text_config" in d and "hidden_size" not in d:
             raise ValueError("multimodal configs (text_config) are not supported")

@@ -72,7 +72,7 @@ def test_registry_refuses_a_class_that_serves_nothing_of_its_own_or_twice() -> N
 
 
 def test_an_undeclared_model_type_gets_the_plain_defaults() -> None:
-    spec = architectures.model_type("bloom")  # sized by sdk, not served: no plain MLP in the server
+    spec = architectures.declaration("bloom")  # sized by sdk, not served: no plain MLP in the server
     assert spec.architecture == "<model_type 'bloom'>" and not spec.plain_mlp and not spec.layer_norm
 
 

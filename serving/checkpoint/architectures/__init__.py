@@ -34,7 +34,7 @@ QK_NORM_ARCHITECTURES = frozenset(
     + [a for a, m in MULTIMODAL.items() if MODEL_TYPES[m.text_model_type].qk_norm])
 
 
-def model_type(name: str) -> ModelType:
+def declaration(name: str) -> ModelType:
     """The declaration of model_type `name`; an undeclared one gets the plain defaults (a Llama-like
     decoder), its architecture a placeholder naming it."""
     return MODEL_TYPES.get(name) or ModelType("", f"<model_type {name!r}>")
