@@ -111,3 +111,21 @@ def test_common_serving_modules_import_no_layer_but_the_entry_points() -> None:
         if bad:
             offenders[f.name] = sorted(bad)
     assert not offenders, f"common modules must not import the layers: {offenders}"
+
+
+def test_serving_reads_only_the_shared_model_type_facts_of_sdk() -> None:
+    """The server may read `sdk/model_types.py` (the one torch-free table the sizing calculator reads
+    too, so the two cannot drift) and nothing else of the client side."""
+    offenders = {}
+    for f in sorted((ROOT / "serving").rglob("*.py")):
+        tree = ast.parse(f.read_text(), filename=str(f))
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods = [f"{node.module}.{a.name}" if node.module == "sdk" else node.module for a in node.names]
+            bad = [m for m in mods if m.split(".")[0] == "sdk" and m != "sdk.model_types"]
+            if bad:
+                offenders.setdefault(str(f.relative_to(ROOT)), []).extend(bad)
+    assert not offenders, f"serving may import only sdk.model_types of sdk: {offenders}"

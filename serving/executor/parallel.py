@@ -2,7 +2,7 @@
 
 One process per GPU, all ranks in one group (the default process group unless one is given).
 Each rank holds a slice of every large weight: attention heads, MLP columns and vocab rows
-(`serving/executor/models/layers.py`). Activations meet in two collectives per layer (sum after
+(`serving/executor/models/linear.py`, `embedding.py`). Activations meet in two collectives per layer (sum after
 o_proj and after down_proj) plus one after the embedding and a gather of the logits.
 
 Single process is the default and costs nothing: until `init_tensor_parallel` runs,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from serving.executor.models.layers import VocabParallelEmbedding
+from serving.executor.models.embedding import VocabParallelEmbedding
 from serving.executor.models.rotary import build_cos_sin_cache
 from serving.executor.parallel import TPShard
 from serving.checkpoint.model_config import ModelArgs

@@ -236,7 +236,7 @@ def test_lm_head_logits_into_a_buffer_equal_the_upcast_logits(buffer_dtype):
     # The decode graphs have the LM head write its bf16 matmul straight into their static buffer:
     # float32 (several ranks: one pass from the matmul), or the weights' dtype on one rank, where
     # the buffer is the matmul's own output (no copy). Either holds exactly the upcast logits.
-    from serving.executor.models.layers import VocabParallelEmbedding
+    from serving.executor.models.embedding import VocabParallelEmbedding
 
     head = VocabParallelEmbedding(50, 16)
     with torch.no_grad():

@@ -31,7 +31,7 @@ from quant_fixtures import (
 from tp_driver import greedy_logits, tp_worker_many
 
 from serving.executor.models import build_model
-from serving.executor.models.layers import OutputPart, PackedColumnParallelLinear, RowParallelLinear
+from serving.executor.models.linear import OutputPart, PackedColumnParallelLinear, RowParallelLinear
 from serving.executor.parallel import TPShard
 from serving.executor.quant import linear_method, process_weights_after_loading
 from serving.executor.weights import init_dummy_weights
