@@ -318,7 +318,10 @@ def part_profile(args, out_dir: Path) -> list[dict]:  # noqa: ANN001
     cmd = [sys.executable, str(ROOT / "bench" / "decode_profile.py"), "--shape", "llama-3-8b", "--tp", args.profile_tp,
            "--custom-ar", "on", "--model-root", args.model_root, "--out-dir", str(out_dir), "--out", str(out)]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=False)
+    try:  # a stuck profiler must not eat the rest of the call (decode follows)
+        subprocess.run(cmd, check=False, timeout=args.profile_timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"decode profile: no result within {args.profile_timeout_s} s, killed", flush=True)
     return json.loads(out.read_text()) if out.is_file() else []
 
 
@@ -331,6 +334,7 @@ def main() -> None:
     ap.add_argument("--tp70b", default="4")
     ap.add_argument("--tp-agree", default="2,4", help="degrees checked against TP=1 in fp32 ('' skips)")
     ap.add_argument("--profile-tp", default="1,4", help="degrees of the decode-step profile (8B shape)")
+    ap.add_argument("--profile-timeout-s", type=int, default=240)
     ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/allreduce_bench"))
     args = ap.parse_args()
