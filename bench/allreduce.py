@@ -13,8 +13,12 @@ TP=1/2/4 and the 70B shape at TP=4, random bf16 weights, custom all-reduce on an
 TP-GPU floor (weights / (TP x copy bandwidth)); then the fp32 greedy agreement of TP=2/4 (custom
 all-reduce on) with TP=1.
 
-  python bench/allreduce.py                      # everything, on 4 GPUs (~5 min); a table at the end
-  python bench/allreduce.py --parts micro        # the all-reduce alone
+Part `profile` (a child `bench/decode_profile.py`): the batch-1 decode graph of the 8B shape on rank 0
+at TP=1 and TP=4 (`--profile-tp`) under torch.profiler: us per step by kernel kind and name, and the
+gaps between kernels, so the per-layer cost above the floor has names.
+
+  python bench/allreduce.py                      # everything, on 4 GPUs (~6 min); a table at the end
+  python bench/allreduce.py --parts micro,profile   # the all-reduce alone, then the decode step's kernels
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench.decode_profile import print_profile  # noqa: E402
 
 SIZES = [16 << 10 << i for i in range(11)]  # 16 KiB .. 16 MiB
 PATHS = ("nccl", "one_shot", "two_shot")
@@ -307,14 +313,28 @@ def print_decode(results: dict) -> None:
             print(f"  {key}: {value}")
 
 
+def part_profile(args, out_dir: Path) -> list[dict]:  # noqa: ANN001
+    out = out_dir / "decode_profile.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "decode_profile.py"), "--shape", "llama-3-8b", "--tp", args.profile_tp,
+           "--custom-ar", "on", "--model-root", args.model_root, "--out-dir", str(out_dir), "--out", str(out)]
+    print("$", " ".join(cmd), flush=True)
+    try:  # a stuck profiler must not eat the rest of the call (decode follows)
+        subprocess.run(cmd, check=False, timeout=args.profile_timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"decode profile: no result within {args.profile_timeout_s} s, killed", flush=True)
+    return json.loads(out.read_text()) if out.is_file() else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="micro,decode")
+    ap.add_argument("--parts", default="micro,profile,decode")
     ap.add_argument("--world", type=int, default=0, help="GPUs for the micro part (default: all, at most 4)")
     ap.add_argument("--decode-parts", default="tp8b,tp70b", help="bench/parallel.py parts run on and off")
     ap.add_argument("--tp8b", default="1,2,4")
     ap.add_argument("--tp70b", default="4")
     ap.add_argument("--tp-agree", default="2,4", help="degrees checked against TP=1 in fp32 ('' skips)")
+    ap.add_argument("--profile-tp", default="1,4", help="degrees of the decode-step profile (8B shape)")
+    ap.add_argument("--profile-timeout-s", type=int, default=240)
     ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/allreduce_bench"))
     args = ap.parse_args()
@@ -324,12 +344,14 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}; torch {torch.__version__}; "
           f"TORCH_SYMM_MEM_DISABLE_MULTICAST={os.environ.get('TORCH_SYMM_MEM_DISABLE_MULTICAST')} "
           f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
-    micro, decode = [], {}
+    micro, profiles, decode = [], [], {}
     for part in args.parts.split(","):
         t0 = time.perf_counter()
         if part == "micro":
             micro = part_micro(world, out_dir)
             print_micro(micro)
+        elif part == "profile":
+            profiles = part_profile(args, out_dir)
         elif part == "decode":
             decode = part_decode(args, out_dir)
         else:
@@ -337,6 +359,8 @@ def main() -> None:
         print(f"== {part}: {time.perf_counter() - t0:.0f} s", flush=True)
     if micro:
         print_micro(micro)
+    for result in profiles:
+        print_profile(result)
     if decode:
         print_decode(decode)
 

@@ -12,6 +12,7 @@ same tokens as one process.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,7 +63,10 @@ def test_switched_off_every_size_takes_nccl(tmp_path):
 
 
 def test_tp2_with_the_custom_all_reduce_gives_tp1_tokens_and_leaves_no_shared_memory(tmp_path):
-    path = str(build_tiny_model("llama", tmp_path / "llama"))
+    # The GPU machine has no embedded default model: take the bench tokenizer where it was carried,
+    # else none at all (the engines below skip the tokenizer and read token ids only).
+    tok = Path(__file__).resolve().parents[3] / ".bench_models" / "tokenizer"
+    path = str(build_tiny_model("llama", tmp_path / "llama", tokenizer_dir=tok if tok.is_dir() else tmp_path / "none"))
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
     # A 24-token budget chunks the longer prompts into steps shared with decodes (mixed-step graphs).
