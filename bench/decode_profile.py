@@ -33,13 +33,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 import torch  # noqa: E402
 
 import bench.parallel  # noqa: E402, F401 - adds the 70B shape to SHAPES
 from bench.ceilings import time_ms  # noqa: E402
 from bench.studies.profile_workload import busy_and_gaps, family  # noqa: E402
-from tests.support.dummy_model import SHAPES, make_dummy_model_dir  # noqa: E402
+from dummy_model import SHAPES, make_dummy_model_dir  # noqa: E402
 
 # The all-reduce's kernels (NCCL's, torch symm_mem's one-/two-shot, their barriers) before the
 # families of bench/studies/profile_workload.py (GEMM, attention, norm, rotary, KV write, ...).
