@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
   >"$OUT/pip.log" 2>&1
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-python3 bench/dummy_model.py "$MODELS" .bench_models/tokenizer >/dev/null
+python3 tests/support/dummy_model.py "$MODELS" .bench_models/tokenizer >/dev/null
 summary=()
 rows=()  # label|load arguments, for the table
 PORT=8080

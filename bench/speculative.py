@@ -26,9 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
-from bench.dummy_model import SHAPES, dummy_dir, make_dummy_model_dir  # noqa: E402
+from dummy_model import SHAPES, dummy_dir, make_dummy_model_dir  # noqa: E402
 from serving.llm import LLM  # noqa: E402
 from serving.sampling_params import SamplingParams  # noqa: E402
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
+from serving.checkpoint.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
 from serving.speculative_config import SpeculativeConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's per-step token budget with chunked prefill
@@ -72,6 +72,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0  # CPU KV budget
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    # vLLM's name: sum tensor-parallel activations with NCCL only, never the symmetric-memory
+    # one-shot / two-shot all-reduce (serving/executor/custom_all_reduce.py; debugging, agreement tests).
+    disable_custom_all_reduce: bool = False
     seed: int = 0
     skip_tokenizer_init: bool = False
     load_format: Literal["auto", "dummy"] = "auto"
@@ -125,6 +128,8 @@ class EngineConfig:
             v = self.max_cpu_loras
             if not isinstance(v, int) or isinstance(v, bool) or v < self.max_loras:
                 raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {v!r}")
+        if not isinstance(self.disable_custom_all_reduce, bool):
+            raise ValueError(f"disable_custom_all_reduce must be a boolean, got {self.disable_custom_all_reduce!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be a boolean, got {self.enable_lora!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:

@@ -404,7 +404,7 @@ def _shared_tokenizer(path: str, revision: str | None, trust_remote_code: bool) 
     key = (path, revision, trust_remote_code)
     with _tokenizer_lock:
         if key not in _tokenizers:
-            from serving.tokenizer import load_tokenizer
+            from serving.engine.tokenizer import load_tokenizer
 
             _tokenizers[key] = load_tokenizer(path, revision, trust_remote_code)
         return _tokenizers[key]
@@ -621,7 +621,7 @@ class EngineProcess:
             return  # heard twice (it connected as the core announced)
         try:
             if not self.config.skip_tokenizer_init:
-                from serving.model_files import resolve_model_dir
+                from serving.checkpoint.model_files import resolve_model_dir
 
                 path = self.config.tokenizer or str(resolve_model_dir(ready.model_dir, self.config.revision))
                 self.tokenizer = _shared_tokenizer(path, self.config.revision, self.config.trust_remote_code)

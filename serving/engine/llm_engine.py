@@ -41,11 +41,11 @@ from serving.executor.executor import Executor, WorkerFailedError
 from serving.executor.factory import make_executor
 from serving.executor.plan import StepOutput, StepPlan
 from serving.lora_request import LoRARequest, UnknownAdapterError
-from serving.model_files import resolve_model_dir
+from serving.checkpoint.model_files import resolve_model_dir
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 from serving.speculative_config import SpeculativeConfig
-from serving.tokenizer import IncrementalDetokenizer, load_tokenizer
+from serving.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("serving.engine.llm_engine")
 

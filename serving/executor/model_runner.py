@@ -26,11 +26,11 @@ from serving.executor.cuda_graphs import DecodeGraphRunner
 from serving.executor.mixed_graphs import MixedGraphRunner
 from serving.executor.lora import LoRAManager
 from serving.engine_config import CacheConfig, EngineConfig
-from serving.model_files import resolve_model_dir
+from serving.checkpoint.model_files import resolve_model_dir
 from serving.executor.models import build_model
 from serving.executor import parallel
-from serving.model_config import check_supported, eos_token_ids, read_json_object
-from serving.model_config import ModelArgs
+from serving.checkpoint.model_config import check_supported, eos_token_ids, read_json_object
+from serving.checkpoint.model_config import ModelArgs
 from serving.executor.sampler import Sampler, generator_seed, to_device
 from serving.executor.batch_state import BatchState, WorkerSeq
 from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPlan
@@ -39,7 +39,7 @@ from serving.executor.step_inputs import StepInputs, prepare_inputs
 from serving.executor.teardown import release_module, release_tensor
 from serving.executor.weights import init_dummy_weights, load_weights
 from serving.executor.quant import check_device
-from serving.quantization import resolve_quantization
+from serving.checkpoint.quantization import resolve_quantization
 
 logger = logging.getLogger(__name__)
 

@@ -2,14 +2,16 @@
 
 One process per GPU, all ranks in one group (the default process group unless one is given).
 Each rank holds a slice of every large weight: attention heads, MLP columns and vocab rows
-(`serving/executor/models/layers.py`). Activations meet in two collectives per layer (sum after
+(`serving/executor/models/linear.py`, `embedding.py`). Activations meet in two collectives per layer (sum after
 o_proj and after down_proj) plus one after the embedding and a gather of the logits.
 
 Single process is the default and costs nothing: until `init_tensor_parallel` runs,
 `tp_world_size()` is 1, `tp_shard()` is `TPShard(0, 1)` and every collective below returns its
-input without calling torch.distributed. The collectives are plain
-`torch.distributed` calls with no host synchronisation and no branching on tensor values, so
-they can be captured in CUDA graphs (NCCL), and run on CPU with gloo for tests.
+input without calling torch.distributed. The collectives have no host synchronisation and no
+branching on tensor values, so they can be captured in CUDA graphs, and run on CPU with gloo for
+tests. `all_reduce` takes the custom all-reduce (symmetric memory, `custom_all_reduce.py`: one-shot
+or two-shot over peer-to-peer buffers, microseconds at decode sizes) where `init_tensor_parallel`
+could set it up and the message's size and dtype suit it, the process group's (NCCL, gloo) else.
 
 How shapes split over `tp` ranks (`validate_tensor_parallel` rejects the rest):
 - KV heads, when tp <= num_kv_heads: contiguous runs, as even as they go (rank r holds
@@ -31,8 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from serving.executor.custom_all_reduce import CustomAllReduce
+
 if TYPE_CHECKING:
-    from serving.model_config import ModelArgs
+    from serving.checkpoint.model_config import ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,7 @@ class TPShard:
 
 _shard = TPShard()
 _group: dist.ProcessGroup | None = None  # None: the default process group
+_custom: CustomAllReduce | None = None  # the small-message all-reduce, where it could be set up
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch
 
 
@@ -68,6 +73,7 @@ def init_tensor_parallel(
     backend: str | None = None,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    custom_all_reduce: bool = True,
 ) -> TPShard:
     """Join the tensor-parallel group as `rank` of `world_size`; returns this process's shard.
 
@@ -76,10 +82,13 @@ def init_tensor_parallel(
     default the current CUDA device: set it first (`torch.cuda.set_device`), one GPU per rank.
     `group` makes the collectives use a sub-group instead of the default group. One warm-up
     all-reduce runs eagerly, so the communicator exists before any CUDA-graph capture.
+    With NCCL the custom all-reduce is set up too (a collective; off when `custom_all_reduce` is
+    False or OPEN_LMI_DISABLE_CUSTOM_ALL_REDUCE=1; any failure falls back to NCCL, logged once).
     `world_size == 1` initialises nothing.
     """
-    global _shard, _group
+    global _shard, _group, _custom
     shard = TPShard(rank, world_size)
+    _close_custom()
     if world_size == 1:
         _shard, _group = shard, None
         return shard
@@ -97,6 +106,7 @@ def init_tensor_parallel(
                          f"asked for rank {rank} of {world_size}")
     _shard, _group = shard, group
     all_reduce(torch.ones(1, device=device))
+    _custom = CustomAllReduce.create(group, device, enabled=custom_all_reduce)
     logger.info("tensor parallel: rank %d of %d (%s on %s)", rank, world_size, backend, device)
     return shard
 
@@ -104,6 +114,7 @@ def init_tensor_parallel(
 def destroy_tensor_parallel() -> None:
     """Leave the group (destroys the default process group if one exists); back to single process."""
     global _shard, _group
+    _close_custom()
     _shard, _group = TPShard(), None
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -122,11 +133,31 @@ def tp_world_size() -> int:
     return _shard.world_size
 
 
+def _close_custom() -> None:
+    global _custom
+    if _custom is not None:
+        _custom.close()
+    _custom = None
+
+
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
     """Sum `t` over the tensor-parallel ranks, in place; returns `t` (untouched on one rank)."""
     if _shard.world_size > 1:
-        dist.all_reduce(t, group=_group)
+        path = _custom.policy.path(t) if _custom is not None else None
+        if path is not None:
+            _custom.run(t, path)
+        else:
+            dist.all_reduce(t, group=_group)
     return t
+
+
+def all_reduce_path(t: torch.Tensor) -> str:
+    """Which all-reduce `all_reduce(t)` takes: "none" (one rank), "one_shot" / "two_shot" (the
+    custom all-reduce) or the process group's backend ("nccl", "gloo")."""
+    if _shard.world_size == 1:
+        return "none"
+    path = _custom.policy.path(t) if _custom is not None else None
+    return path if path is not None else str(dist.get_backend(_group))
 
 
 def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:

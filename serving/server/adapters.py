@@ -4,7 +4,7 @@
 one writer of adapters: at start (`<model dir>/adapters/<name>/`, before /ping turns 200) and
 through DJL's management API (`POST|GET /models/{model}/adapters`, `GET|DELETE
 /models/{model}/adapters/{name}`; `management_*` below build its answers), which is off unless the
-operator allows sources (`serving/adapter_allowlist.py`); API registrations are journaled so a
+operator allows sources (`serving/server/settings/adapter_allowlist.py`); API registrations are journaled so a
 replaced worker registers them again (`serving/server/adapter_journal.py`). `select_adapters`
 merges the three ways a request names an adapter: the `adapter` custom attribute (SageMaker's
 way), LMI's body field `adapters`, and on `/v1/*` the `model` field (vLLM's way).
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from serving.adapter_allowlist import SourceNotAllowed, check_allowed
-from serving.adapter_source import check_adapter_name, fetch_adapter, find_adapters
-from serving.config import ServingConfig
+from serving.server.settings.adapter_allowlist import SourceNotAllowed, check_allowed
+from serving.server.settings.adapter_source import check_adapter_name, fetch_adapter, find_adapters
+from serving.server.settings.config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.lora_request import LoRARequest
 from serving.server.adapter_journal import AdapterJournal

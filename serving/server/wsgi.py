@@ -21,7 +21,7 @@ import threading
 import time
 
 from serving.server.app import create_app
-from serving.config import ServingConfig, config_from_env
+from serving.server.settings.config import ServingConfig, config_from_env
 from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
 from serving.engine.client import EngineClient
@@ -133,7 +133,7 @@ _resolved: list = []
 
 def _resolved_model():  # noqa: ANN202 - Path | None
     """Fetch the model (S3 / hub / local / default) once for every copy."""
-    from serving.model_source import resolve_model
+    from serving.server.settings.model_source import resolve_model
 
     with _resolve_lock:
         if not _resolved:

@@ -20,11 +20,10 @@ import signal
 import statistics
 import threading
 import time
-from pathlib import Path
-
 import pytest
 import requests
 from lmi_server import LMIServer, check_jsonlines, engine_cores, frontend_of, frontends
+from processes import alive
 
 pytestmark = pytest.mark.slow
 QUEUE = 6  # job_queue_size of the copies server
@@ -110,8 +109,7 @@ def copies(tmp_path_factory, lora):
                 srv.stop()
                 assert srv.proc.returncode == 0, srv.log()[-3000:]
                 time.sleep(0.5)
-                assert not [p for p in cores + workers if Path(f"/proc/{p}").exists()
-                            and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[1][:3]]
+                assert not [p for p in cores + workers if alive(p)]
                 assert not list(cwd.glob("open-lmi-cores-*")), "the cores' sockets and files are removed"
         yield srv
     finally:

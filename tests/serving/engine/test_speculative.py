@@ -1,0 +1,227 @@
+"""Speculative decoding (issue 29): prompt lookup proposals verified inside the rolling batch.
+
+Oracle for greedy output: the same engine without speculation (itself token-identical with
+transformers, tests/serving/test_engine_identity.py). Speculation must change nothing a caller
+sees: tokens, text, stop strings, max_tokens, logprobs, seeded reproducibility; streamed deltas
+carry one token each. The sampled path's oracle is the target distribution itself
+(`test_rejection_sampling_follows_the_target`). One ModelRunner on the embedded model is shared
+by this module's engines.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from shared_runner import llms_on_runner
+
+from serving.engine.ngram_proposer import propose_ngram
+from serving.engine_config import EngineConfig
+from serving.executor.spec_verify import verify_drafts
+from serving.llm import LLM
+from serving.sampling_params import SamplingParams
+from serving.speculative_config import SpeculativeConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+# Input-grounded prompts (the output copies spans of the prompt) and one that does not.
+GROUNDED = [
+    "Repeat the sentence exactly.\nSentence: the quick brown fox jumps over the lazy dog near the river bank.\n"
+    "Repeated: the quick brown fox",
+    "def area(width, height):\n    return width * height\n\n# The same function, renamed to rect_area:\n"
+    "def rect_area(width, height):\n",
+    'Extract the fields as JSON.\nText: Name: Alice Smith, Age: 34, City: Paris.\nJSON: {"name": "Alice',
+    "The capital of France is",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):  # noqa: ANN001, ANN201
+    from serving.executor.model_runner import ModelRunner
+    from serving.engine.tokenizer import load_tokenizer
+
+    d = str(smollm2_path)
+    return d, ModelRunner(EngineConfig(model=d, block_size=4, num_gpu_blocks_override=400, dtype="float32")), \
+        load_tokenizer(d)
+
+
+@pytest.fixture
+def make_llm(smol):  # noqa: ANN001, ANN201
+    """An LLM on the shared runner; on teardown every KV block must be free again."""
+    d, runner, tokenizer = smol
+    with llms_on_runner(d, runner, tokenizer, block_size=4, max_num_seqs=8) as make:
+        yield make
+
+
+def _generate(llm: LLM, prompts: list[str], params) -> list:  # noqa: ANN001
+    """`llm.generate` on the shared runner, which forgets the sequences of whichever engine ran last."""
+    llm.llm_engine.executor.reset()
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _tokens(llm: LLM, prompts: list[str], params) -> list[tuple[int, ...]]:  # noqa: ANN001
+    return [tuple(o.token_ids) for o in _generate(llm, prompts, params)]
+
+
+def _spec(llm: LLM) -> dict:
+    return {k: v for k, v in llm.llm_engine.stats().items() if k.startswith("spec_decode_")}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_identity_mixed_batch_chunked_preempted_prefix_hits(make_llm, async_scheduling) -> None:  # noqa: ANN001
+    # 20-token steps chunk every prompt; 40 blocks of 4 cannot hold the 6 samples at once: preemption.
+    # The repetition-penalty requests cannot be verified exactly here: they decode plainly in the same steps.
+    params = [GREEDY] * len(GROUNDED) + [SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3)] * 2
+    prompts = GROUNDED + GROUNDED[:2]
+    options = dict(max_num_batched_tokens=20, num_gpu_blocks_override=40, async_scheduling=async_scheduling)
+    expected = _tokens(make_llm(**options), prompts, params)
+    llm = make_llm(speculative_config=NGRAM, **options)
+    assert _tokens(llm, prompts, params) == expected
+    assert _tokens(llm, prompts[:2], params[:2]) == expected[:2]  # again: prefix-cache hits
+    engine = llm.llm_engine
+    assert engine.block_manager.num_prefix_hits > 0 and engine.scheduler.num_preemptions > 0
+    spec = _spec(llm)
+    assert spec["spec_decode_num_accepted_tokens"] > 0 and spec["spec_decode_num_drafts"] > 0
+    assert spec["spec_decode_num_accepted_tokens"] < spec["spec_decode_num_draft_tokens"]  # some were rolled back
+
+
+def test_streaming_stops_max_tokens_logprobs_and_seed(make_llm) -> None:  # noqa: ANN001
+    plain, spec = make_llm(), make_llm(speculative_config=NGRAM)
+    # logprobs and an odd max_tokens: the same tokens and (to float tolerance) the same logprobs
+    params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, logprobs=2)
+    for x, y in zip(_generate(plain, GROUNDED, params), _generate(spec, GROUNDED, params)):
+        assert x.token_ids == y.token_ids and len(y.token_ids) == 13
+        assert y.cumulative_logprob == pytest.approx(x.cumulative_logprob, abs=1e-3)
+        for lx, ly in zip(x.logprobs, y.logprobs):
+            assert lx.keys() == ly.keys()
+    # a stop string inside the text: cut at the same place, whatever the verify step ran past it
+    text = _generate(plain, GROUNDED[:1], GREEDY)[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stopped = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop])
+    a, b = (_generate(llm, GROUNDED[:1], stopped)[0] for llm in (plain, spec))
+    assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason, stop)
+    # seeded sampling: the same tokens every time (alone or beside other requests)
+    seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=7, ignore_eos=True)
+    first = _tokens(spec, GROUNDED[:1], seeded)
+    assert _tokens(spec, GROUNDED, seeded)[0] == first[0]
+    # streaming: each delta carries one token, and the deltas add up to the plain output
+    engine = spec.llm_engine
+    engine.executor.reset()
+    before = engine.stats()["spec_decode_num_accepted_tokens"]
+    engine.add_request("s", GROUNDED[0], GREEDY)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > before  # several tokens came in one step
+    assert all(len(d.token_ids) == 1 for d in deltas)
+    assert [d.finish_reason for d in deltas].count("length") == 1 and deltas[-1].finish_reason == "length"
+    assert tuple(t for d in deltas for t in d.token_ids) == _tokens(plain, GROUNDED[:1], GREEDY)[0]
+
+
+def test_large_batch_and_poor_acceptance_turn_speculation_off(make_llm) -> None:  # noqa: ANN001
+    off_by_size = make_llm(speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    _tokens(off_by_size, GROUNDED, GREEDY)  # 4 running sequences: none speculates
+    assert _spec(off_by_size)["spec_decode_num_drafts"] == 0
+    # a floor no proposal reaches: after one window a sequence stops proposing for a window
+    floor = make_llm(speculative_config={**NGRAM, "acceptance_floor": 1.0, "acceptance_window": 4})
+    free = make_llm(speculative_config=NGRAM)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    assert _tokens(floor, GROUNDED[3:], long) == _tokens(free, GROUNDED[3:], long)
+    assert 0 < _spec(floor)["spec_decode_num_draft_tokens"] < _spec(free)["spec_decode_num_draft_tokens"]
+
+
+def test_tiny_llama_greedy_identity(tiny_models) -> None:  # noqa: ANN001
+    options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05,
+                   max_num_batched_tokens=16, max_num_seqs=8)
+    path = str(tiny_models("llama"))
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # random weights loop: lookups land
+    expected = _tokens(LLM(path, **options), GROUNDED, long)
+    llm = LLM(path, speculative_config=NGRAM, **options)
+    assert _tokens(llm, GROUNDED, long) == expected
+    assert _spec(llm)["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.slow
+def test_tp2_greedy_identity(smollm2_path) -> None:  # noqa: ANN001
+    options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05)
+    expected = _tokens(LLM(str(smollm2_path), **options), GROUNDED, GREEDY)
+    llm = LLM(str(smollm2_path), tensor_parallel_size=2, speculative_config=NGRAM, **options)
+    try:
+        assert _tokens(llm, GROUNDED, GREEDY) == expected
+        assert _spec(llm)["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("truncate", [{}, {"top_k": 4}, {"top_p": 0.8}], ids=["temperature", "top_k", "top_p"])
+def test_rejection_sampling_follows_the_target(truncate) -> None:  # noqa: ANN001
+    """Each emitted position follows the target's distribution, whatever the drafts were: the
+    first token's law is p0, the second's (after the first draft was accepted) p1."""
+    torch.manual_seed(0)
+    vocab, n = 6, 30000
+    logits = torch.randn(3, vocab) * 1.5
+    params = SamplingParams(temperature=0.9, **truncate)
+    drafts = [int(logits[0].argmax()), int(logits[1].argmin())]  # a likely and an unlikely draft
+    from serving.executor.sampler import _truncate
+
+    target = torch.softmax(_truncate(logits / 0.9, [params] * 3), dim=-1)
+    g = torch.Generator().manual_seed(1)
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab)
+    for _ in range(n):
+        out = verify_drafts(logits, drafts, params, g)
+        first[out[0].token_id] += 1
+        if out[0].token_id == drafts[0]:
+            second[out[1].token_id] += 1
+    tv0 = 0.5 * (first / n - target[0]).abs().sum().item()
+    tv1 = 0.5 * (second / second.sum() - target[1]).abs().sum().item()
+    # ~3x the sampling noise of 6 cells at these counts; a sampler that drew the rejection
+    # token from p (not p without the draft) is off by ~p(d) * (1 - p(d)) (> 0.1 here).
+    assert tv0 < 0.02 and tv1 < 0.03, (tv0, tv1)
+
+
+def test_greedy_verification_takes_the_agreeing_prefix() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    greedy = SamplingParams(temperature=0.0)
+    g = torch.Generator()
+    assert [t.token_id for t in verify_drafts(logits, [1, 0], greedy, g)] == [1, 0, 2]  # all accepted + bonus
+    assert [t.token_id for t in verify_drafts(logits, [1, 2], greedy, g)] == [1, 0]  # second rejected
+    assert [t.token_id for t in verify_drafts(logits, [2, 0], greedy, g)] == [1]
+    assert [t.token_id for t in verify_drafts(logits, [2, 2], greedy, g, force="all")] == [2, 2, 2]
+    assert [t.token_id for t in verify_drafts(logits, [1, 0], greedy, g, force="none")] == [1]
+
+
+def test_ngram_proposals() -> None:
+    ids = [5, 6, 7, 8, 9, 1, 5, 6, 7]
+    assert propose_ngram(ids, 3, 3, 1) == [8, 9, 1]  # [5, 6, 7] seen before: what followed it
+    assert propose_ngram([1, 2, 3, 4], 3, 3, 1) == []  # no earlier occurrence of any suffix
+    assert propose_ngram([3, 1, 9, 9, 2, 3], 2, 3, 2) == []  # only the 1-gram [3] recurs; min is 2
+    assert propose_ngram([3, 1, 9, 9, 2, 3], 2, 3, 1) == [1, 9]
+    assert propose_ngram([4, 4, 4, 4, 4], 2, 2, 1) == [4, 4]  # a loop: an occurrence with k tokens after it
+    assert propose_ngram([7, 1, 2, 7, 3, 4, 7], 2, 1, 1) == [3, 4]  # the latest such occurrence
+    assert propose_ngram([4, 4, 4], 5, 2, 1) == [4]  # none has k after it: the earliest (the longest run)
+
+
+def test_config_parsing() -> None:
+    assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}') \
+        .speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    for bad, says in (({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                      ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                      ({"k": 2}, "unknown key"), ("[1]", "object")):
+        with pytest.raises(ValueError, match=says):
+            EngineConfig(speculative_config=bad)
+
+
+def test_metrics_export_vllm_counters() -> None:
+    from serving.server.metrics import Metrics
+
+    stats = {"spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 20, "spec_decode_num_accepted_tokens": 7,
+             "spec_decode_num_accepted_tokens_pos_0": 4, "spec_decode_num_accepted_tokens_pos_1": 3}
+    text = Metrics(lambda: stats, lambda: 0).render().decode()
+    assert "lmi_spec_decode_num_draft_tokens_total 20.0" in text
+    assert "lmi_spec_decode_num_accepted_tokens_total 7.0" in text
+    assert 'lmi_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3.0' in text
+    assert "spec_decode" not in Metrics(lambda: {}, lambda: 0).render().decode()

@@ -1,0 +1,118 @@
+"""Quantized models on the GPU (issue 12): the Triton kernels inside whole models, bf16.
+
+Each tiny quantized Llama (GPTQ desc_act, AWQ, FP8 checkpoint, and `quantization="fp8"` on the
+bf16 base) runs one prefill on CUDA; its logits must match the same model with the dequantised
+weights run unquantized in bf16 (relative error of the logits), and the 8B-shape GPTQ int4 g128
+dummy model (what bench/latency.py --quantize gptq runs) starts with CUDA graphs and generates.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from model_fixtures import build_tiny_model
+from quant_fixtures import Format, write_quantized
+
+from serving.executor.attention_metadata import AttentionMetadata, forward_context
+from serving.executor.models import build_model
+from serving.executor.weights import load_weights
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import resolve_quantization
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = {
+    "gptq_desc_act": Format("gptq", 4, 32, desc_act=True),
+    "gptq_int8_per_channel": Format("gptq", 8, None, sym=True, v1=False),
+    "awq": Format("awq", 4, 64),
+    "fp8": Format("fp8", per_channel=True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant_gpu")
+    # No tokenizer (these tests read logits): the default model, the usual source of tokenizer
+    # files, is not installed on a GPU machine that only has the bench's packages.
+    (root / "no_tokenizer").mkdir()
+    base = build_tiny_model("llama", root / "base", tokenizer_dir=root / "no_tokenizer")
+    out = {name: write_quantized(base, root / name, fmt) for name, fmt in FORMATS.items()}
+    out["base"] = base
+    return out
+
+
+@torch.inference_mode()
+def _prefill_logits(model_dir: Path, option: str | None = None) -> torch.Tensor:
+    """Logits [T, vocab] of one 24-token prefill on CUDA in bf16."""
+    device = torch.device("cuda")
+    config = json.loads((model_dir / "config.json").read_text())
+    args = ModelArgs.from_dict(config)
+    model = build_model(args, torch.bfloat16, device, quant=resolve_quantization(model_dir, config, option))
+    load_weights(model, model_dir)
+    block, tokens = 16, 24
+    kv = torch.zeros(2, args.num_hidden_layers, 4, block, model.num_kv_heads_per_rank, args.head_dim,
+                     dtype=torch.bfloat16, device=device)
+    for i, layer in enumerate(model.attention_layers):
+        layer.bind_kv_cache(kv[0, i], kv[1, i])
+    ids = torch.arange(100, 100 + tokens, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, device=device), query_start_loc=torch.tensor([0, tokens], dtype=torch.int32,
+                                                                                       device=device),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(4, dtype=torch.int32, device=device).view(1, 4), num_decodes=0,
+        num_decode_tokens=0, max_query_len=tokens, max_seq_len=tokens)
+    with forward_context(meta):
+        return model.compute_logits(model(ids, torch.arange(tokens, device=device))).float()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_quantized_checkpoint_logits_match_the_dequantised_model(name, checkpoints):
+    """Int formats differ from the oracle by bf16 rounding only (the oracle rounds each dequantised
+    weight to bf16, the kernels keep it in fp32): ~2 % of the logits here (H200: int8 2.02 %).
+    FP8 also quantizes every activation to e4m3 per token: 3 mantissa bits round by <= 1/16
+    (~3.6 % RMS), and the logits pass 8 such GEMMs in series (√8 x 3.6 % ≈ 10 %; H200: 11.4 %)."""
+    got = _prefill_logits(checkpoints[name])
+    want = _prefill_logits(checkpoints[name] / "oracle")
+    assert _rel_err(got, want) < (0.15 if name == "fp8" else 3e-2), name
+    assert packed_rows_are_contiguous(checkpoints[name])
+
+
+def packed_rows_are_contiguous(model_dir: Path) -> bool:
+    """The int kernels read packed words by row: every layer's qweight must be contiguous after load."""
+    config = json.loads((model_dir / "config.json").read_text())
+    model = build_model(ModelArgs.from_dict(config), torch.bfloat16, torch.device("cuda"),
+                        quant=resolve_quantization(model_dir, config, None))
+    load_weights(model, model_dir)
+    return all(p.is_contiguous() for n, p in model.named_parameters() if n.endswith("qweight"))
+
+
+def test_fp8_at_load_is_close_to_bf16(checkpoints):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 conversion at load needs sm_89+")
+    # weights rounded to e4m3 too (per channel), on top of the activations: ~√2 x the error above
+    # (H200: 16.8 %)
+    got = _prefill_logits(checkpoints["base"], "fp8")
+    want = _prefill_logits(checkpoints["base"])
+    assert _rel_err(got, want) < 0.22
+
+
+def test_8b_shape_gptq_int4_dummy_generates(tmp_path):
+    from dummy_model import make_dummy_model_dir
+
+    from serving import LLM, SamplingParams
+
+    model_dir = make_dummy_model_dir("llama-3-8b", tmp_path / "m", None, "gptq")
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=8, max_model_len=1024,
+              gpu_memory_utilization=0.5, skip_tokenizer_init=True, quantization="gptq")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": list(range(1000, 1000 + n))} for n in (5, 77)], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16]
+    layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj  # int4 [14336 / 8, 4096]
+    assert layer.qweight.shape == (1792, 4096) and layer.qweight.dtype == torch.int32
