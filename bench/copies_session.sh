@@ -94,8 +94,8 @@ for stage in $STAGES; do
         load profile_sat --rate 128 --num-prompts 1536 &
         lpid=$!
         sleep 10
-        worker=$(pgrep -P "$SPID" | head -1)  # serve exec'd gunicorn: SPID is the arbiter
-        core=$(pgrep -P "$worker" -f 'multiprocessing.spawn' | head -1)
+        worker=$(pgrep -P "$SPID" -f 'serving.server.wsgi' | head -1)  # serve exec'd gunicorn: SPID is the arbiter
+        core=$(pgrep -P "$SPID" -f 'multiprocessing.spawn' | head -1)  # the engine cores are the arbiter's children
         summary+=("  profiled: arbiter $SPID, worker $worker, engine core $core")
         timeout 30 py-spy record --gil --nonblocking --duration 10 --rate 200 --format raw -o "$OUT/prof_http.txt" \
           --pid "$worker" >"$OUT/pyspy.log" 2>&1 &

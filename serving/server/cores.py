@@ -109,7 +109,7 @@ class ServerCores:
                     if core.exited:
                         logger.error("engine core %d (pid %s) exited: starting a fresh one", index, core.proc.pid)
                         self.restarts += 1
-                        core.start()
+                        core.start(load_error)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every core (SIGTERM, then SIGKILL), then remove the sockets and the shared files."""
