@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -40,6 +41,10 @@ logger = logging.getLogger("serving.server.cores")
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode reads it at import
 _WATCH_S = 0.25  # how often the arbiter's core thread looks for a core that exited
+
+_THREAD_IMPORTS = ("concurrent.futures.process", "multiprocessing.connection", "multiprocessing.popen_spawn_posix",
+                   "multiprocessing.queues", "multiprocessing.reduction", "multiprocessing.resource_tracker",
+                   "multiprocessing.spawn", "multiprocessing.synchronize", "multiprocessing.util")
 
 CURRENT: ServerCores | None = None  # set in the arbiter by `start`; the workers inherit it by fork
 
@@ -139,6 +144,11 @@ def start(config: ServingConfig) -> ServerCores:
     """In the arbiter, before any worker: create the shared state and start the cores (see module doc)."""
     global CURRENT
     assert CURRENT is None, "the engine cores are started once"
+    # What the core thread imports, imported here first: gunicorn forks the workers while that thread
+    # runs, and a worker forked in the middle of an import keeps a half-initialized module (seen:
+    # `multiprocessing.resource_tracker`, which torch then failed to import in the worker).
+    for module in _THREAD_IMPORTS:
+        importlib.import_module(module)
     cores = ServerCores(config)
     os.environ[METRICS_DIR_ENV] = cores.metrics_dir
     # The worker class brought prometheus_client into the arbiter already: choose its value class
