@@ -1,7 +1,8 @@
 """ReplicaSet: model copies behind one endpoint (fake executors, real EngineLoops and engines).
 
-Routing goes to the copy with the fewest open requests; a prompt whose first 64 tokens were
-seen goes back to the copy that served them unless that copy is busier by more than the slack;
+Routing goes to the copy with the fewest open requests; a prompt long enough for affinity goes to
+its prefix's home copy (the same in every process: several frontends agree) unless that copy is
+busier by more than the slack;
 one dead copy makes the set dead; gauges are summed over the copies.
 """
 
@@ -79,5 +80,30 @@ def test_one_dead_copy_makes_the_set_dead():
         ends = sorted(collect(s)[-1].finish_reason for s in streams)
         assert ends == ["error", "length"]
         assert replicas.state is EngineState.DEAD and "boom" in str(replicas.error) and replicas.was_ready
+    finally:
+        replicas.close()
+
+
+def test_a_prefix_has_the_same_home_copy_in_every_frontend_and_process():
+    import subprocess
+    import sys
+
+    replicas = _set([FakeRunner(), FakeRunner(), FakeRunner()], affinity_tokens=8)
+    try:
+        prompts = [[i, i + 1] * 4 + [99] for i in range(12)] + [f"system prompt {i}: be brief. " for i in range(12)]
+        homes = [replicas.route(p) for p in prompts]
+        again = _set([FakeRunner(), FakeRunner(), FakeRunner()], affinity_tokens=8)  # another frontend
+        try:
+            assert [again.route(p) for p in prompts] == homes
+        finally:
+            again.close()
+        assert len(set(homes)) == 3  # the prefixes spread over the copies
+        # Another process (Python's own str hash is salted per process; the home is not).
+        code = ("from serving.engine.replicas import ReplicaSet\n"
+                "r = ReplicaSet.__new__(ReplicaSet); r.affinity_tokens = 8\n"
+                f"print([r._prefix_key(p, None) % 3 for p in {prompts!r}])")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={"PYTHONHASHSEED": "random", "PYTHONPATH": ":".join(sys.path)})
+        assert out.stdout.strip() == str(homes), out.stderr
     finally:
         replicas.close()
