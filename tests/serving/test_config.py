@@ -249,6 +249,31 @@ def test_every_key_has_accepts_text_and_a_parsable_default():
         assert key.accepts and key.name
 
 
+def test_the_table_restates_no_field_default():
+    """A table `default=` is written only where the container's unset value differs from the field's."""
+    import dataclasses
+
+    from serving.engine_config import EngineConfig
+    from serving.server.settings.config import ServingConfig, key_default
+    from serving.server.settings.config_keys import FIELD_DEFAULT
+
+    def field_default(target):
+        cls, name = (EngineConfig, target[len("engine."):]) if target.startswith("engine.") else (ServingConfig, target)
+        return {f.name: f.default for f in dataclasses.fields(cls)}[name]
+
+    explicit = {k.name for k in KEYS if k.default is not FIELD_DEFAULT}
+    assert explicit == {"option.tensor_parallel_degree", "option.max_prefill_tokens_while_decoding",
+                        "option.makespan_step_tokens", "option.served_model_name", "option.engine_process"}
+    for key in KEYS:
+        if key.name in explicit:
+            assert key.default != field_default(key.target), key.name  # else it restates the field
+        else:
+            assert key_default(key) == field_default(key.target), key.name
+    cfg = load_config({"OPTION_DEVICE": "cpu"}, [])  # unset keys resolve to the fields' defaults
+    assert cfg.engine.max_num_seqs == EngineConfig().max_num_seqs and cfg.engine.block_size == EngineConfig().block_size
+    assert cfg.threads == 0 and cfg.runtime_adapter_sources == () and cfg.engine.makespan_step_tokens == 0
+
+
 def test_read_properties_continuations(tmp_path):
     p = tmp_path / "s.properties"
     p.write_text("a=1\n! bang comment\nb = two \\\n  words\nc:3\n")

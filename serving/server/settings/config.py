@@ -19,6 +19,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from serving.server.settings.config_keys import (
+    FIELD_DEFAULT,
     IGNORED_KEYS,
     KEYS,
     PREFILL_TOKENS_WHILE_DECODING,
@@ -277,6 +278,17 @@ def _lookup(raw: Mapping[str, tuple[str, str]], key: Key) -> tuple[str, str] | N
     return None
 
 
+def key_default(key: Key) -> object:
+    """What an unset key resolves to: the table's `default`, else its target field's own default."""
+    if key.default is not FIELD_DEFAULT:
+        return key.default
+    cls, name = (EngineConfig, key.target.removeprefix("engine.")) if key.target.startswith("engine.") else (
+        ServingConfig, key.target)
+    found = next(f for f in dataclasses.fields(cls) if f.name == name)
+    assert found.default is not dataclasses.MISSING, f"{key.name}: {cls.__name__}.{name} has no plain default"
+    return found.default
+
+
 def _count_gpus() -> int:
     try:
         import torch
@@ -324,7 +336,7 @@ def load_config(
     for key in KEYS:
         hit = _lookup(raw, key)
         if hit is None:
-            values[key.target] = key.default
+            values[key.target] = key_default(key)
             sources[key.target] = "default"
             continue
         text, source = hit
