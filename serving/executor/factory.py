@@ -21,7 +21,7 @@ def make_executor(config: EngineConfig, model_dir: str | None, devices: tuple[st
     """
     tp = config.tensor_parallel_size
     if devices is None:
-        devices = default_devices(config, tp)
+        devices = config.rank_devices(visible_device_count(config))
     if len(devices) != tp:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, got {list(devices)}")
     if multiprocess is None:
@@ -36,18 +36,7 @@ def visible_device_count(config: EngineConfig) -> int:
     import torch
 
     if config.device == "cpu" or not torch.cuda.is_available():
-        return 0
-    return torch.cuda.device_count()
-
-
-def default_devices(config: EngineConfig, count: int, first: int = 0) -> tuple[str, ...]:
-    """`count` devices from index `first`: GPUs when the engine runs on CUDA, else CPU ranks."""
-    gpus = visible_device_count(config)
-    if gpus == 0:
         if config.device == "cuda":
             raise RuntimeError("device='cuda' was asked for but CUDA is not available")
-        return ("cpu",) * count
-    if first + count > gpus:
-        raise ValueError(f"tensor_parallel_degree={count} (from device {first}) exceeds the {gpus} visible GPUs; "
-                         "lower TENSOR_PARALLEL_DEGREE / option.tensor_parallel_degree")
-    return tuple(f"cuda:{first + i}" for i in range(count))
+        return 0
+    return torch.cuda.device_count()

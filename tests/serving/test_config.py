@@ -106,6 +106,16 @@ def test_max_workers_sets_the_model_copies_on_cpu_and_gpus():
         cfg({"SERVING_MAX_WORKERS": "0"}, 0)
 
 
+def test_rank_devices_is_the_one_layout_of_copies_and_ranks():
+    from serving.engine_config import EngineConfig
+
+    two = EngineConfig(tensor_parallel_size=2)
+    assert two.rank_devices(0) == ("cpu", "cpu") and two.rank_devices(0, copy=3) == ("cpu", "cpu")
+    assert two.rank_devices(4, copy=1) == ("cuda:2", "cuda:3")
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 \(from device 2\) exceeds the 3 visible GPUs"):
+        two.rank_devices(3, copy=1)
+
+
 def test_async_scheduling_is_auto_unless_set():
     assert load_config({}, []).engine.async_scheduling is None
     assert load_config({"OPTION_ASYNC_SCHEDULING": "true"}, []).engine.async_scheduling is True

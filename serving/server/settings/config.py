@@ -108,11 +108,8 @@ class ServingConfig:
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def copy_devices(self) -> list[tuple[str, ...]]:
-        """The devices of each model copy: copy c holds GPUs c*tp .. c*tp+tp-1 (CPU ranks without GPUs)."""
-        tp = self.engine.tensor_parallel_size
-        if not self.gpu_count:
-            return [("cpu",) * tp] * self.model_copies
-        return [tuple(f"cuda:{c * tp + i}" for i in range(tp)) for c in range(self.model_copies)]
+        """The devices of each model copy (`EngineConfig.rank_devices`, on the GPUs counted at start)."""
+        return [self.engine.rank_devices(self.gpu_count, c) for c in range(self.model_copies)]
 
     @property
     def gunicorn_threads(self) -> int:
