@@ -368,3 +368,25 @@ def test_properties_file_that_is_not_utf8_names_the_file(tmp_path):
     p.write_bytes(b"option.model_id=caf\xe9\noption.dtype=fp16\n")  # Latin-1, as some editors save it
     with pytest.raises(ConfigError, match=rf"{re.escape(str(p))} is not UTF-8 text \(byte 19"):
         load_config({}, [p])
+
+
+def test_resolved_config_crosses_exec_as_json_and_is_parsed_once_per_process_tree():
+    """container/serve -> RESOLVED_ENV -> gunicorn.conf (arbiter) parses; the forked worker reuses it."""
+    import os
+
+    from serving.server.settings import config as config_module
+
+    env = {"HF_MODEL_ID": "org/m", "OPTION_MAX_ROLLING_BATCH_SIZE": "8", "OPTION_DEVICE": "cpu",
+           "OPTION_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'}
+    resolved = load_config(env, [])
+    handed = {config_module.RESOLVED_ENV: config_module.resolved_to_env(resolved)}
+    arbiter = config_module.config_from_env(handed)
+    assert arbiter == resolved and arbiter.engine.speculative_config == resolved.engine.speculative_config
+    assert arbiter.sources["engine.max_num_seqs"] == "env OPTION_MAX_ROLLING_BATCH_SIZE"
+    parsed = config_module._parse_resolved.cache_info().misses
+    pid = os.fork()
+    if pid == 0:  # the worker: the same object, no second parse
+        same = config_module.config_from_env(dict(handed)) is arbiter
+        os._exit(0 if same and config_module._parse_resolved.cache_info().misses == parsed else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -10,6 +10,7 @@ in `serving/server/settings/config_keys.py`; each resolved value remembers where
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -347,8 +348,10 @@ def load_config(
 
 
 RESOLVED_ENV = "OPEN_LMI_RESOLVED_CONFIG"
-"""`container/serve` resolves the configuration once and hands it to gunicorn's processes in this
-variable (JSON), so the config file, the worker and the app never resolve it again."""
+"""`container/serve` resolves the configuration once and hands it across its `exec` of gunicorn in
+this variable (JSON), so the config file, the worker and the app never resolve it again. It is
+parsed once: in the arbiter, by gunicorn.conf.py; the worker, forked from the arbiter, inherits
+that parsed object (`config_from_env` returns it) and parses nothing."""
 
 
 def resolved_to_env(config: ServingConfig) -> str:
@@ -364,6 +367,12 @@ def config_from_env(environ: Mapping[str, str]) -> ServingConfig:
     text = environ.get(RESOLVED_ENV)
     if not text:
         return load_config(environ)
+    return _parse_resolved(text)
+
+
+@functools.lru_cache(maxsize=1)
+def _parse_resolved(text: str) -> ServingConfig:
+    """`RESOLVED_ENV`'s JSON -> the frozen ServingConfig, once per text (a forked worker finds it parsed)."""
     values = json.loads(text)
     engine = EngineConfig(**values.pop("engine"))
     sources = MappingProxyType(values.pop("sources"))
