@@ -19,14 +19,13 @@ def make_executor(config: EngineConfig, model_dir: str | None, devices: tuple[st
     replica's device work off the HTTP process's GIL); default: `config.distributed_executor_backend`
     says "mp", or there are several ranks.
     """
-    tp = config.tensor_parallel_size
     if devices is None:
         devices = config.rank_devices(visible_device_count(config))
-    if len(devices) != tp:
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, got {list(devices)}")
+    assert len(devices) == config.tensor_parallel_size, (  # devices come from EngineConfig.rank_devices
+        f"tensor_parallel_size={config.tensor_parallel_size} needs as many devices, got {list(devices)}")
     if multiprocess is None:
         multiprocess = config.distributed_executor_backend == "mp"
-    if tp == 1 and not multiprocess:
+    if config.tensor_parallel_size == 1 and not multiprocess:
         return InProcessExecutor(config, model_dir, devices[0])
     return MultiprocExecutor(config, model_dir, devices)
 

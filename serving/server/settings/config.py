@@ -383,19 +383,20 @@ def _parse_resolved(text: str) -> ServingConfig:
 def _build(values: dict[str, object], sources: dict[str, str], props_path: Path | None,
            gpu_count: Callable[[], int]) -> ServingConfig:
     engine_kwargs = {k.removeprefix("engine."): v for k, v in values.items() if k.startswith("engine.")}
-    tp = engine_kwargs["tensor_parallel_size"]
+    tensor_parallel_size = engine_kwargs["tensor_parallel_size"]
     on_cpu = engine_kwargs.get("device") == "cpu"
     gpus = 0 if on_cpu else gpu_count()
-    if tp == "max":
-        tp = engine_kwargs["tensor_parallel_size"] = max(1, gpus)
-    if gpus and tp > gpus:
-        raise ConfigError(f"{_src(sources, 'engine.tensor_parallel_size')}: tensor_parallel_degree={tp} exceeds "
-                          f"the {gpus} visible GPU(s); use at most {gpus} (or max)")
-    copies = max(1, gpus // tp) if gpus else 1
+    if tensor_parallel_size == "max":
+        tensor_parallel_size = engine_kwargs["tensor_parallel_size"] = max(1, gpus)
+    if gpus and tensor_parallel_size > gpus:
+        raise ConfigError(f"{_src(sources, 'engine.tensor_parallel_size')}: tensor_parallel_degree="
+                          f"{tensor_parallel_size} exceeds the {gpus} visible GPU(s); use at most {gpus} (or max)")
+    copies = max(1, gpus // tensor_parallel_size) if gpus else 1
     if values["max_workers"] is not None:
-        if gpus and values["max_workers"] * tp > gpus:
+        if gpus and values["max_workers"] * tensor_parallel_size > gpus:
             raise ConfigError(f"{_src(sources, 'max_workers')}: max_workers={values['max_workers']} model copies of "
-                              f"tensor_parallel_degree={tp} need {values['max_workers'] * tp} GPUs; {gpus} are visible")
+                              f"tensor_parallel_degree={tensor_parallel_size} need "
+                              f"{values['max_workers'] * tensor_parallel_size} GPUs; {gpus} are visible")
         copies = values["max_workers"]
     if values["engine_process"] is None:  # auto: each of several copies in its own process
         values["engine_process"] = copies > 1
@@ -410,7 +411,7 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
             PREFILL_TOKENS_WHILE_DECODING if engine_kwargs["enable_chunked_prefill"] else 0)
     if engine_kwargs["distributed_executor_backend"] is None:  # the server's default (see config_keys)
         engine_kwargs["distributed_executor_backend"] = (
-            SERVER_EXECUTOR_BACKEND if tp > 1 or gpus else "uni")
+            SERVER_EXECUTOR_BACKEND if tensor_parallel_size > 1 or gpus else "uni")
     model_id = values["model_id"]
     engine_kwargs["model"] = model_id
     engine_kwargs["revision"] = values["revision"]
