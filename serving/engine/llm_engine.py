@@ -227,6 +227,7 @@ class LLMEngine:
         final_only: bool = False,
         lora_name: str | None = None,
         lora_request: LoRARequest | None = None,
+        validated: bool = False,
     ) -> list[Sequence]:
         """Queue a request: `n` samples sharing the prompt. Raises ValueError if it cannot run.
 
@@ -234,6 +235,8 @@ class LLMEngine:
         tokens, text and logprobs (what offline `generate` needs, at a fraction of the cost).
         `lora_name`: run on that registered adapter (UnknownAdapterError if none is); or
         `lora_request`: an adapter already resolved (it may have been removed since: it still runs).
+        `validated`: `prompt_token_ids` and `params` passed `validate` at admission already (EngineLoop
+        admits on the caller's thread), so they are not checked again; the scheduler asserts the limits.
         """
         params = params or SamplingParams()
         if request_id in self._requests:
@@ -253,7 +256,8 @@ class LLMEngine:
         else:
             text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.validate(prompt_token_ids, params)
+        if not validated:
+            self.validate(prompt_token_ids, params)
         seqs = [
             Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, index=i, lora_request=lora_request)
             for i in range(params.n)

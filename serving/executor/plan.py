@@ -159,7 +159,3 @@ class ExecutorInfo:
     # Token counts a step with prompt tokens runs at (its graphs' buckets; empty: any count). The
     # scheduler fills a step's padding up to the next one with prompt tokens.
     step_sizes: tuple[int, ...] = ()
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return max(1, len(self.devices))
