@@ -27,7 +27,9 @@ class SpeculativeConfig:
     disable_by_batch_size: speculate only while at most this many sequences run (vLLM's name).
     acceptance_floor / acceptance_window: a sequence whose proposals were accepted at a rate
         below the floor over its last `acceptance_window` proposed tokens stops proposing for
-        `acceptance_window` steps, then tries again (ours; 0 turns the floor off).
+        its next `acceptance_window` tokens, then tries again; each poor window in a row doubles
+        that pause (up to 32x), a good one resets it (ours; 0 turns the floor off). A paused
+        sequence decodes exactly as without speculation, async scheduling included.
     """
 
     method: str = "ngram"
@@ -36,7 +38,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     acceptance_floor: float = 0.1
-    acceptance_window: int = 32
+    acceptance_window: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -314,9 +314,11 @@ class LLMEngine:
         # (a server: `max_prefill_tokens_while_decoding` set); offline (0) nobody waits per
         # token, and overlapping the prompt step's host work with the GPU is worth more
         # (run 17: 5-11 ms of idle GPU before each 16k-token prefill step of the 1B workload).
-        # Speculation needs each sequence's last token on the host to propose from (and a verify
-        # step's token count is only known once read): while it may run, steps do not overlap.
-        if had_inflight and (self._inflight_blocks_next or self._may_speculate() or (
+        # Speculation needs a sequence's last token on the host to propose from (and a verify
+        # step's token count is only known once read, `_inflight_blocks_next`): the step waits
+        # only when a running decode is likely to propose (`Speculator.wants_tokens_in_flight`);
+        # otherwise it runs as plain decoding does, overlapped, and nobody proposes in it.
+        if had_inflight and (self._inflight_blocks_next or self._wants_drafts() or (
                 self.scheduler.prefill_cap_while_decoding and self.scheduler.prompt_work_ahead())):
             deltas = self._process(*self._take_inflight())
         sched_out = self.scheduler.schedule()
@@ -407,8 +409,8 @@ class LLMEngine:
             self._release(seq)
         return deltas
 
-    def _may_speculate(self) -> bool:
-        return self.speculator is not None and self.speculator.active(len(self.scheduler.running))
+    def _wants_drafts(self) -> bool:
+        return self.speculator is not None and self.speculator.wants_tokens_in_flight(self.scheduler.running)
 
     def _take_inflight(self) -> tuple[SchedulerOutput, StepOutput]:
         assert self._inflight is not None

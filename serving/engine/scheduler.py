@@ -495,7 +495,7 @@ class Scheduler:
         seq.num_drafts = 0
         seq.num_computed_tokens = start + 1 + accepted
         seq.num_synced = min(seq.num_synced, start + 1 + accepted)
-        self.speculator.record(seq.seq_id, item.num_drafts, accepted)  # type: ignore[union-attr]
+        self.speculator.record(seq.seq_id, item.num_drafts, accepted, len(ids))  # type: ignore[union-attr]
         bm = self.block_manager
         if bm.enable_prefix_caching and (start + 1 + accepted) // bm.block_size > start // bm.block_size:
             bm.cache_computed_blocks(seq, start + 1 + accepted)  # only what holds accepted K/V

@@ -95,9 +95,6 @@ class ModelRunner:
                                 ) if config.enable_lora else None
         self.sampler = Sampler(self.device, seed=config.seed, eos_token_ids=self.eos_token_ids)
         self._generators: dict[int, torch.Generator] = {}
-        # Benchmarks only (bench/speculative.py), never a serving option: verification accepts every
-        # draft ("all") or none ("none"), to time steps whose proposals all land or all miss.
-        self.force_acceptance: str | None = None
         self._prompt_logprobs: dict[int, list[float | None]] = {}
         self.graph_runner: DecodeGraphRunner | None = None  # set after the KV cache exists
         self.mixed_graphs: MixedGraphRunner | None = None  # steps with prompt tokens, idem
@@ -376,7 +373,7 @@ class ModelRunner:
                 seq = seqs[c]
                 start = plan.starts[c] + plan.num_tokens[c] - k
                 tokens = verify_drafts(logits[r0 : r0 + k + 1], seq.token_ids[start : start + k], seq.params,
-                                       self._generator(seq) or self.sampler.generator, self.force_acceptance)
+                                       self._generator(seq) or self.sampler.generator)
                 tokens[0].following = tokens[1:]
                 out[c] = tokens[0]
         finally:

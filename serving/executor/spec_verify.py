@@ -25,21 +25,12 @@ def verify_drafts(
     drafts: list[int],  # k draft tokens
     params,  # noqa: ANN001  (SamplingParams)
     generator: torch.Generator,
-    force: str | None = None,
 ) -> list[SampledToken]:
-    """The tokens this verify step yields (1 to k + 1), each with its logprobs when asked for.
-
-    `force` is the benchmarks' switch (bench/speculative.py), never a serving option: "all" takes
-    every draft as if the target agreed, "none" rejects every one (the target's own first token
-    only), to time steps whose proposals all land or all miss.
-    """
+    """The tokens this verify step yields (1 to k + 1), each with its logprobs when asked for."""
     k = len(drafts)
     assert logits.shape[0] == k + 1, (logits.shape, k)
     logits = logits.float()
-    if force is not None:
-        assert force in ("all", "none"), force
-        ids = [*drafts, int(logits[k].argmax())] if force == "all" else [int(logits[0].argmax())]
-    elif params.greedy:
+    if params.greedy:
         target = logits.argmax(dim=-1).tolist()
         a = 0
         while a < k and drafts[a] == target[a]:

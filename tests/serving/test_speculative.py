@@ -190,8 +190,6 @@ def test_greedy_verification_takes_the_agreeing_prefix() -> None:
     assert [t.token_id for t in verify_drafts(logits, [1, 0], greedy, g)] == [1, 0, 2]  # all accepted + bonus
     assert [t.token_id for t in verify_drafts(logits, [1, 2], greedy, g)] == [1, 0]  # second rejected
     assert [t.token_id for t in verify_drafts(logits, [2, 0], greedy, g)] == [1]
-    assert [t.token_id for t in verify_drafts(logits, [2, 2], greedy, g, force="all")] == [2, 2, 2]
-    assert [t.token_id for t in verify_drafts(logits, [1, 0], greedy, g, force="none")] == [1]
 
 
 def test_ngram_proposals() -> None:
