@@ -209,6 +209,8 @@ def main() -> None:
     continuation = generate(on, "expected", prompt, args.steps * (K + 1) + args.max_tokens)
     silent = ms_per_token(on, {"silent": prompt}, args.max_tokens, args.device)
     vocab = on.llm_engine.vocab_size
+    mixed = getattr(getattr(on.llm_engine.executor, "runner", None), "mixed_graphs", None)
+    buckets = list(mixed.buckets) if mixed is not None else []  # a verify step replays the smallest >= its rows
     names = ("warm-on", "steps-on", "all", "none", "none-no-floor")
     hit = OracleProposer(dict.fromkeys(names, continuation), vocab, miss=False)
     miss = OracleProposer(dict.fromkeys(names, continuation), vocab, miss=True)
@@ -231,7 +233,7 @@ def main() -> None:
     rows = [
         {"what": "step", "plain_decode_ms": round(plain_ms, 4), "verify_k4_ms": round(verify_ms, 4),
          "ratio": verify_ms / plain_ms, "bar": 1.25, "verify_steps": num_verify, "steps": len(verify_times),
-         "diverged": sorted(hit.diverged)},
+         "diverged": sorted(hit.diverged), "mixed_graph_buckets": buckets[:4]},
         {"what": "silent", "off": off_single, "on": silent, "ratio": silent["ms_per_token"] / base, "bar": 1.05},
         {"what": "all_accepted", "off": off_single, "on": all_accepted, "ratio": all_accepted["ms_per_token"] / base,
          "bar": 0.35, "diverged": sorted(hit.diverged)},

@@ -133,6 +133,79 @@ def test_large_batch_and_poor_acceptance_turn_speculation_off(make_llm) -> None:
     assert 0 < _spec(floor)["spec_decode_num_draft_tokens"] < _spec(free)["spec_decode_num_draft_tokens"]
 
 
+class _Silent:
+    """A proposer that never proposes (the speculator's `_proposer` hook, as bench/speculative.py uses it)."""
+
+    def propose(self, seq, k):  # noqa: ANN001, ANN201
+        return []
+
+    def may_propose(self, seq):  # noqa: ANN001, ANN201
+        return False
+
+
+def _step_trace(llm: LLM, prompts: list[str], params) -> list[tuple[int, bool]]:  # noqa: ANN001
+    """Per engine step: tokens it handed back, and whether it was scheduled while the previous step
+    was still in flight (async overlap) or after waiting for its tokens."""
+    engine = llm.llm_engine
+    engine.executor.reset()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"t{i}", prompt, params)
+    overlapped: list[bool] = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: overlapped.append(engine._inflight is not None) or schedule()
+    trace = []
+    try:
+        while engine.has_unfinished_requests():
+            trace.append(sum(len(d.token_ids) for d in engine.step()))
+    finally:
+        del engine.scheduler.schedule
+    return list(zip(trace, overlapped))
+
+
+def test_steps_without_drafts_run_as_plain_async_decoding(make_llm) -> None:  # noqa: ANN001
+    # Nothing likely to be proposed: every step overlaps the next exactly as without speculation.
+    plain = make_llm(async_scheduling=True)
+    spec = make_llm(async_scheduling=True, speculative_config=NGRAM)
+    spec.llm_engine.speculator._proposer = _Silent()
+    expected = _step_trace(plain, GROUNDED[:2], GREEDY)
+    assert sum(overlapped for _, overlapped in expected) >= len(expected) - 3  # (the trace can tell)
+    assert _step_trace(spec, GROUNDED[:2], GREEDY) == expected
+    # With prompt lookup the grounded prompts do propose: those steps waited for the tokens in flight.
+    lookup = make_llm(async_scheduling=True, speculative_config=NGRAM)
+    trace = _step_trace(lookup, GROUNDED[:2], GREEDY)
+    assert _spec(lookup)["spec_decode_num_drafts"] > 0
+    assert sum(overlapped for _, overlapped in trace) < sum(overlapped for _, overlapped in expected)
+
+
+def test_poor_acceptance_pauses_by_tokens_and_backs_off() -> None:
+    from serving.engine.sequence import PLACEHOLDER, Sequence
+    from serving.engine.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, acceptance_floor=0.5, acceptance_window=8))
+    seq = Sequence(0, "r", [1, 2, 3, 1, 2], GREEDY)
+    seq.num_computed_tokens, seq.max_num_tokens = 5, 1000
+    assert spec.propose(seq, 4) == [3, 1, 2]  # [1, 2] recurs
+    seq.token_ids.append(PLACEHOLDER)
+    assert spec.wants_tokens_in_flight([seq])  # the known text's last n-gram recurs
+    spec.record(0, 4, 0, 20)
+    spec.record(0, 4, 1, 20)  # a window of 8 proposed, 1 accepted: below the floor -> paused to length 28
+    seq.token_ids[:] = [1, 2, 3, 1, 2] * 5 + [PLACEHOLDER] * 2  # 27 tokens
+    assert not spec.wants_tokens_in_flight([seq])
+    del seq.token_ids[-2:]
+    assert spec.propose(seq, 4) == []
+    seq.token_ids[:] = [1, 2, 3, 1, 2] * 6  # 30 tokens: past the pause
+    assert spec.propose(seq, 4) == [1, 2, 3, 1]
+    spec.record(0, 4, 0, 30)
+    spec.record(0, 4, 0, 30)  # a second poor window in a row: twice the pause (to length 46)
+    seq.token_ids.extend([3] * 15)  # 45 tokens
+    assert spec.propose(seq, 4) == []
+    seq.token_ids.append(1)
+    assert spec.propose(seq, 4) != []
+    spec.record(0, 4, 4, 46)
+    spec.record(0, 4, 4, 46)  # a good window resets the backoff
+    assert spec._seqs[0].poor == 0 and not spec._paused(seq)
+
+
 def test_tiny_llama_greedy_identity(tiny_models) -> None:  # noqa: ANN001
     options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05,
                    max_num_batched_tokens=16, max_num_seqs=8)
