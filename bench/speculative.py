@@ -98,8 +98,8 @@ def build(args, spec: dict | None) -> LLM:  # noqa: ANN001
 
 
 def release(llm: LLM, device: str) -> None:
+    """Free the engine's device memory now (weights, KV cache, graphs), before the next one sizes its cache."""
     llm.llm_engine.shutdown()
-    del llm
     gc.collect()
     if device != "cpu":
         import torch
@@ -199,6 +199,7 @@ def main() -> None:
     off_single = ms_per_token(off, {"single-off": prompt}, args.max_tokens, args.device)
     off_reference = ms_per_token(off, reference, args.max_tokens, args.device)
     release(off, args.device)
+    del off
 
     on = build(args, NGRAM)
     on_reference = ms_per_token(on, reference, args.max_tokens, args.device)  # the default n-gram proposer
@@ -209,8 +210,9 @@ def main() -> None:
     continuation = generate(on, "expected", prompt, args.steps * (K + 1) + args.max_tokens)
     silent = ms_per_token(on, {"silent": prompt}, args.max_tokens, args.device)
     vocab = on.llm_engine.vocab_size
-    mixed = getattr(getattr(on.llm_engine.executor, "runner", None), "mixed_graphs", None)
-    buckets = list(mixed.buckets) if mixed is not None else []  # a verify step replays the smallest >= its rows
+    # (a verify step of k+1 rows replays the smallest mixed-step graph bucket >= its rows)
+    buckets = list(getattr(getattr(getattr(on.llm_engine.executor, "runner", None), "mixed_graphs", None),
+                           "buckets", []))
     names = ("warm-on", "steps-on", "all", "none", "none-no-floor")
     hit = OracleProposer(dict.fromkeys(names, continuation), vocab, miss=False)
     miss = OracleProposer(dict.fromkeys(names, continuation), vocab, miss=True)
@@ -226,6 +228,7 @@ def main() -> None:
     none_no_floor = ms_per_token(on, {"none-no-floor": prompt}, args.max_tokens, args.device)
     spec.config, spec._proposer = default_config, default_proposer
     release(on, args.device)
+    del on, spec
 
     plain_ms = 1000 * statistics.median(plain_times)
     verify_ms = 1000 * statistics.median(verify_times)
