@@ -45,7 +45,17 @@ K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-class SilentProposer:
+class _BenchProposer:
+    """What a proposer keeps per sequence: nothing here (drafts are point masses)."""
+
+    def take_probs(self, seq_id: int) -> None:
+        return None
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+class SilentProposer(_BenchProposer):
     """Proposes nothing (the greedy continuation is generated with it)."""
 
     def propose(self, seq, k: int) -> list[int]:  # noqa: ANN001
@@ -55,7 +65,7 @@ class SilentProposer:
         return False
 
 
-class OracleProposer:
+class OracleProposer(_BenchProposer):
     """Benchmark only: the target's own greedy continuation (`expected[request_id]`, prompt
     included) as drafts, or each of them + 1 (`miss`: never the target's argmax). A sequence
     that left the expected text (numerics of a verify step differing from a decode step's) gets

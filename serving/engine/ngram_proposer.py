@@ -54,3 +54,9 @@ class NgramProposer:
         while end and ids[end - 1] == PLACEHOLDER:
             end -= 1
         return bool(propose_ngram(ids[:end], 1, self.n_max, self.n_min))
+
+    def take_probs(self, seq_id: int) -> None:
+        return None  # point masses: the drafts are copied, not drawn
+
+    def forget(self, seq_id: int) -> None:
+        pass  # nothing is kept per sequence

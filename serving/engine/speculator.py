@@ -33,6 +33,15 @@ class Proposer(Protocol):
         (its last ids may be placeholders): cheap, and wrong only at some cost in speed."""
         ...
 
+    def take_probs(self, seq_id: int) -> object | None:
+        """The distributions `[k, V]` the last drafts of a sampled sequence were drawn from (a
+        tensor), for rejection sampling; None: point masses (prompt lookup)."""
+        ...
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence ended: drop whatever is kept for it."""
+        ...
+
 
 @dataclass(slots=True)
 class _Acceptance:
@@ -59,13 +68,14 @@ class SpeculationStats:
 class Speculator:
     """Proposes draft tokens per sequence (see `SpeculativeConfig` for the policy)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.stats = SpeculationStats(accepted_per_position=[0] * self.k)
         self._seqs: dict[int, _Acceptance] = {}
         # (a benchmark may put its own here: bench/speculative.py; never a serving option)
-        self._proposer: Proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+        self._proposer: Proposer = (NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+                                    if proposer is None else proposer)
 
     def active(self, num_running: int) -> bool:
         """Whether any sequence may speculate in a step with `num_running` sequences."""
@@ -142,5 +152,10 @@ class Speculator:
             out[f"{PER_POSITION_PREFIX}{pos}"] = count
         return out
 
+    def draft_probs(self, seq_id: int) -> object | None:
+        """What the last drafts of `seq_id` were drawn from (see `Proposer.take_probs`)."""
+        return self._proposer.take_probs(seq_id)
+
     def forget(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        self._proposer.forget(seq_id)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from shared_runner import llms_on_runner
 
-from serving.engine.ngram_proposer import propose_ngram
+from serving.engine.ngram_proposer import NgramProposer, propose_ngram
 from serving.engine_config import EngineConfig
 from serving.executor.spec_verify import verify_drafts
 from serving.llm import LLM
@@ -133,7 +133,7 @@ def test_large_batch_and_poor_acceptance_turn_speculation_off(make_llm) -> None:
     assert 0 < _spec(floor)["spec_decode_num_draft_tokens"] < _spec(free)["spec_decode_num_draft_tokens"]
 
 
-class _Silent:
+class _Silent(NgramProposer):
     """A proposer that never proposes (the speculator's `_proposer` hook, as bench/speculative.py uses it)."""
 
     def propose(self, seq, k):  # noqa: ANN001, ANN201
