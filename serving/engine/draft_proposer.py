@@ -63,9 +63,11 @@ def check_draft_vocab(draft_dir: str | Path, target_dir: str | Path, tokenizers:
                              f"model's (e.g. {differ}): a draft must use the same tokenizer")
 
 
-# The draft's KV cache holds max_num_seqs sequences of up to this many tokens (longer contexts fit
-# fewer at once: the least recently proposing sequence's draft K/V is evicted and recomputed).
-DRAFT_KV_TOKENS_PER_SEQ = 16384
+# The draft's KV cache holds as many sequences as may speculate at once (`disable_by_batch_size`,
+# at most max_num_seqs) of up to this many tokens each; longer contexts fit fewer at once (the
+# least recently proposing sequence's draft K/V is evicted, and recomputed when it proposes again).
+# A 1B Llama draft: 8 x 8192 tokens x 32 KiB = 2 GiB.
+DRAFT_KV_TOKENS_PER_SEQ = 8192
 
 
 def draft_engine_config(config: EngineConfig, draft_dir: str | Path, target_dir: str | Path) -> EngineConfig:
@@ -81,7 +83,14 @@ def draft_engine_config(config: EngineConfig, draft_dir: str | Path, target_dir:
     per_seq = -(-(min(length, DRAFT_KV_TOKENS_PER_SEQ) + 1) // config.block_size) + 1
     return replace(config, model=str(draft_dir), speculative_config=None, tensor_parallel_size=1,
                    enable_lora=False, quantization=None, tokenizer=None, max_model_len=length,
-                   num_gpu_blocks_override=config.max_num_seqs * per_seq, distributed_executor_backend="uni")
+                   num_gpu_blocks_override=draft_seqs(config) * per_seq, distributed_executor_backend="uni")
+
+
+def draft_seqs(config: EngineConfig) -> int:
+    """Sequences the draft keeps K/V for at once: those that may speculate in one step."""
+    spec = config.speculative_config
+    assert spec is not None
+    return min(config.max_num_seqs, spec.disable_by_batch_size)
 
 
 def build_draft_proposer(config: EngineConfig, target_dir: str | Path, device: str) -> DraftModelProposer:
@@ -98,7 +107,7 @@ def build_draft_proposer(config: EngineConfig, target_dir: str | Path, device: s
     runner = ModelRunner(draft_engine_config(config, draft_dir, target_dir), draft_dir, device=_torch.device(device))
     logger.info("draft model %s on %s: %d KV blocks, max_model_len %d", draft_dir, device,
                 runner.cache_config.num_blocks, runner.max_model_len)
-    return DraftModelProposer(runner, config.max_num_seqs, config.seed or 0)
+    return DraftModelProposer(runner, draft_seqs(config), config.seed or 0)
 
 
 class DraftModelProposer:

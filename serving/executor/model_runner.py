@@ -354,10 +354,12 @@ class ModelRunner:
         for seq_id in plan.finished_seq_ids:
             self.free_sequence(seq_id)
         num_sampled = sum(plan.sample)
-        if not num_sampled:
+        if plan.is_empty:
             return torch.empty((0, self.vocab_size), device=self.device)
         inputs = prepare_inputs(plan, self.batch, self.block_size, self.device, None)
         hidden, all_logits = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not num_sampled:  # a chunk that only writes its K/V
+            return torch.empty((0, self.vocab_size), device=self.device)
         return self._sampled_logits(inputs, hidden, all_logits, num_sampled).float()
 
     def _verify_step(self, plan: StepPlan, seqs: list[WorkerSeq], sampled_chunks: np.ndarray, rows: np.ndarray,

@@ -166,7 +166,7 @@ def test_steps_without_drafts_run_as_plain_async_decoding(make_llm) -> None:  # 
     # Nothing likely to be proposed: every step overlaps the next exactly as without speculation.
     plain = make_llm(async_scheduling=True)
     spec = make_llm(async_scheduling=True, speculative_config=NGRAM)
-    spec.llm_engine.speculator._proposer = _Silent()
+    spec.llm_engine.speculator._proposer = _Silent(3, 1)
     expected = _step_trace(plain, GROUNDED[:2], GREEDY)
     assert sum(overlapped for _, overlapped in expected) >= len(expected) - 3  # (the trace can tell)
     assert _step_trace(spec, GROUNDED[:2], GREEDY) == expected
@@ -296,3 +296,107 @@ def test_metrics_export_vllm_counters() -> None:
     assert "lmi_spec_decode_num_accepted_tokens_total 7.0" in text
     assert 'lmi_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3.0' in text
     assert "spec_decode" not in Metrics(lambda: {}, lambda: 0).render().decode()
+
+
+# ---- draft-model speculation ------------------------------------------------------------
+
+def test_draft_model_is_the_model_itself(smollm2_path, make_llm) -> None:  # noqa: ANN001
+    """Draft = target: greedy output identical to plain decoding and (nearly) every draft accepted;
+    seeded sampled output reproducible; chunked prefill (target and draft), preemption, async
+    scheduling, speculation off while more than 3 run."""
+    d = str(smollm2_path)
+    prompts = GROUNDED + GROUNDED[:2]
+    expected = _tokens(make_llm(max_num_batched_tokens=20), prompts, GREEDY)
+    llm = LLM(d, device="cpu", dtype="float32", block_size=4, max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=20, num_gpu_blocks_override=40, async_scheduling=True,
+              speculative_config={"model": d, "num_speculative_tokens": 3, "disable_by_batch_size": 3})
+    assert _tokens(llm, prompts, GREEDY) == expected
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    spec = _spec(llm)
+    assert spec["spec_decode_num_drafts"] > 0
+    assert spec["spec_decode_num_accepted_tokens"] >= 0.95 * spec["spec_decode_num_draft_tokens"]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True)
+    assert _tokens(llm, prompts[:2], seeded) == _tokens(llm, prompts[:2], seeded)
+    proposer = llm.llm_engine.speculator._proposer
+    assert not proposer._mirrors and not proposer._probs  # every finished sequence forgotten
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_draft_model_tiny_llamas_greedy_identity(tiny_models) -> None:  # noqa: ANN001
+    """Two different random models with one vocabulary (target llama, draft mistral): the target's
+    greedy output whatever the draft says, with chunked prefill and preemption."""
+    options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, kv_cache_memory_gb=0.004,
+                   max_num_batched_tokens=16, max_num_seqs=4)
+    target, draft = str(tiny_models("llama")), str(tiny_models("mistral"))
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = _tokens(LLM(target, **options), GROUNDED, long)
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 4, "acceptance_floor": 0.0},
+              **options)
+    assert _tokens(llm, GROUNDED, long) == expected
+    spec = _spec(llm)
+    assert spec["spec_decode_num_drafts"] > 0
+    assert spec["spec_decode_num_accepted_tokens"] < spec["spec_decode_num_draft_tokens"]  # they disagree at times
+
+
+def test_draft_vocabulary_must_match(tiny_models, tmp_path) -> None:  # noqa: ANN001
+    import json
+    import shutil
+
+    target = tiny_models("llama")
+    other = tmp_path / "other_vocab"
+    shutil.copytree(target, other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] += 64
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="same tokenizer and vocabulary"):
+        LLM(str(target), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_gb=0.004,
+            speculative_config={"model": str(other)})
+
+
+@pytest.mark.parametrize("truncate", [{}, {"top_k": 4}], ids=["temperature", "top_k"])
+def test_rejection_sampling_with_draft_probabilities_follows_the_target(truncate) -> None:  # noqa: ANN001
+    """Drafts drawn from a draft distribution q (not the target's): every emitted position still
+    follows the target's p, and the first draft is accepted at the rate rejection sampling with q
+    gives, sum_x min(p(x), q(x)) (with the drafts taken as point masses it would be sum_x q(x) p(x),
+    also exact but lower)."""
+    from serving.executor.sampler import _truncate
+
+    torch.manual_seed(0)
+    vocab, n = 6, 30000
+    logits = torch.randn(3, vocab) * 1.5
+    q = torch.softmax(torch.randn(2, vocab), dim=-1)
+    params = SamplingParams(temperature=0.9, **truncate)
+    target = torch.softmax(_truncate(logits / 0.9, [params] * 3), dim=-1)
+    g = torch.Generator().manual_seed(1)
+    draws = torch.Generator().manual_seed(2)
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    accepted = 0
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[j], 1, generator=draws)) for j in range(2)]
+        out = verify_drafts(logits, drafts, params, g, q)
+        first[out[0].token_id] += 1
+        accepted += len(out) > 1
+        if len(out) > 1:
+            second[out[1].token_id] += 1
+    tv0 = 0.5 * (first / n - target[0]).abs().sum().item()
+    tv1 = 0.5 * (second / second.sum() - target[1]).abs().sum().item()
+    assert tv0 < 0.02 and tv1 < 0.03, (tv0, tv1)
+    rate, point_mass_rate = torch.minimum(target[0], q[0]).sum().item(), (target[0] * q[0]).sum().item()
+    assert abs(accepted / n - rate) < 0.015 and rate - point_mass_rate > 0.05, (accepted / n, rate, point_mass_rate)
+
+
+def test_lmi_draft_model_keys() -> None:
+    from serving.config import ConfigError, load_config
+
+    env = {"OPTION_SPECULATIVE_DRAFT_MODEL": "/opt/ml/draft", "OPTION_SPECULATIVE_LENGTH": "3", "OPTION_DEVICE": "cpu"}
+    spec = load_config(env, [], gpu_count=lambda: 0).engine.speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "/opt/ml/draft", 3)
+    vllm = load_config({"OPTION_SPECULATIVE_CONFIG": '{"model": "/d", "num_speculative_tokens": 2}',
+                        "OPTION_DEVICE": "cpu"}, [], gpu_count=lambda: 0).engine.speculative_config
+    assert (vllm.method, vllm.model, vllm.num_speculative_tokens) == ("draft_model", "/d", 2)
+    with pytest.raises(ConfigError, match="OPTION_SPECULATIVE_LENGTH.*speculative_draft_model"):
+        load_config({"OPTION_SPECULATIVE_LENGTH": "3", "OPTION_DEVICE": "cpu"}, [], gpu_count=lambda: 0)
+    with pytest.raises(ConfigError, match="two speculation methods"):
+        load_config({**env, "OPTION_SPECULATIVE_CONFIG": '{"method": "ngram"}'}, [], gpu_count=lambda: 0)
+    with pytest.raises(ValueError, match="needs \"model\""):
+        SpeculativeConfig(method="draft_model")
