@@ -20,6 +20,14 @@ Rows (the bars of issue 29):
                 down), vs off: <= 1.05; `none_accepted_no_floor` (floor off: every step verifies)
                 is printed for the raw cost
   reference     8 random prompts, default n-gram config (~0 acceptance) vs off: within 5 %
+Then (no bar; `--draft-shape none` skips it) a third engine with a draft model of `--draft-shape`
+(random weights too, the same vocabulary: ~0 acceptance), k=4, acceptance floor off:
+  draft_step    a verify step whose 4 drafts the draft model proposed (its k forwards included)
+                vs a plain decode step; `draft_propose_ms` = that minus the oracle's verify step,
+                `projected_all_accepted` = that step / 5 / plain ms/token (what full acceptance
+                would give)
+  draft_none    ms/token proposing every step, ~none accepted, vs off; and with the default
+                acceptance floor (`draft_none_floor`)
 Each row is one JSON line; a table follows. `--shape tiny --device cpu` runs the logic on a CPU.
 """
 
@@ -95,8 +103,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def model_dir(args, shape: str) -> Path:  # noqa: ANN001
+    return make_dummy_model_dir(shape, dummy_dir(args.model_root, shape), args.tokenizer_dir)
+
+
 def build(args, spec: dict | None) -> LLM:  # noqa: ANN001
-    model_dir = make_dummy_model_dir(args.shape, dummy_dir(args.model_root, args.shape), args.tokenizer_dir)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     options = dict(load_format="dummy", dtype=dtype, max_num_seqs=8,
                    max_model_len=min(4096, SHAPES[args.shape]["max_position_embeddings"]), device=args.device,
@@ -104,7 +115,7 @@ def build(args, spec: dict | None) -> LLM:  # noqa: ANN001
                    async_scheduling=True)
     if args.device == "cpu":
         options["kv_cache_memory_gb"] = 0.2
-    return LLM(str(model_dir), **options)
+    return LLM(str(model_dir(args, args.shape)), **options)
 
 
 def release(llm: LLM, device: str) -> None:
@@ -187,6 +198,32 @@ def ms_per_token(llm: LLM, prompts: dict[str, list[int]], max_tokens: int, devic
     return {"ms_per_token": round(1000 * total_s / max(total_tokens, 1), 4), "tokens": total_tokens, **counts}
 
 
+def draft_rows(args, prompt: list[int], plain_ms: float, oracle_verify_ms: float, off_single: dict) -> list[dict]:  # noqa: ANN001
+    """The draft-model engine's rows (see the module docstring)."""
+    spec = {"model": str(model_dir(args, args.draft_shape)), "num_speculative_tokens": K, "acceptance_floor": 0.0}
+    llm = build(args, spec)
+    speculator = llm.llm_engine.speculator
+    assert speculator is not None
+    step_times(llm, "warm-draft", prompt, args.steps, args.device)
+    times, num_verify = step_times(llm, "steps-draft", prompt, args.steps, args.device)
+    none = ms_per_token(llm, {"none": prompt}, args.max_tokens, args.device)
+    speculator.config = dataclasses.replace(speculator.config, acceptance_floor=0.1)  # the default floor
+    none_floor = ms_per_token(llm, {"none-floor": prompt}, args.max_tokens, args.device)
+    release(llm, args.device)
+    del llm, speculator
+    step_ms = 1000 * statistics.median(times)
+    base = off_single["ms_per_token"]
+    return [
+        {"what": "draft_step", "plain_decode_ms": round(plain_ms, 4), "verify_k4_ms": round(step_ms, 4),
+         "ratio": step_ms / plain_ms, "bar": None, "verify_steps": num_verify, "steps": len(times),
+         "draft_propose_ms": round(step_ms - oracle_verify_ms, 4),
+         "projected_all_accepted": step_ms / (K + 1) / base},
+        {"what": "draft_none", "off": off_single, "on": none, "ratio": none["ms_per_token"] / base, "bar": None},
+        {"what": "draft_none_floor", "off": off_single, "on": none_floor, "ratio": none_floor["ms_per_token"] / base,
+         "bar": None},
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
@@ -197,6 +234,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--reference-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--draft-shape", default="llama-3.2-1b", choices=[*sorted(SHAPES), "none"])
     args = ap.parse_args()
     t_start = time.perf_counter()
     prompt = random_prompt(args.prompt_len, 1000)
@@ -259,11 +297,19 @@ def main() -> None:
     ]
     for row in rows:
         print(json.dumps({**head, **row}), flush=True)
+    if args.draft_shape != "none":
+        try:
+            rows += draft_rows(args, prompt, plain_ms, verify_ms, off_single)
+        except Exception as exc:  # noqa: BLE001 - the rows above stand on their own
+            print(f"draft-model rows failed: {type(exc).__name__}: {exc}", flush=True)
+        for row in rows[6:]:
+            print(json.dumps({**head, "draft_shape": args.draft_shape, **row}), flush=True)
     print(f"\n{args.shape} on {args.device}, batch 1, k={K}, {time.perf_counter() - t_start:.0f} s")
     print(f"{'row':<24}{'off ms':>10}{'on ms':>10}{'ratio':>8}{'bar':>7}  drafts/draft tokens/accepted")
     for row in rows:
-        if row["what"] == "step":
-            off_ms, on_ms, counts = plain_ms, verify_ms, f"{num_verify} verify steps of {len(verify_times)}"
+        if row["what"] in ("step", "draft_step"):
+            off_ms, on_ms = row["plain_decode_ms"], row["verify_k4_ms"]
+            counts = f"{row['verify_steps']} verify steps of {row['steps']}"
         else:
             off_ms, on_ms = row["off"]["ms_per_token"], row["on"]["ms_per_token"]
             counts = "/".join(str(row["on"][n]) for n in ("drafts", "draft_tokens", "accepted_tokens"))
