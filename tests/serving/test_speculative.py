@@ -218,13 +218,20 @@ def test_tiny_llama_greedy_identity(tiny_models) -> None:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_tp2_greedy_identity(smollm2_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_greedy_identity(smollm2_path, method) -> None:  # noqa: ANN001
+    """Under TP=2 (worker processes); a draft model runs in the engine's process on rank 0's device,
+    and the q of a sampled row's drafts crosses to the workers with the plan."""
     options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05)
     expected = _tokens(LLM(str(smollm2_path), **options), GROUNDED, GREEDY)
-    llm = LLM(str(smollm2_path), tensor_parallel_size=2, speculative_config=NGRAM, **options)
+    spec = NGRAM if method == "ngram" else {"model": str(smollm2_path), "num_speculative_tokens": 3}
+    llm = LLM(str(smollm2_path), tensor_parallel_size=2, speculative_config=spec, **options)
     try:
         assert _tokens(llm, GROUNDED, GREEDY) == expected
         assert _spec(llm)["spec_decode_num_accepted_tokens"] > 0
+        if method == "draft_model":
+            seeded = SamplingParams(temperature=0.8, max_tokens=8, seed=5, ignore_eos=True)
+            assert _tokens(llm, GROUNDED[:1], seeded) == _tokens(llm, GROUNDED[:1], seeded)
     finally:
         llm.llm_engine.shutdown()
 
