@@ -139,6 +139,21 @@ class DraftModelProposer:
         k = min(k, self.max_model_len - len(seq.token_ids))
         if k <= 0:
             return []
+        try:
+            return self._propose(seq, k)
+        except BaseException:
+            self._reset()  # a step that failed half-way leaves the runner's mirrors unknown: start over
+            raise
+
+    def _reset(self) -> None:
+        for mirror in self._mirrors.values():
+            self.blocks.free(mirror)
+        self._mirrors.clear()
+        self._forgotten.clear()
+        self._probs.clear()
+        self.runner.reset()
+
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
         mirror = self._sync(seq)
         params = seq.params
         drafts: list[int] = []

@@ -407,3 +407,29 @@ def test_lmi_draft_model_keys() -> None:
         load_config({**env, "OPTION_SPECULATIVE_CONFIG": '{"method": "ngram"}'}, [], gpu_count=lambda: 0)
     with pytest.raises(ValueError, match="needs \"model\""):
         SpeculativeConfig(method="draft_model")
+
+
+def test_draft_proposer_starts_over_after_a_failed_step(tiny_models) -> None:  # noqa: ANN001
+    from serving.engine.sequence import Sequence
+
+    llm = LLM(str(tiny_models("llama")), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+              kv_cache_memory_gb=0.004, speculative_config={"model": str(tiny_models("mistral"))})
+    proposer = llm.llm_engine.speculator._proposer
+    prompt = list(range(5, 30))
+    expected = proposer.propose(Sequence(0, "a", prompt, GREEDY), 4)
+    assert len(expected) == 4
+    real, calls = proposer.runner.draft_logits, []
+
+    def failing_second_step(plan):  # noqa: ANN001, ANN202
+        calls.append(plan)
+        if len(calls) == 2:
+            raise RuntimeError("device fault")
+        return real(plan)
+
+    proposer.runner.draft_logits = failing_second_step
+    with pytest.raises(RuntimeError, match="device fault"):
+        proposer.propose(Sequence(1, "b", prompt, GREEDY), 4)
+    proposer.runner.draft_logits = real
+    assert not proposer._mirrors and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+    assert proposer.propose(Sequence(2, "c", prompt, GREEDY), 4) == expected
+    assert proposer.propose(Sequence(0, "a", prompt, GREEDY), 4) == expected  # (its mirror went too: recomputed)
