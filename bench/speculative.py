@@ -59,6 +59,9 @@ class _BenchProposer:
     def take_probs(self, seq_id: int) -> None:
         return None
 
+    def propose_many(self, seqs, ks: list[int]) -> list[list[int]]:  # noqa: ANN001
+        return [self.propose(seq, k) for seq, k in zip(seqs, ks)]  # type: ignore[attr-defined]
+
     def forget(self, seq_id: int) -> None:
         pass
 

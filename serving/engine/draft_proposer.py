@@ -135,12 +135,16 @@ class DraftModelProposer:
         return self._probs.pop(seq_id, None)
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        self._probs.pop(seq.seq_id, None)
-        k = min(k, self.max_model_len - len(seq.token_ids))
-        if k <= 0:
-            return []
+        return self.propose_many([seq], [k])[0]
+
+    def propose_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Drafts for several sequences, their draft steps batched: one forward per draft position
+        for all of them (and the catch-up chunks of their accepted tokens in the first)."""
+        assert len(seqs) == len(ks) <= self.max_num_seqs, (len(seqs), len(ks))
+        for seq in seqs:
+            self._probs.pop(seq.seq_id, None)
         try:
-            return self._propose(seq, k)
+            return self._propose_many(seqs, [min(k, self.max_model_len - len(s.token_ids)) for s, k in zip(seqs, ks)])
         except BaseException:
             self._reset()  # a step that failed half-way leaves the runner's mirrors unknown: start over
             raise
@@ -153,46 +157,80 @@ class DraftModelProposer:
         self._probs.clear()
         self.runner.reset()
 
-    def _propose(self, seq: Sequence, k: int) -> list[int]:
-        mirror = self._sync(seq)
-        params = seq.params
-        drafts: list[int] = []
-        probs: list[torch.Tensor] = []
+    def _propose_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        mirrors = {i: self._sync(seqs[i]) for i in live}
+        batch = {id(m) for m in mirrors.values()}  # never evicted for one another
         budget = self.runner.max_num_batched_tokens
-        while len(mirror.token_ids) - mirror.num_computed_tokens > budget:  # a long catch-up, in chunks
-            if self._step(mirror, budget, False) is None:
-                return []
-        for _ in range(k):
-            logits = self._step(mirror, len(mirror.token_ids) - mirror.num_computed_tokens, True)
-            if logits is None:
-                break  # no room in the draft's cache even after evicting the others
+        for i in live:
+            mirror = mirrors[i]
+            while len(mirror.token_ids) - mirror.num_computed_tokens > budget:  # a long catch-up, in chunks
+                if self._run([(mirror, budget)], False, batch) is None:
+                    ks[i] = 0  # no room in the draft's cache even after evicting the others
+                    break
+        for _ in range(max(ks, default=0)):
+            rows = [i for i in live if len(drafts[i]) < ks[i]]
+            if not rows:
+                break
+            # One draft position for every sequence still drafting; several forwards only when the
+            # first position's catch-up chunks exceed the token budget together.
+            groups: list[list[int]] = [[]]
+            used = 0
+            for i in sorted(rows, key=lambda i: len(mirrors[i].token_ids) - mirrors[i].num_computed_tokens):
+                n = len(mirrors[i].token_ids) - mirrors[i].num_computed_tokens
+                if groups[-1] and used + n > budget:
+                    groups.append([])
+                    used = 0
+                groups[-1].append(i)
+                used += n
+            for group in groups:
+                chunks = [(mirrors[i], len(mirrors[i].token_ids) - mirrors[i].num_computed_tokens) for i in group]
+                logits = self._run(chunks, True, batch)
+                if logits is None:
+                    for i in group:
+                        ks[i] = len(drafts[i])  # no room in the draft's cache: it stops here
+                    continue
+                self._choose(group, logits, seqs, mirrors, drafts, probs)
+        for i, q in enumerate(probs):
+            if q:
+                self._probs[seqs[i].seq_id] = torch.stack(q)
+        return drafts
+
+    def _choose(self, group: list[int], logits: torch.Tensor, seqs: list[Sequence], mirrors: dict[int, Sequence],
+                drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
+        """Each row's next draft: the argmax (greedy rows, one device sync for all), else a draw from q."""
+        greedy = logits.argmax(dim=-1).tolist()
+        for row, i in enumerate(group):
+            params = seqs[i].params
             if params.greedy:
-                token = int(logits.argmax())
+                token = greedy[row]
             else:
-                scaled = logits[None] / float(params.temperature)
+                scaled = logits[row : row + 1] / float(params.temperature)
                 if _truncates(params):
                     scaled = _truncate(scaled, [params])
                 q = torch.softmax(scaled, dim=-1)[0]
-                token = int(torch.multinomial(q, 1, generator=self._generator_for(seq)))
-                probs.append(q)
-            mirror.token_ids.append(token)
-            drafts.append(token)
-        if probs:
-            self._probs[seq.seq_id] = torch.stack(probs)
-        return drafts
+                token = int(torch.multinomial(q, 1, generator=self._generator_for(seqs[i])))
+                probs[i].append(q)
+            mirrors[i].token_ids.append(token)
+            drafts[i].append(token)
 
-    def _step(self, mirror: Sequence, num_new: int, sample: bool) -> torch.Tensor | None:
-        """Compute `num_new` more tokens of `mirror`: the logits after them when `sample`; None when
-        its cache has no room for them."""
-        if not self._grow(mirror, num_new):
+    def _run(self, chunks: list[tuple[Sequence, int]], sample: bool, batch: set[int]) -> torch.Tensor | None:
+        """One draft forward computing `num_new` more tokens of each mirror (single-token chunks
+        first, as the runner expects): the logits after each when `sample`, in `chunks` order (the
+        caller's order has them first already: sorted by length); None when the cache has no room."""
+        if not all(self._grow(mirror, n, batch) for mirror, n in chunks):
             return None
-        start = mirror.num_computed_tokens
-        out = SchedulerOutput([ScheduledSequence(mirror, num_new, sample, start)], int(num_new == 1), [], 0)
-        plan = build_plan(next(self._steps), out, self._forgotten)
+        items = [ScheduledSequence(mirror, n, sample, mirror.num_computed_tokens) for mirror, n in chunks]
+        num_decodes = sum(1 for _, n in chunks if n == 1)
+        assert all(n == 1 for _, n in chunks[:num_decodes]), "single-token chunks first"
+        plan = build_plan(next(self._steps), SchedulerOutput(items, num_decodes, [], 0), self._forgotten)
         self._forgotten = []
         logits = self.runner.draft_logits(plan)
-        mirror.num_computed_tokens = start + num_new
-        return logits[0] if sample else logits
+        for mirror, n in chunks:
+            mirror.num_computed_tokens += n
+        return logits
 
     def forget(self, seq_id: int) -> None:
         """The target sequence ended: its mirror, blocks and draft-side state go."""
@@ -229,11 +267,12 @@ class DraftModelProposer:
         mirror.num_synced = min(mirror.num_synced, keep)
         return mirror
 
-    def _grow(self, mirror: Sequence, num_new: int) -> bool:
-        """Slots for `num_new` more tokens of `mirror`, evicting least recently used mirrors if need be."""
+    def _grow(self, mirror: Sequence, num_new: int, keep: set[int]) -> bool:
+        """Slots for `num_new` more tokens of `mirror`, evicting least recently used mirrors (none of
+        `keep`, ids of this batch's mirrors) if need be."""
         bm = self.blocks
         while not (bm.can_append(mirror, num_new) if mirror.block_table else bm.can_allocate(mirror, num_new)):
-            victim = next((m for m in self._mirrors.values() if m is not mirror and m.block_table), None)
+            victim = next((m for m in self._mirrors.values() if id(m) not in keep and m.block_table), None)
             if victim is None:
                 return False
             self._drop(victim)

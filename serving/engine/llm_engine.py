@@ -546,6 +546,7 @@ class LLMEngine:
         for i in plan.num_drafts:
             q = self.speculator.draft_probs(sched_out.scheduled[i].seq.seq_id)  # type: ignore[union-attr]
             if q is not None:
+                q = q[: plan.num_drafts[i]]  # (the scheduler may have kept fewer than were proposed)
                 plan.draft_probs[i] = q if local else q.cpu()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:

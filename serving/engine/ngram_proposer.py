@@ -44,6 +44,9 @@ class NgramProposer:
     def propose(self, seq: Sequence, k: int) -> list[int]:
         return propose_ngram(seq.token_ids, k, self.n_max, self.n_min)
 
+    def propose_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [self.propose(seq, k) for seq, k in zip(seqs, ks)]
+
     def may_propose(self, seq: Sequence) -> bool:
         """Whether a lookup is likely to land once the token in flight is known: the known text's own
         last n-gram recurs. Inside a copied span both do; at the span's first token this says no and

@@ -244,6 +244,9 @@ class Scheduler:
             size = min(sizes[bisect.bisect_left(sizes, num_decodes + prefill_left)], budget)
             prefill_left = size - num_decodes
         spec = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) else None
+        if spec is not None:  # every decode's proposal at once (a draft model batches its forwards)
+            spec.prefetch([s for s in self.running
+                           if s.token_ids[-1] != PLACEHOLDER and len(s.token_ids) - s.num_computed_tokens == 1])
         num_verify = 0
         i = 0
         while i < len(self.running) and budget > 0:

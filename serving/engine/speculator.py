@@ -28,6 +28,10 @@ class Proposer(Protocol):
         """Up to `k` draft tokens to follow `seq.token_ids` (all known: none in flight)."""
         ...
 
+    def propose_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """`propose` for several sequences (a draft model batches their forwards)."""
+        ...
+
     def may_propose(self, seq: Sequence) -> bool:
         """Whether `propose` is likely to return drafts once `seq`'s token in flight is known
         (its last ids may be placeholders): cheap, and wrong only at some cost in speed."""
@@ -73,6 +77,7 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.stats = SpeculationStats(accepted_per_position=[0] * self.k)
         self._seqs: dict[int, _Acceptance] = {}
+        self._prefetched: dict[int, list[int]] = {}  # this step's proposals, made together (`prefetch`)
         # (a benchmark may put its own here: bench/speculative.py; never a serving option)
         self._proposer: Proposer = (NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
                                     if proposer is None else proposer)
@@ -93,13 +98,29 @@ class Speculator:
         state = self._seqs.get(seq.seq_id)
         return state is not None and len(seq.token_ids) < state.resume_at
 
+    def _wanted(self, seq: Sequence, room: int) -> int:
+        """How many drafts `seq` may get now (0: none)."""
+        k = min(self.k, room, seq.max_num_tokens - len(seq.token_ids) - 1)
+        return 0 if k <= 0 or self._paused(seq) or not self.eligible(seq) else k
+
+    def prefetch(self, seqs: list[Sequence]) -> None:
+        """Make this step's proposals for the decodes `seqs` (last tokens known) at once, so a draft
+        model runs one batched forward per draft position; `propose` then hands them out."""
+        self._prefetched.clear()
+        ks = [self._wanted(seq, self.k) for seq in seqs]
+        todo = [i for i, k in enumerate(ks) if k]
+        if todo:
+            proposals = self._proposer.propose_many([seqs[i] for i in todo], [ks[i] for i in todo])
+            self._prefetched = {seqs[i].seq_id: drafts for i, drafts in zip(todo, proposals)}
+
     def propose(self, seq: Sequence, room: int) -> list[int]:
         """Draft tokens for `seq` (its last token known, nothing else to compute); at most `room`."""
-        k = min(self.k, room)
-        if k <= 0 or self._paused(seq) or not self.eligible(seq):
+        k = self._wanted(seq, room)
+        prefetched = self._prefetched.pop(seq.seq_id, None)
+        if not k:
             return []
         assert seq.token_ids[-1] != PLACEHOLDER, f"seq {seq.seq_id}: proposing with a token in flight"
-        drafts = self._proposer.propose(seq, k)
+        drafts = prefetched[:k] if prefetched is not None else self._proposer.propose(seq, k)
         assert len(drafts) <= k, (len(drafts), k)
         return drafts
 

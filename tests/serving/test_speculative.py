@@ -339,7 +339,11 @@ def test_draft_model_tiny_llamas_greedy_identity(tiny_models) -> None:  # noqa: 
     expected = _tokens(LLM(target, **options), GROUNDED, long)
     llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 4, "acceptance_floor": 0.0},
               **options)
+    runner = llm.llm_engine.speculator._proposer.runner
+    real, forwards = runner.draft_logits, []
+    runner.draft_logits = lambda plan: forwards.append(len(plan.seq_ids)) or real(plan)  # noqa: ANN001
     assert _tokens(llm, GROUNDED, long) == expected
+    assert max(forwards) == 4  # the draft steps of the 4 decoding sequences batched in one forward
     spec = _spec(llm)
     assert spec["spec_decode_num_drafts"] > 0
     assert spec["spec_decode_num_accepted_tokens"] < spec["spec_decode_num_draft_tokens"]  # they disagree at times
