@@ -244,6 +244,9 @@ class Scheduler:
             size = min(sizes[bisect.bisect_left(sizes, num_decodes + prefill_left)], budget)
             prefill_left = size - num_decodes
         spec = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) else None
+        if spec is not None:  # every decode's proposal at once (a draft model batches its forwards)
+            spec.prefetch([s for s in self.running
+                           if s.token_ids[-1] != PLACEHOLDER and len(s.token_ids) - s.num_computed_tokens == 1])
         num_verify = 0
         i = 0
         while i < len(self.running) and budget > 0:
@@ -495,7 +498,7 @@ class Scheduler:
         seq.num_drafts = 0
         seq.num_computed_tokens = start + 1 + accepted
         seq.num_synced = min(seq.num_synced, start + 1 + accepted)
-        self.speculator.record(seq.seq_id, item.num_drafts, accepted)  # type: ignore[union-attr]
+        self.speculator.record(seq.seq_id, item.num_drafts, accepted, len(ids))  # type: ignore[union-attr]
         bm = self.block_manager
         if bm.enable_prefix_caching and (start + 1 + accepted) // bm.block_size > start // bm.block_size:
             bm.cache_computed_blocks(seq, start + 1 + accepted)  # only what holds accepted K/V

@@ -32,6 +32,7 @@ from serving.server.settings.config_keys import (
 )
 from serving.engine_config import EngineConfig
 from serving.checkpoint.quantization import startup_summary
+from serving.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("serving.server.settings.config")
 
@@ -412,6 +413,13 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
     if engine_kwargs["distributed_executor_backend"] is None:  # the server's default (see config_keys)
         engine_kwargs["distributed_executor_backend"] = (
             SERVER_EXECUTOR_BACKEND if tensor_parallel_size > 1 or gpus else "uni")
+    draft, length = values.pop("speculative_draft_model"), values.pop("speculative_length")
+    try:  # LMI's draft-model names (config_keys) into vLLM's speculative_config
+        engine_kwargs["speculative_config"] = SpeculativeConfig.from_lmi(draft, length,
+                                                                         engine_kwargs["speculative_config"])
+    except ValueError as exc:
+        where = _src(sources, "speculative_draft_model" if draft is not None else "speculative_length")
+        raise ConfigError(f"{where}: {exc}") from None
     model_id = values["model_id"]
     engine_kwargs["model"] = model_id
     engine_kwargs["revision"] = values["revision"]

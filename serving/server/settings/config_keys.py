@@ -273,6 +273,11 @@ KEYS: tuple[Key, ...] = (
     Key("option.speculative_config", "engine.speculative_config", _speculative_config,
         'a JSON object of vLLM\'s speculative_config names, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}'),
+    # LMI's draft-model names; `serving/server/settings/config.py` folds them into engine.speculative_config.
+    Key("option.speculative_draft_model", "speculative_draft_model", _str,
+        "a draft checkpoint (directory or Hub id) with the model's vocabulary", None),  # no field: folded
+    Key("option.speculative_length", "speculative_length", _int(1, 16),
+        "an integer 1..16 (draft tokens proposed per step)", None),  # no field: folded
     Key("option.enable_lora", "engine.enable_lora", _bool, "true|false"),
     Key("option.max_loras", "engine.max_loras", _int(1, 1024), "an integer 1..1024 (adapters on the device at once)"),
     Key("option.max_lora_rank", "engine.max_lora_rank", _int(1, 1024), "an integer 1..1024 (the largest LoRA rank)"),
@@ -333,11 +338,8 @@ IGNORED_KEYS: dict[str, str] = {
     "option.entryPoint": "custom handlers (model.py) are not executed",
     "option.task": "only text generation is served",
     "option.parallel_loading": "weights load once, in the engine thread",
-    "option.speculative_draft_model": "draft-model speculation is not supported; prompt lookup is: "
-                                      'option.speculative_config={"method": "ngram", ...}',
-    "option.speculative_length": "it sizes draft-model speculation (not supported); with prompt lookup use "
-                                 "num_speculative_tokens in option.speculative_config",
-    "option.draft_model_tp_size": "draft-model speculation is not supported",
+    "option.draft_model_tp_size": "the draft model runs on rank 0's device only (it is small: a copy on "
+                                  "every rank would cost memory everywhere for no speed)",
     "features": "set by the LMI image; not used",
     "load_models": "one model is served: set HF_MODEL_ID / option.model_id",
     "model_store": "the model comes from option.model_id or /opt/ml/model",
