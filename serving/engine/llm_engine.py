@@ -39,7 +39,7 @@ from serving.engine.token_intervals import TokenIntervals
 from serving.engine.warmup import warm_up
 from serving.engine_config import EngineConfig
 from serving.executor.executor import Executor, InProcessExecutor, WorkerFailedError
-from serving.executor.factory import default_devices, make_executor
+from serving.executor.factory import make_executor, visible_device_count
 from serving.executor.plan import StepOutput, StepPlan
 from serving.lora_request import LoRARequest, UnknownAdapterError
 from serving.checkpoint.model_files import resolve_model_dir
@@ -76,7 +76,7 @@ class LLMEngine:
             model_dir = resolve_model_dir(config.model, config.revision)
             if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
                 # On rank 0's device, before the target: the target's KV cache is sized around it.
-                devices = devices or default_devices(config, config.tensor_parallel_size)
+                devices = devices or config.rank_devices(visible_device_count(config))
                 draft = build_draft_proposer(config, model_dir, devices[0])
             executor = make_executor(config, str(model_dir), devices, multiprocess)
         self.config = config

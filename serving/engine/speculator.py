@@ -100,7 +100,7 @@ class Speculator:
 
     def _wanted(self, seq: Sequence, room: int) -> int:
         """How many drafts `seq` may get now (0: none)."""
-        k = min(self.k, room, seq.max_num_tokens - len(seq.token_ids) - 1)
+        k = min(self.k, room, seq.max_tokens - seq.num_output_tokens - 1)
         return 0 if k <= 0 or self._paused(seq) or not self.eligible(seq) else k
 
     def prefetch(self, seqs: list[Sequence]) -> None:
@@ -135,7 +135,7 @@ class Speculator:
         for seq in running:
             ids = seq.token_ids
             if (ids[-1] == PLACEHOLDER and len(ids) - seq.num_computed_tokens == 1
-                    and len(ids) + 1 < seq.max_num_tokens and not self._paused(seq)
+                    and seq.num_output_tokens + 1 < seq.max_tokens and not self._paused(seq)
                     and self.eligible(seq) and proposer.may_propose(seq)):
                 return True
         return False

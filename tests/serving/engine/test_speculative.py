@@ -183,7 +183,7 @@ def test_poor_acceptance_pauses_by_tokens_and_backs_off() -> None:
 
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, acceptance_floor=0.5, acceptance_window=8))
     seq = Sequence(0, "r", [1, 2, 3, 1, 2], GREEDY)
-    seq.num_computed_tokens, seq.max_num_tokens = 5, 1000
+    seq.num_computed_tokens, seq.max_tokens = 5, 1000
     assert spec.propose(seq, 4) == [3, 1, 2]  # [1, 2] recurs
     seq.token_ids.append(PLACEHOLDER)
     assert spec.wants_tokens_in_flight([seq])  # the known text's last n-gram recurs
