@@ -18,7 +18,7 @@ import os
 
 from serving.server.settings.config import config_from_env
 
-_config = config_from_env(os.environ)  # resolved by container/serve
+_config = config_from_env(os.environ)  # resolved by container/serve; parsed here, once: the worker forks from us
 
 bind = f"0.0.0.0:{_config.port}"
 workers = _config.frontends  # 1 unless the engine runs in cores of its own (serving/config.py auto_frontends)

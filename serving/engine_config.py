@@ -156,6 +156,19 @@ class EngineConfig:
         """Adapters kept in host memory: `max_cpu_loras`, else `max_loras`."""
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
+    def rank_devices(self, gpus: int, copy: int = 0) -> tuple[str, ...]:
+        """The devices of model copy `copy`'s ranks (the one device-layout rule, for the container's
+        copies and the executor alike): `tensor_parallel_size` GPUs from copy * tensor_parallel_size
+        of the `gpus` visible, else one CPU rank each (`gpus` 0: the engine runs on the CPU)."""
+        ranks = range(self.tensor_parallel_size)
+        if not gpus:
+            return tuple("cpu" for _ in ranks)
+        first = copy * self.tensor_parallel_size
+        if first + self.tensor_parallel_size > gpus:
+            raise ValueError(f"tensor_parallel_degree={self.tensor_parallel_size} (from device {first}) exceeds the "
+                             f"{gpus} visible GPUs; lower TENSOR_PARALLEL_DEGREE / option.tensor_parallel_degree")
+        return tuple(f"cuda:{first + r}" for r in ranks)
+
     def makespan_target(self, device_type: str) -> int:
         """`makespan_step_tokens` resolved for this device (the one place its default is derived)."""
         if self.makespan_step_tokens is not None:

@@ -13,15 +13,15 @@ tests. `all_reduce` takes the custom all-reduce (symmetric memory, `custom_all_r
 or two-shot over peer-to-peer buffers, microseconds at decode sizes) where `init_tensor_parallel`
 could set it up and the message's size and dtype suit it, the process group's (NCCL, gloo) else.
 
-How shapes split over `tp` ranks (`validate_tensor_parallel` rejects the rest):
-- KV heads, when tp <= num_kv_heads: contiguous runs, as even as they go (rank r holds
-  [r*K//tp, (r+1)*K//tp)); each rank holds the query heads of its KV groups (so the degree need
+How shapes split over W = `world_size` ranks (`validate_tensor_parallel` rejects the rest):
+- KV heads, when W <= num_kv_heads: contiguous runs, as even as they go (rank r holds
+  [r*K//W, (r+1)*K//W)); each rank holds the query heads of its KV groups (so the degree need
   not divide the heads: ranks may hold different head counts, and KV caches of different widths);
-- when tp > num_kv_heads (tp a multiple of it): each rank holds ONE KV head, replicated: rank r
-  holds head r * num_kv_heads // tp, and H/tp query heads, the ones that read it;
-- MLP: `intermediate_size // tp` columns of gate/up, the same rows of down_proj;
-- vocab: `ceil(vocab / tp)` rows per rank (the last rank's tail is zero padding); logits are
-  gathered to `tp * ceil(vocab / tp)` columns and cut back to `vocab`.
+- when W > num_kv_heads (W a multiple of it): each rank holds ONE KV head, replicated: rank r
+  holds head r * num_kv_heads // W, and H/W query heads, the ones that read it;
+- MLP: `intermediate_size // W` columns of gate/up, the same rows of down_proj;
+- vocab: `ceil(vocab / W)` rows per rank (the last rank's tail is zero padding); logits are
+  gathered to `W * ceil(vocab / W)` columns and cut back to `vocab`.
 """
 
 from __future__ import annotations
@@ -161,14 +161,14 @@ def all_reduce_path(t: torch.Tensor) -> str:
 
 
 def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's `t` along the last dim in rank order: [..., n] -> [..., tp * n]."""
-    ws = _shard.world_size
-    if ws == 1:
+    """Concatenate every rank's `t` along the last dim in rank order: [..., n] -> [..., world_size * n]."""
+    world_size = _shard.world_size
+    if world_size == 1:
         return t
     flat = t.contiguous().view(-1)  # the flat form works on every backend (gloo rejects stacked shapes)
-    out = torch.empty(ws * flat.numel(), dtype=t.dtype, device=t.device)
+    out = torch.empty(world_size * flat.numel(), dtype=t.dtype, device=t.device)
     _all_gather_single(out, flat, group=_group)
-    return out.view(ws, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], ws * t.shape[-1])
+    return out.view(world_size, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], world_size * t.shape[-1])
 
 
 # ---- how the model splits --------------------------------------------------------------------
@@ -187,49 +187,48 @@ class AttentionShard:
 def attention_shard(num_heads: int, num_kv_heads: int, shard: TPShard) -> AttentionShard:
     """This rank's query heads and KV heads.
 
-    tp <= num_kv_heads: KV heads are dealt out in contiguous runs as evenly as they go (rank r
-    holds [r*K//tp, (r+1)*K//tp)), and each rank holds the query heads of its KV groups, so a
+    W = world_size <= num_kv_heads: KV heads are dealt out in contiguous runs as evenly as they go
+    (rank r holds [r*K//W, (r+1)*K//W)), and each rank holds the query heads of its KV groups, so a
     degree need not divide the heads (SmolLM2's 9 heads / 3 KV heads split 3+6 over 2 ranks).
-    tp > num_kv_heads: one replicated KV head per rank, the query heads split evenly.
+    W > num_kv_heads: one replicated KV head per rank, the query heads split evenly.
     """
-    tp, r = shard.world_size, shard.rank
-    _check_heads(num_heads, num_kv_heads, tp)
-    if tp <= num_kv_heads:
+    world_size, r = shard.world_size, shard.rank
+    _check_heads(num_heads, num_kv_heads, world_size)
+    if world_size <= num_kv_heads:
         group = num_heads // num_kv_heads
-        kv_start, kv_end = r * num_kv_heads // tp, (r + 1) * num_kv_heads // tp
+        kv_start, kv_end = r * num_kv_heads // world_size, (r + 1) * num_kv_heads // world_size
         return AttentionShard((kv_end - kv_start) * group, kv_end - kv_start, kv_start * group, kv_start)
-    return AttentionShard(num_heads // tp, 1, r * (num_heads // tp), r * num_kv_heads // tp)
+    return AttentionShard(num_heads // world_size, 1, r * (num_heads // world_size), r * num_kv_heads // world_size)
 
 
-def kv_heads_per_rank(args: ModelArgs, tp: int, rank: int = 0) -> int:
+def kv_heads_per_rank(args: ModelArgs, world_size: int, rank: int = 0) -> int:
     """KV heads in rank `rank`'s cache: `[.., num_blocks, block_size, kv_heads, head_dim]`."""
-    return attention_shard(args.num_attention_heads, args.num_key_value_heads, TPShard(rank, tp)).num_kv_heads
+    return attention_shard(args.num_attention_heads, args.num_key_value_heads, TPShard(rank, world_size)).num_kv_heads
 
 
-def vocab_per_rank(vocab_size: int, tp: int) -> int:
-    """Embedding / LM-head rows on each rank: ceil(vocab / tp), the last rank zero-padded."""
-    return -(-vocab_size // tp)
+def vocab_per_rank(vocab_size: int, world_size: int) -> int:
+    """Embedding / LM-head rows on each rank: ceil(vocab / world_size), the last rank zero-padded."""
+    return -(-vocab_size // world_size)
 
 
-def validate_tensor_parallel(args: ModelArgs, tp: int) -> None:
-    """Raise ValueError, naming the numbers, unless the model splits over `tp` ranks."""
-    if tp < 1:
-        raise ValueError(f"tensor parallel degree must be >= 1, got {tp}")
-    _check_heads(args.num_attention_heads, args.num_key_value_heads, tp)
+def validate_tensor_parallel(args: ModelArgs, world_size: int) -> None:
+    """Raise ValueError, naming the numbers, unless the model splits over `world_size` ranks."""
+    assert world_size >= 1, world_size  # EngineConfig validated the degree
+    _check_heads(args.num_attention_heads, args.num_key_value_heads, world_size)
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        if getattr(args, name) % tp:
-            raise ValueError(f"tensor parallel degree {tp} does not divide {name} ({getattr(args, name)})")
+        if getattr(args, name) % world_size:
+            raise ValueError(f"tensor parallel degree {world_size} does not divide {name} ({getattr(args, name)})")
 
 
-def _check_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
+def _check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})")
-    if tp > num_kv_heads:
-        if tp % num_kv_heads:
-            raise ValueError(f"tensor parallel degree {tp} is larger than num_key_value_heads ({num_kv_heads}) but "
-                             "not a multiple of it, so KV heads cannot be replicated evenly")
-        if num_heads % tp:
-            raise ValueError(f"tensor parallel degree {tp} does not divide num_attention_heads ({num_heads}): "
+    if world_size > num_kv_heads:
+        if world_size % num_kv_heads:
+            raise ValueError(f"tensor parallel degree {world_size} is larger than num_key_value_heads "
+                             f"({num_kv_heads}) but not a multiple of it, so KV heads cannot be replicated evenly")
+        if num_heads % world_size:
+            raise ValueError(f"tensor parallel degree {world_size} does not divide num_attention_heads ({num_heads}): "
                              "with replicated KV heads each rank must hold the same number of attention heads")
 
 

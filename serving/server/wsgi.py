@@ -218,7 +218,7 @@ def _setup_logging() -> None:
 
 
 _setup_logging()
-config = config_from_env(os.environ)  # resolved once, by container/serve (else here)
+config = config_from_env(os.environ)  # resolved by container/serve; parsed in the arbiter before fork (else here)
 engine_loop = ServedEngine(_engine_client(config), config)
 app = create_app(engine_loop, config)
 _started = threading.Lock()

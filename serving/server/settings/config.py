@@ -10,6 +10,7 @@ in `serving/server/settings/config_keys.py`; each resolved value remembers where
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from serving.server.settings.config_keys import (
+    FIELD_DEFAULT,
     IGNORED_KEYS,
     KEYS,
     PREFILL_TOKENS_WHILE_DECODING,
@@ -31,6 +33,7 @@ from serving.server.settings.config_keys import (
 )
 from serving.engine_config import EngineConfig
 from serving.checkpoint.quantization import startup_summary
+from serving.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("serving.server.settings.config")
 
@@ -111,11 +114,8 @@ class ServingConfig:
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def copy_devices(self) -> list[tuple[str, ...]]:
-        """The devices of each model copy: copy c holds GPUs c*tp .. c*tp+tp-1 (CPU ranks without GPUs)."""
-        tp = self.engine.tensor_parallel_size
-        if not self.gpu_count:
-            return [("cpu",) * tp] * self.model_copies
-        return [tuple(f"cuda:{c * tp + i}" for i in range(tp)) for c in range(self.model_copies)]
+        """The devices of each model copy (`EngineConfig.rank_devices`, on the GPUs counted at start)."""
+        return [self.engine.rank_devices(self.gpu_count, c) for c in range(self.model_copies)]
 
     @property
     def gunicorn_threads(self) -> int:
@@ -281,6 +281,17 @@ def _lookup(raw: Mapping[str, tuple[str, str]], key: Key) -> tuple[str, str] | N
     return None
 
 
+def key_default(key: Key) -> object:
+    """What an unset key resolves to: the table's `default`, else its target field's own default."""
+    if key.default is not FIELD_DEFAULT:
+        return key.default
+    cls, name = (EngineConfig, key.target.removeprefix("engine.")) if key.target.startswith("engine.") else (
+        ServingConfig, key.target)
+    found = next(f for f in dataclasses.fields(cls) if f.name == name)
+    assert found.default is not dataclasses.MISSING, f"{key.name}: {cls.__name__}.{name} has no plain default"
+    return found.default
+
+
 def _count_gpus() -> int:
     try:
         import torch
@@ -328,7 +339,7 @@ def load_config(
     for key in KEYS:
         hit = _lookup(raw, key)
         if hit is None:
-            values[key.target] = key.default
+            values[key.target] = key_default(key)
             sources[key.target] = "default"
             continue
         text, source = hit
@@ -342,8 +353,10 @@ def load_config(
 
 
 RESOLVED_ENV = "OPEN_LMI_RESOLVED_CONFIG"
-"""`container/serve` resolves the configuration once and hands it to gunicorn's processes in this
-variable (JSON), so the config file, the worker and the app never resolve it again."""
+"""`container/serve` resolves the configuration once and hands it across its `exec` of gunicorn in
+this variable (JSON), so the config file, the worker and the app never resolve it again. It is
+parsed once: in the arbiter, by gunicorn.conf.py; the worker, forked from the arbiter, inherits
+that parsed object (`config_from_env` returns it) and parses nothing."""
 
 
 def resolved_to_env(config: ServingConfig) -> str:
@@ -359,6 +372,12 @@ def config_from_env(environ: Mapping[str, str]) -> ServingConfig:
     text = environ.get(RESOLVED_ENV)
     if not text:
         return load_config(environ)
+    return _parse_resolved(text)
+
+
+@functools.lru_cache(maxsize=1)
+def _parse_resolved(text: str) -> ServingConfig:
+    """`RESOLVED_ENV`'s JSON -> the frozen ServingConfig, once per text (a forked worker finds it parsed)."""
     values = json.loads(text)
     engine = EngineConfig(**values.pop("engine"))
     sources = MappingProxyType(values.pop("sources"))
@@ -379,19 +398,20 @@ def auto_frontends(copies: int, engine_process: bool, cpus: int) -> int:
 def _build(values: dict[str, object], sources: dict[str, str], props_path: Path | None,
            gpu_count: Callable[[], int]) -> ServingConfig:
     engine_kwargs = {k.removeprefix("engine."): v for k, v in values.items() if k.startswith("engine.")}
-    tp = engine_kwargs["tensor_parallel_size"]
+    tensor_parallel_size = engine_kwargs["tensor_parallel_size"]
     on_cpu = engine_kwargs.get("device") == "cpu"
     gpus = 0 if on_cpu else gpu_count()
-    if tp == "max":
-        tp = engine_kwargs["tensor_parallel_size"] = max(1, gpus)
-    if gpus and tp > gpus:
-        raise ConfigError(f"{_src(sources, 'engine.tensor_parallel_size')}: tensor_parallel_degree={tp} exceeds "
-                          f"the {gpus} visible GPU(s); use at most {gpus} (or max)")
-    copies = max(1, gpus // tp) if gpus else 1
+    if tensor_parallel_size == "max":
+        tensor_parallel_size = engine_kwargs["tensor_parallel_size"] = max(1, gpus)
+    if gpus and tensor_parallel_size > gpus:
+        raise ConfigError(f"{_src(sources, 'engine.tensor_parallel_size')}: tensor_parallel_degree="
+                          f"{tensor_parallel_size} exceeds the {gpus} visible GPU(s); use at most {gpus} (or max)")
+    copies = max(1, gpus // tensor_parallel_size) if gpus else 1
     if values["max_workers"] is not None:
-        if gpus and values["max_workers"] * tp > gpus:
+        if gpus and values["max_workers"] * tensor_parallel_size > gpus:
             raise ConfigError(f"{_src(sources, 'max_workers')}: max_workers={values['max_workers']} model copies of "
-                              f"tensor_parallel_degree={tp} need {values['max_workers'] * tp} GPUs; {gpus} are visible")
+                              f"tensor_parallel_degree={tensor_parallel_size} need "
+                              f"{values['max_workers'] * tensor_parallel_size} GPUs; {gpus} are visible")
         copies = values["max_workers"]
     if values["engine_process"] is None:  # auto: each of several copies in its own process
         values["engine_process"] = copies > 1
@@ -412,7 +432,14 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
             PREFILL_TOKENS_WHILE_DECODING if engine_kwargs["enable_chunked_prefill"] else 0)
     if engine_kwargs["distributed_executor_backend"] is None:  # the server's default (see config_keys)
         engine_kwargs["distributed_executor_backend"] = (
-            SERVER_EXECUTOR_BACKEND if tp > 1 or gpus else "uni")
+            SERVER_EXECUTOR_BACKEND if tensor_parallel_size > 1 or gpus else "uni")
+    draft, length = values.pop("speculative_draft_model"), values.pop("speculative_length")
+    try:  # LMI's draft-model names (config_keys) into vLLM's speculative_config
+        engine_kwargs["speculative_config"] = SpeculativeConfig.from_lmi(draft, length,
+                                                                         engine_kwargs["speculative_config"])
+    except ValueError as exc:
+        where = _src(sources, "speculative_draft_model" if draft is not None else "speculative_length")
+        raise ConfigError(f"{where}: {exc}") from None
     model_id = values["model_id"]
     engine_kwargs["model"] = model_id
     engine_kwargs["revision"] = values["revision"]

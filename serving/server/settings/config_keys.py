@@ -23,6 +23,20 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the variable and what it accepts."""
 
 
+class _FieldDefault:
+    """The `Key.default` of a key whose unset value is its target field's own default."""
+
+    def __repr__(self) -> str:
+        return "FIELD_DEFAULT"
+
+
+FIELD_DEFAULT = _FieldDefault()
+"""Unset -> the `ServingConfig` / `EngineConfig` field's default, so each default is written once,
+on the dataclass (`config.key_default` reads it). Only a key whose unset value differs from its
+field's (the container's choice differs from the offline `LLM`'s, or "auto" is resolved at start)
+gives `default=` in the table, with a comment saying why."""
+
+
 @dataclass(frozen=True)
 class Key:
     """One configuration key: where it is read from, how it is parsed, what it sets."""
@@ -31,7 +45,7 @@ class Key:
     target: str  # ServingConfig field, or "engine.<EngineConfig field>"
     parse: Callable[[str], object]
     accepts: str
-    default: object = None
+    default: object = FIELD_DEFAULT
     aliases: tuple[str, ...] = ()
 
 
@@ -217,95 +231,103 @@ KEYS: tuple[Key, ...] = (
     Key("option.model_id", "model_id", _str, "a hub id (org/name), s3://bucket/prefix or a local directory"),
     Key("option.revision", "revision", _str, "a hub branch, tag or commit"),
     Key("hf_token", "hf_token", _str, "a Hugging Face access token"),
-    Key("port", "port", _int(1, 65535), "an integer port 1..65535", 8080),
+    Key("port", "port", _int(1, 65535), "an integer port 1..65535"),
+    # LMI's default is every visible GPU ("max", resolved at start); the offline LLM's is vLLM's 1.
     Key("option.tensor_parallel_degree", "engine.tensor_parallel_size", _tp, "a positive integer or max", "max",
         ("option.tensor_parallel_size",)),
     Key("option.rolling_batch", "rolling_batch",
         _choice("auto", "vllm", "lmi-dist", "scheduler", "disable", "deepspeed", "trtllm", "tnx"),
-        "auto|vllm|lmi-dist|scheduler|disable|deepspeed|trtllm|tnx", "auto"),
-    Key("option.max_rolling_batch_size", "engine.max_num_seqs", _int(1), "a positive integer", 256,
-        ("option.max_num_seqs",)),
+        "auto|vllm|lmi-dist|scheduler|disable|deepspeed|trtllm|tnx"),
+    Key("option.max_rolling_batch_size", "engine.max_num_seqs", _int(1), "a positive integer",
+        aliases=("option.max_num_seqs",)),
     Key("option.max_rolling_batch_prefill_tokens", "engine.max_num_batched_tokens", _optional_int(1),
-        "a positive integer", None, ("option.max_num_batched_tokens",)),
-    Key("option.dtype", "engine.dtype", normalize_dtype, "auto|fp32|fp16|bf16 (or float32|float16|bfloat16)",
-        "auto"),
-    Key("option.max_model_len", "engine.max_model_len", _optional_int(1), "a positive integer", None),
+        "a positive integer", aliases=("option.max_num_batched_tokens",)),
+    Key("option.dtype", "engine.dtype", normalize_dtype, "auto|fp32|fp16|bf16 (or float32|float16|bfloat16)"),
+    Key("option.max_model_len", "engine.max_model_len", _optional_int(1), "a positive integer"),
     Key("option.gpu_memory_utilization", "engine.gpu_memory_utilization", _float(0.0, 1.0, lo_open=True),
-        "a number in (0, 1]", 0.9),
-    Key("option.enforce_eager", "engine.enforce_eager", _bool, "true|false", False),
-    Key("option.disable_custom_all_reduce", "engine.disable_custom_all_reduce", _bool, "true|false", False),
-    Key("option.async_scheduling", "engine.async_scheduling", _optional_bool, "auto|true|false", None),
+        "a number in (0, 1]"),
+    Key("option.enforce_eager", "engine.enforce_eager", _bool, "true|false"),
+    Key("option.disable_custom_all_reduce", "engine.disable_custom_all_reduce", _bool, "true|false"),
+    Key("option.async_scheduling", "engine.async_scheduling", _optional_bool, "auto|true|false"),
     Key("option.distributed_executor_backend", "engine.distributed_executor_backend", _choice("mp", "uni"),
-        "mp|uni", None),
-    Key("option.enable_prefix_caching", "engine.enable_prefix_caching", _bool, "true|false", True),
-    Key("option.enable_chunked_prefill", "engine.enable_chunked_prefill", _bool, "true|false", True),
+        "mp|uni"),
+    Key("option.enable_prefix_caching", "engine.enable_prefix_caching", _bool, "true|false"),
+    Key("option.enable_chunked_prefill", "engine.enable_chunked_prefill", _bool, "true|false"),
     Key("option.long_prefill_token_threshold", "engine.long_prefill_token_threshold", _int(0),
-        "a non-negative integer (0: off)", 0),
+        "a non-negative integer (0: off)"),
+    # Unset: the server's default, resolved at start (PREFILL_TOKENS_WHILE_DECODING with chunked prefill);
+    # the offline LLM's is 0 (off).
     Key("option.max_prefill_tokens_while_decoding", "engine.max_prefill_tokens_while_decoding", _optional_int(0),
         f"a non-negative integer (0: off; unset: {PREFILL_TOKENS_WHILE_DECODING} with chunked prefill)", None),
+    # The server serves first come, first served (streams are judged by latency); the offline LLM's None
+    # fills decode steps on a GPU (EngineConfig.makespan_target).
     Key("option.makespan_step_tokens", "engine.makespan_step_tokens", _int(0),
         "a non-negative integer (0: off, the server's FCFS)", 0),
-    Key("option.block_size", "engine.block_size", _int(1, 1024), "a positive integer <= 1024", 16),
+    Key("option.block_size", "engine.block_size", _int(1, 1024), "a positive integer <= 1024"),
     Key("option.kv_cache_memory_gb", "engine.kv_cache_memory_gb", _float(0.0, 1e6, lo_open=True),
-        "a positive number of GB (CPU KV cache budget)", 2.0),
+        "a positive number of GB (CPU KV cache budget)"),
     Key("option.num_gpu_blocks_override", "engine.num_gpu_blocks_override", _optional_int(1),
-        "a positive integer", None),
-    Key("option.device", "engine.device", _choice("auto", "cpu", "cuda"), "auto|cpu|cuda", "auto"),
-    Key("option.seed", "engine.seed", _int(0), "a non-negative integer", 0),
-    Key("option.load_format", "engine.load_format", _load_format, "auto|safetensors|pt|dummy", "auto"),
-    Key("option.max_logprobs", "engine.max_logprobs", _int(0, 100), "an integer 0..100", 20),
+        "a positive integer"),
+    Key("option.device", "engine.device", _choice("auto", "cpu", "cuda"), "auto|cpu|cuda"),
+    Key("option.seed", "engine.seed", _int(0), "a non-negative integer"),
+    Key("option.load_format", "engine.load_format", _load_format, "auto|safetensors|pt|dummy"),
+    Key("option.max_logprobs", "engine.max_logprobs", _int(0, 100), "an integer 0..100"),
     Key("option.guided_decoding_compile_timeout", "engine.guided_decoding_compile_timeout", _float(0.1, 3600.0),
-        "seconds in [0.1, 3600]", 10.0),
+        "seconds in [0.1, 3600]"),
     Key("option.guided_decoding_max_bytes", "engine.guided_decoding_max_bytes", _int(1, 1 << 30),
-        "a positive number of bytes", 64 * 1024),
+        "a positive number of bytes"),
     Key("option.guided_decoding_cache_mb", "engine.guided_decoding_cache_mb", _int(1, 1 << 20),
-        "a positive number of MiB", 256),
+        "a positive number of MiB"),
     Key("option.tokenizer", "engine.tokenizer", _str, "a tokenizer id or path"),
     Key("option.speculative_config", "engine.speculative_config", _speculative_config,
         'a JSON object of vLLM\'s speculative_config names, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}'),
-    Key("option.enable_lora", "engine.enable_lora", _bool, "true|false", False),
-    Key("option.max_loras", "engine.max_loras", _int(1, 1024), "an integer 1..1024 (adapters on the device at once)",
-        4),
-    Key("option.max_lora_rank", "engine.max_lora_rank", _int(1, 1024), "an integer 1..1024 (the largest LoRA rank)",
-        16),
+    # LMI's draft-model names; `serving/server/settings/config.py` folds them into engine.speculative_config.
+    Key("option.speculative_draft_model", "speculative_draft_model", _str,
+        "a draft checkpoint (directory or Hub id) with the model's vocabulary", None),  # no field: folded
+    Key("option.speculative_length", "speculative_length", _int(1, 16),
+        "an integer 1..16 (draft tokens proposed per step)", None),  # no field: folded
+    Key("option.enable_lora", "engine.enable_lora", _bool, "true|false"),
+    Key("option.max_loras", "engine.max_loras", _int(1, 1024), "an integer 1..1024 (adapters on the device at once)"),
+    Key("option.max_lora_rank", "engine.max_lora_rank", _int(1, 1024), "an integer 1..1024 (the largest LoRA rank)"),
     Key("option.max_cpu_loras", "engine.max_cpu_loras", _optional_int(1),
-        "a positive integer >= option.max_loras (adapters kept in host memory), or none", None),
+        "a positive integer >= option.max_loras (adapters kept in host memory), or none"),
     Key(ALLOWLIST_OPTION, "runtime_adapter_sources", parse_allowlist,
         "a comma-separated list of absolute directories and/or s3://bucket/prefix the adapter management API may "
-        "load from (unset: that API is off)", ()),
-    Key("option.lora_extra_vocab_size", "lora_extra_vocab_size", _int(0, 1 << 20), "a non-negative integer", 256),
-    Key("option.trust_remote_code", "trust_remote_code", _bool, "true|false", False),
+        "load from (unset: that API is off)"),
+    Key("option.lora_extra_vocab_size", "lora_extra_vocab_size", _int(0, 1 << 20), "a non-negative integer"),
+    Key("option.trust_remote_code", "trust_remote_code", _bool, "true|false"),
     Key("option.quantize", "engine.quantization", parse_quantize_option,
-        f"{QUANTIZE_ACCEPTS}; unset: what the checkpoint's quantization_config says", None, ("option.quantization",)),
+        f"{QUANTIZE_ACCEPTS}; unset: what the checkpoint's quantization_config says", aliases=("option.quantization",)),
     Key("option.enable_streaming", "enable_streaming", _choice("true", "false", "huggingface"),
-        "true|false|huggingface", "false"),
+        "true|false|huggingface"),
     Key("option.output_formatter", "output_formatter",
         _choice("json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "none"),
         "json|jsonlines|sse|json_chat|jsonlines_chat|none"),
-    Key("option.tgi_compat", "tgi_compat", _bool, "true|false", False),
+    Key("option.tgi_compat", "tgi_compat", _bool, "true|false"),
     Key("option.chat_template", "chat_template", _chat_template,
         "a Jinja chat template file (UTF-8, at most 256 KiB) or an inline template, using `messages`"),
-    Key("option.served_model_name", "served_model_name", _str, "a model name for the /v1 routes"),
-    Key("option.model_loading_timeout", "model_loading_timeout", _float(1.0, 1e7), "seconds (a positive number)",
-        1200.0),
-    Key("option.predict_timeout", "predict_timeout", _float(1.0, 1e7), "seconds (a positive number)", 240.0),
-    Key("job_queue_size", "job_queue_size", _int(1, 100000), "an integer 1..100000", 1000),
-    Key("chunked_read_timeout", "chunked_read_timeout", _float(1.0, 1e7), "seconds (a positive number)", 60.0),
-    Key("plain_heartbeat", "plain_heartbeat", _bool, "true|false", False),
-    Key("write_timeout", "write_timeout", _float(1.0, 3600.0), "seconds in [1, 3600]", 30.0),
-    Key("max_request_size", "max_request_size", _int(1), "a positive number of bytes", 6 * 1024 * 1024),
+    # Unset: derived from option.model_id at start (the field's default names the embedded model).
+    Key("option.served_model_name", "served_model_name", _str, "a model name for the /v1 routes", None),
+    Key("option.model_loading_timeout", "model_loading_timeout", _float(1.0, 1e7), "seconds (a positive number)"),
+    Key("option.predict_timeout", "predict_timeout", _float(1.0, 1e7), "seconds (a positive number)"),
+    Key("job_queue_size", "job_queue_size", _int(1, 100000), "an integer 1..100000"),
+    Key("chunked_read_timeout", "chunked_read_timeout", _float(1.0, 1e7), "seconds (a positive number)"),
+    Key("plain_heartbeat", "plain_heartbeat", _bool, "true|false"),
+    Key("write_timeout", "write_timeout", _float(1.0, 3600.0), "seconds in [1, 3600]"),
+    Key("max_request_size", "max_request_size", _int(1), "a positive number of bytes"),
     Key("option.s3_endpoint_url", "s3_endpoint_url", _str, "an http(s) URL of an S3 API"),
-    Key("download_dir", "download_dir", _str, "a directory for downloaded models", "/tmp/open-lmi/download"),
-    Key("compat_200_errors", "compat_200_errors", _bool, "true|false", False),
-    Key("fail_fast", "fail_fast", _bool, "true|false", False),
+    Key("download_dir", "download_dir", _str, "a directory for downloaded models"),
+    Key("compat_200_errors", "compat_200_errors", _bool, "true|false"),
+    Key("fail_fast", "fail_fast", _bool, "true|false"),
+    # Unset: auto, resolved at start (on for several model copies).
     Key("option.engine_process", "engine_process", _optional_bool, "auto|true|false", None),
-    Key("max_workers", "max_workers", _int(1, 1024), "a positive integer (model copies)", None),
-    # HTTP frontends (gunicorn workers) over the shared engine cores; auto: serving/config.py `auto_frontends`.
-    Key("option.frontends", "frontends", _auto_int(1, 64), "auto|an integer 1..64", None, aliases=("frontends",)),
-    Key("option.prefix_affinity", "prefix_affinity", _bool, "true|false", True),
-    Key("threads", "threads", _int(0, 4096), "an integer 0..4096 (0 = automatic)", 0),
-    Key("graceful_timeout", "graceful_timeout", _float(0.0, 30.0), "seconds in [0, 30]", 25.0),
+    Key("max_workers", "max_workers", _int(1, 1024), "a positive integer (model copies)"),
+    # HTTP frontends (gunicorn workers) over the shared engine cores; auto: settings/config.py `auto_frontends`.
+    Key("option.frontends", "frontends", _auto_int(1, 64), "auto|an integer 1..64", aliases=("frontends",)),
+    Key("option.prefix_affinity", "prefix_affinity", _bool, "true|false"),
+    Key("threads", "threads", _int(0, 4096), "an integer 0..4096 (0 = automatic)"),
+    Key("graceful_timeout", "graceful_timeout", _float(0.0, 30.0), "seconds in [0, 30]"),
 )
 
 # TGI / SageMaker names that LMI's entrypoint translates, each only when the LMI name is unset.
@@ -327,11 +349,8 @@ IGNORED_KEYS: dict[str, str] = {
     "option.entryPoint": "custom handlers (model.py) are not executed",
     "option.task": "only text generation is served",
     "option.parallel_loading": "weights load once, in the engine thread",
-    "option.speculative_draft_model": "draft-model speculation is not supported; prompt lookup is: "
-                                      'option.speculative_config={"method": "ngram", ...}',
-    "option.speculative_length": "it sizes draft-model speculation (not supported); with prompt lookup use "
-                                 "num_speculative_tokens in option.speculative_config",
-    "option.draft_model_tp_size": "draft-model speculation is not supported",
+    "option.draft_model_tp_size": "the draft model runs on rank 0's device only (it is small: a copy on "
+                                  "every rank would cost memory everywhere for no speed)",
     "features": "set by the LMI image; not used",
     "load_models": "one model is served: set HF_MODEL_ID / option.model_id",
     "model_store": "the model comes from option.model_id or /opt/ml/model",

@@ -129,11 +129,14 @@ def test_single_sequence_that_fits_never_deadlocks() -> None:
 def test_admission_rejects_requests_that_can_never_fit() -> None:
     sched, _ = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
     with pytest.raises(ValueError, match="max_model_len=32"):
-        sched.add_sequences([make_sequence(0, list(range(30)), max_tokens=5)])
+        sched.check_fits(30, 5)
     with pytest.raises(ValueError, match="KV cache"):
-        sched.add_sequences([make_sequence(1, list(range(10)), max_tokens=10)])
+        sched.check_fits(10, 10)
     with pytest.raises(ValueError, match="empty"):
-        sched.add_sequences([make_sequence(2, [], max_tokens=1)])
+        sched.check_fits(0, 1)
+    sched.check_fits(10, 6)  # 16 tokens: the whole KV cache
+    with pytest.raises(AssertionError, match="not admitted"):  # the engine asserts what admission checked
+        sched.add_sequences([make_sequence(0, list(range(30)), max_tokens=5)])
     assert not sched.has_unfinished()
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_scheduler(max_num_seqs=16, budget=8)
@@ -260,7 +263,7 @@ def test_prompt_tokens_are_capped_only_in_steps_that_decode() -> None:
 def test_chunked_prefill_disabled_admits_whole_prompts_only() -> None:
     sched, runner = make_scheduler(budget=8, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="chunked prefill is disabled"):
-        sched.add_sequences([make_sequence(0, list(range(9)))])
+        sched.check_fits(9, 16)
     a = make_sequence(1, list(range(5)), max_tokens=2)
     b = make_sequence(2, list(range(50, 55)), max_tokens=2)
     sched.add_sequences([a])
@@ -333,8 +336,7 @@ def test_no_max_tokens_runs_to_the_context_limit_capped_by_the_kv_cache() -> Non
     run_to_end(sched, runner)
     assert seq.num_output_tokens == 22 and sched.block_manager.num_free_blocks == 16
     with pytest.raises(ValueError, match="KV cache"):  # the prompt alone does not fit
-        make_scheduler(num_blocks=4, block_size=4, max_model_len=32)[0].add_sequences(
-            [make_sequence(2, list(range(20)), max_tokens=None)])
+        make_scheduler(num_blocks=4, block_size=4, max_model_len=32)[0].check_fits(20, None)
 
 
 def test_prompt_token_count_matches_the_chunks_that_start_in_the_prompt() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from shared_runner import llms_on_runner
 
-from serving.engine.ngram_proposer import propose_ngram
+from serving.engine.ngram_proposer import NgramProposer, propose_ngram
 from serving.engine_config import EngineConfig
 from serving.executor.spec_verify import verify_drafts
 from serving.llm import LLM
@@ -133,6 +133,79 @@ def test_large_batch_and_poor_acceptance_turn_speculation_off(make_llm) -> None:
     assert 0 < _spec(floor)["spec_decode_num_draft_tokens"] < _spec(free)["spec_decode_num_draft_tokens"]
 
 
+class _Silent(NgramProposer):
+    """A proposer that never proposes (the speculator's `_proposer` hook, as bench/speculative.py uses it)."""
+
+    def propose(self, seq, k):  # noqa: ANN001, ANN201
+        return []
+
+    def may_propose(self, seq):  # noqa: ANN001, ANN201
+        return False
+
+
+def _step_trace(llm: LLM, prompts: list[str], params) -> list[tuple[int, bool]]:  # noqa: ANN001
+    """Per engine step: tokens it handed back, and whether it was scheduled while the previous step
+    was still in flight (async overlap) or after waiting for its tokens."""
+    engine = llm.llm_engine
+    engine.executor.reset()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"t{i}", prompt, params)
+    overlapped: list[bool] = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: overlapped.append(engine._inflight is not None) or schedule()
+    trace = []
+    try:
+        while engine.has_unfinished_requests():
+            trace.append(sum(len(d.token_ids) for d in engine.step()))
+    finally:
+        del engine.scheduler.schedule
+    return list(zip(trace, overlapped))
+
+
+def test_steps_without_drafts_run_as_plain_async_decoding(make_llm) -> None:  # noqa: ANN001
+    # Nothing likely to be proposed: every step overlaps the next exactly as without speculation.
+    plain = make_llm(async_scheduling=True)
+    spec = make_llm(async_scheduling=True, speculative_config=NGRAM)
+    spec.llm_engine.speculator._proposer = _Silent(3, 1)
+    expected = _step_trace(plain, GROUNDED[:2], GREEDY)
+    assert sum(overlapped for _, overlapped in expected) >= len(expected) - 3  # (the trace can tell)
+    assert _step_trace(spec, GROUNDED[:2], GREEDY) == expected
+    # With prompt lookup the grounded prompts do propose: those steps waited for the tokens in flight.
+    lookup = make_llm(async_scheduling=True, speculative_config=NGRAM)
+    trace = _step_trace(lookup, GROUNDED[:2], GREEDY)
+    assert _spec(lookup)["spec_decode_num_drafts"] > 0
+    assert sum(overlapped for _, overlapped in trace) < sum(overlapped for _, overlapped in expected)
+
+
+def test_poor_acceptance_pauses_by_tokens_and_backs_off() -> None:
+    from serving.engine.sequence import PLACEHOLDER, Sequence
+    from serving.engine.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, acceptance_floor=0.5, acceptance_window=8))
+    seq = Sequence(0, "r", [1, 2, 3, 1, 2], GREEDY)
+    seq.num_computed_tokens, seq.max_tokens = 5, 1000
+    assert spec.propose(seq, 4) == [3, 1, 2]  # [1, 2] recurs
+    seq.token_ids.append(PLACEHOLDER)
+    assert spec.wants_tokens_in_flight([seq])  # the known text's last n-gram recurs
+    spec.record(0, 4, 0, 20)
+    spec.record(0, 4, 1, 20)  # a window of 8 proposed, 1 accepted: below the floor -> paused to length 28
+    seq.token_ids[:] = [1, 2, 3, 1, 2] * 5 + [PLACEHOLDER] * 2  # 27 tokens
+    assert not spec.wants_tokens_in_flight([seq])
+    del seq.token_ids[-2:]
+    assert spec.propose(seq, 4) == []
+    seq.token_ids[:] = [1, 2, 3, 1, 2] * 6  # 30 tokens: past the pause
+    assert spec.propose(seq, 4) == [1, 2, 3, 1]
+    spec.record(0, 4, 0, 30)
+    spec.record(0, 4, 0, 30)  # a second poor window in a row: twice the pause (to length 46)
+    seq.token_ids.extend([3] * 15)  # 45 tokens
+    assert spec.propose(seq, 4) == []
+    seq.token_ids.append(1)
+    assert spec.propose(seq, 4) != []
+    spec.record(0, 4, 4, 46)
+    spec.record(0, 4, 4, 46)  # a good window resets the backoff
+    assert spec._seqs[0].poor == 0 and not spec._paused(seq)
+
+
 def test_tiny_llama_greedy_identity(tiny_models) -> None:  # noqa: ANN001
     options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05,
                    max_num_batched_tokens=16, max_num_seqs=8)
@@ -145,13 +218,20 @@ def test_tiny_llama_greedy_identity(tiny_models) -> None:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_tp2_greedy_identity(smollm2_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_greedy_identity(smollm2_path, method) -> None:  # noqa: ANN001
+    """Under TP=2 (worker processes); a draft model runs in the engine's process on rank 0's device,
+    and the q of a sampled row's drafts crosses to the workers with the plan."""
     options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05)
     expected = _tokens(LLM(str(smollm2_path), **options), GROUNDED, GREEDY)
-    llm = LLM(str(smollm2_path), tensor_parallel_size=2, speculative_config=NGRAM, **options)
+    spec = NGRAM if method == "ngram" else {"model": str(smollm2_path), "num_speculative_tokens": 3}
+    llm = LLM(str(smollm2_path), tensor_parallel_size=2, speculative_config=spec, **options)
     try:
         assert _tokens(llm, GROUNDED, GREEDY) == expected
         assert _spec(llm)["spec_decode_num_accepted_tokens"] > 0
+        if method == "draft_model":
+            seeded = SamplingParams(temperature=0.8, max_tokens=8, seed=5, ignore_eos=True)
+            assert _tokens(llm, GROUNDED[:1], seeded) == _tokens(llm, GROUNDED[:1], seeded)
     finally:
         llm.llm_engine.shutdown()
 
@@ -190,8 +270,6 @@ def test_greedy_verification_takes_the_agreeing_prefix() -> None:
     assert [t.token_id for t in verify_drafts(logits, [1, 0], greedy, g)] == [1, 0, 2]  # all accepted + bonus
     assert [t.token_id for t in verify_drafts(logits, [1, 2], greedy, g)] == [1, 0]  # second rejected
     assert [t.token_id for t in verify_drafts(logits, [2, 0], greedy, g)] == [1]
-    assert [t.token_id for t in verify_drafts(logits, [2, 2], greedy, g, force="all")] == [2, 2, 2]
-    assert [t.token_id for t in verify_drafts(logits, [1, 0], greedy, g, force="none")] == [1]
 
 
 def test_ngram_proposals() -> None:
@@ -225,3 +303,137 @@ def test_metrics_export_vllm_counters() -> None:
     assert "lmi_spec_decode_num_accepted_tokens_total 7.0" in text
     assert 'lmi_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3.0' in text
     assert "spec_decode" not in Metrics(lambda: {}, lambda: 0).render().decode()
+
+
+# ---- draft-model speculation ------------------------------------------------------------
+
+def test_draft_model_is_the_model_itself(smollm2_path, make_llm) -> None:  # noqa: ANN001
+    """Draft = target: greedy output identical to plain decoding and (nearly) every draft accepted;
+    seeded sampled output reproducible; chunked prefill (target and draft), preemption, async
+    scheduling, speculation off while more than 3 run."""
+    d = str(smollm2_path)
+    prompts = GROUNDED + GROUNDED[:2]
+    expected = _tokens(make_llm(max_num_batched_tokens=20), prompts, GREEDY)
+    llm = LLM(d, device="cpu", dtype="float32", block_size=4, max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=20, num_gpu_blocks_override=40, async_scheduling=True,
+              speculative_config={"model": d, "num_speculative_tokens": 3, "disable_by_batch_size": 3})
+    assert _tokens(llm, prompts, GREEDY) == expected
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    spec = _spec(llm)
+    assert spec["spec_decode_num_drafts"] > 0
+    assert spec["spec_decode_num_accepted_tokens"] >= 0.95 * spec["spec_decode_num_draft_tokens"]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True)
+    assert _tokens(llm, prompts[:2], seeded) == _tokens(llm, prompts[:2], seeded)
+    proposer = llm.llm_engine.speculator._proposer
+    assert not proposer._mirrors and not proposer._probs  # every finished sequence forgotten
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_draft_model_tiny_llamas_greedy_identity(tiny_models) -> None:  # noqa: ANN001
+    """Two different random models with one vocabulary (target llama, draft mistral): the target's
+    greedy output whatever the draft says, with chunked prefill and preemption."""
+    options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, kv_cache_memory_gb=0.004,
+                   max_num_batched_tokens=16, max_num_seqs=4)
+    target, draft = str(tiny_models("llama")), str(tiny_models("mistral"))
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = _tokens(LLM(target, **options), GROUNDED, long)
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 4, "acceptance_floor": 0.0},
+              **options)
+    runner = llm.llm_engine.speculator._proposer.runner
+    real, forwards = runner.draft_logits, []
+    runner.draft_logits = lambda plan: forwards.append(len(plan.seq_ids)) or real(plan)  # noqa: ANN001
+    assert _tokens(llm, GROUNDED, long) == expected
+    assert max(forwards) == 4  # the draft steps of the 4 decoding sequences batched in one forward
+    spec = _spec(llm)
+    assert spec["spec_decode_num_drafts"] > 0
+    assert spec["spec_decode_num_accepted_tokens"] < spec["spec_decode_num_draft_tokens"]  # they disagree at times
+
+
+def test_draft_vocabulary_must_match(tiny_models, tmp_path) -> None:  # noqa: ANN001
+    import json
+    import shutil
+
+    target = tiny_models("llama")
+    other = tmp_path / "other_vocab"
+    shutil.copytree(target, other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] += 64
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="same tokenizer and vocabulary"):
+        LLM(str(target), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory_gb=0.004,
+            speculative_config={"model": str(other)})
+
+
+@pytest.mark.parametrize("truncate", [{}, {"top_k": 4}], ids=["temperature", "top_k"])
+def test_rejection_sampling_with_draft_probabilities_follows_the_target(truncate) -> None:  # noqa: ANN001
+    """Drafts drawn from a draft distribution q (not the target's): every emitted position still
+    follows the target's p, and the first draft is accepted at the rate rejection sampling with q
+    gives, sum_x min(p(x), q(x)) (with the drafts taken as point masses it would be sum_x q(x) p(x),
+    also exact but lower)."""
+    from serving.executor.sampler import _truncate
+
+    torch.manual_seed(0)
+    vocab, n = 6, 30000
+    logits = torch.randn(3, vocab) * 1.5
+    q = torch.softmax(torch.randn(2, vocab), dim=-1)
+    params = SamplingParams(temperature=0.9, **truncate)
+    target = torch.softmax(_truncate(logits / 0.9, [params] * 3), dim=-1)
+    g = torch.Generator().manual_seed(1)
+    draws = torch.Generator().manual_seed(2)
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    accepted = 0
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[j], 1, generator=draws)) for j in range(2)]
+        out = verify_drafts(logits, drafts, params, g, q)
+        first[out[0].token_id] += 1
+        accepted += len(out) > 1
+        if len(out) > 1:
+            second[out[1].token_id] += 1
+    tv0 = 0.5 * (first / n - target[0]).abs().sum().item()
+    tv1 = 0.5 * (second / second.sum() - target[1]).abs().sum().item()
+    assert tv0 < 0.02 and tv1 < 0.03, (tv0, tv1)
+    rate, point_mass_rate = torch.minimum(target[0], q[0]).sum().item(), (target[0] * q[0]).sum().item()
+    assert abs(accepted / n - rate) < 0.015 and rate - point_mass_rate > 0.05, (accepted / n, rate, point_mass_rate)
+
+
+def test_lmi_draft_model_keys() -> None:
+    from serving.server.settings.config import ConfigError, load_config
+
+    env = {"OPTION_SPECULATIVE_DRAFT_MODEL": "/opt/ml/draft", "OPTION_SPECULATIVE_LENGTH": "3", "OPTION_DEVICE": "cpu"}
+    spec = load_config(env, [], gpu_count=lambda: 0).engine.speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "/opt/ml/draft", 3)
+    vllm = load_config({"OPTION_SPECULATIVE_CONFIG": '{"model": "/d", "num_speculative_tokens": 2}',
+                        "OPTION_DEVICE": "cpu"}, [], gpu_count=lambda: 0).engine.speculative_config
+    assert (vllm.method, vllm.model, vllm.num_speculative_tokens) == ("draft_model", "/d", 2)
+    with pytest.raises(ConfigError, match="OPTION_SPECULATIVE_LENGTH.*speculative_draft_model"):
+        load_config({"OPTION_SPECULATIVE_LENGTH": "3", "OPTION_DEVICE": "cpu"}, [], gpu_count=lambda: 0)
+    with pytest.raises(ConfigError, match="two speculation methods"):
+        load_config({**env, "OPTION_SPECULATIVE_CONFIG": '{"method": "ngram"}'}, [], gpu_count=lambda: 0)
+    with pytest.raises(ValueError, match="needs \"model\""):
+        SpeculativeConfig(method="draft_model")
+
+
+def test_draft_proposer_starts_over_after_a_failed_step(tiny_models) -> None:  # noqa: ANN001
+    from serving.engine.sequence import Sequence
+
+    llm = LLM(str(tiny_models("llama")), device="cpu", dtype="float32", block_size=4, max_model_len=64,
+              kv_cache_memory_gb=0.004, speculative_config={"model": str(tiny_models("mistral"))})
+    proposer = llm.llm_engine.speculator._proposer
+    prompt = list(range(5, 30))
+    expected = proposer.propose(Sequence(0, "a", prompt, GREEDY), 4)
+    assert len(expected) == 4
+    real, calls = proposer.runner.draft_logits, []
+
+    def failing_second_step(plan):  # noqa: ANN001, ANN202
+        calls.append(plan)
+        if len(calls) == 2:
+            raise RuntimeError("device fault")
+        return real(plan)
+
+    proposer.runner.draft_logits = failing_second_step
+    with pytest.raises(RuntimeError, match="device fault"):
+        proposer.propose(Sequence(1, "b", prompt, GREEDY), 4)
+    proposer.runner.draft_logits = real
+    assert not proposer._mirrors and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+    assert proposer.propose(Sequence(2, "c", prompt, GREEDY), 4) == expected
+    assert proposer.propose(Sequence(0, "a", prompt, GREEDY), 4) == expected  # (its mirror went too: recomputed)

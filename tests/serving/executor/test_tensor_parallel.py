@@ -105,14 +105,20 @@ def _args(**kw: object) -> ModelArgs:
     (2, dict(num_key_value_heads=3, num_attention_heads=7, hidden_size=112),
      r"num_attention_heads \(7\) is not a multiple of num_key_value_heads \(3\)"),
     (4, dict(intermediate_size=90), r"degree 4 does not divide intermediate_size \(90\)"),
-    (0, {}, r"must be >= 1"),
 ])
 def test_validation_names_what_does_not_split(tp, kw, match):
     with pytest.raises(ValueError, match=match):
         validate_tensor_parallel(_args(**kw), tp)
-    if tp >= 1:
-        with pytest.raises(ValueError, match=match):
-            build_model(_args(**kw), torch.float32, torch.device("cpu"), 16, shard=TPShard(0, tp))
+    with pytest.raises(ValueError, match=match):
+        build_model(_args(**kw), torch.float32, torch.device("cpu"), 16, shard=TPShard(0, tp))
+
+
+def test_the_degree_itself_is_checked_once_in_the_engine_config():
+    from serving.engine_config import EngineConfig
+
+    for bad in (0, -1, "2", True):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+            EngineConfig(tensor_parallel_size=bad)
 
 
 def test_smollm2_splits_unevenly_over_two_ranks(smollm2_path):  # noqa: F811

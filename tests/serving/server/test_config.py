@@ -106,6 +106,16 @@ def test_max_workers_sets_the_model_copies_on_cpu_and_gpus():
         cfg({"SERVING_MAX_WORKERS": "0"}, 0)
 
 
+def test_rank_devices_is_the_one_layout_of_copies_and_ranks():
+    from serving.engine_config import EngineConfig
+
+    two = EngineConfig(tensor_parallel_size=2)
+    assert two.rank_devices(0) == ("cpu", "cpu") and two.rank_devices(0, copy=3) == ("cpu", "cpu")
+    assert two.rank_devices(4, copy=1) == ("cuda:2", "cuda:3")
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 \(from device 2\) exceeds the 3 visible GPUs"):
+        two.rank_devices(3, copy=1)
+
+
 def test_async_scheduling_is_auto_unless_set():
     assert load_config({}, []).engine.async_scheduling is None
     assert load_config({"OPTION_ASYNC_SCHEDULING": "true"}, []).engine.async_scheduling is True
@@ -249,6 +259,35 @@ def test_every_key_has_accepts_text_and_a_parsable_default():
         assert key.accepts and key.name
 
 
+def test_the_table_restates_no_field_default():
+    """A table `default=` is written only where the container's unset value differs from the field's."""
+    import dataclasses
+
+    from serving.engine_config import EngineConfig
+    from serving.server.settings.config import ServingConfig, key_default
+    from serving.server.settings.config_keys import FIELD_DEFAULT
+
+    def field_default(target):
+        cls, name = (EngineConfig, target[len("engine."):]) if target.startswith("engine.") else (ServingConfig, target)
+        return {f.name: f.default for f in dataclasses.fields(cls)}.get(name, dataclasses.MISSING)
+
+    explicit = {k.name for k in KEYS if k.default is not FIELD_DEFAULT}
+    assert explicit == {"option.tensor_parallel_degree", "option.max_prefill_tokens_while_decoding",
+                        "option.makespan_step_tokens", "option.served_model_name", "option.engine_process",
+                        # LMI's draft-model keys set no field: they are folded into engine.speculative_config
+                        "option.speculative_draft_model", "option.speculative_length"}
+    for key in KEYS:
+        if field_default(key.target) is dataclasses.MISSING:
+            assert key.name in explicit, key.name  # a key that sets no field says its own default
+        elif key.name in explicit:
+            assert key.default != field_default(key.target), key.name  # else it restates the field
+        else:
+            assert key_default(key) == field_default(key.target), key.name
+    cfg = load_config({"OPTION_DEVICE": "cpu"}, [])  # unset keys resolve to the fields' defaults
+    assert cfg.engine.max_num_seqs == EngineConfig().max_num_seqs and cfg.engine.block_size == EngineConfig().block_size
+    assert cfg.threads == 0 and cfg.runtime_adapter_sources == () and cfg.engine.makespan_step_tokens == 0
+
+
 def test_read_properties_continuations(tmp_path):
     p = tmp_path / "s.properties"
     p.write_text("a=1\n! bang comment\nb = two \\\n  words\nc:3\n")
@@ -349,3 +388,25 @@ def test_frontends_are_one_per_copy_at_most_half_the_cpus_and_need_engine_cores(
         cfg({"SERVING_FRONTENDS": "2"}, 1)
     with pytest.raises(ConfigError, match="SERVING_FRONTENDS='0' is invalid: accepts auto|an integer 1..64"):
         cfg({"SERVING_FRONTENDS": "0"}, 1)
+
+
+def test_resolved_config_crosses_exec_as_json_and_is_parsed_once_per_process_tree():
+    """container/serve -> RESOLVED_ENV -> gunicorn.conf (arbiter) parses; the forked worker reuses it."""
+    import os
+
+    from serving.server.settings import config as config_module
+
+    env = {"HF_MODEL_ID": "org/m", "OPTION_MAX_ROLLING_BATCH_SIZE": "8", "OPTION_DEVICE": "cpu",
+           "OPTION_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'}
+    resolved = load_config(env, [])
+    handed = {config_module.RESOLVED_ENV: config_module.resolved_to_env(resolved)}
+    arbiter = config_module.config_from_env(handed)
+    assert arbiter == resolved and arbiter.engine.speculative_config == resolved.engine.speculative_config
+    assert arbiter.sources["engine.max_num_seqs"] == "env OPTION_MAX_ROLLING_BATCH_SIZE"
+    parsed = config_module._parse_resolved.cache_info().misses
+    pid = os.fork()
+    if pid == 0:  # the worker: the same object, no second parse
+        same = config_module.config_from_env(dict(handed)) is arbiter
+        os._exit(0 if same and config_module._parse_resolved.cache_info().misses == parsed else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
