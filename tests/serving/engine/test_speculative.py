@@ -416,6 +416,24 @@ def test_draft_model_tiny_llamas_greedy_identity(tiny_models) -> None:  # noqa: 
     assert spec["spec_decode_num_accepted_tokens"] < spec["spec_decode_num_draft_tokens"]  # they disagree at times
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_draft_single_token_steps_replay_decode_graphs(tiny_models) -> None:  # noqa: ANN001
+    from serving.engine.sequence import Sequence
+
+    llm = LLM(str(tiny_models("llama")), device="cuda", dtype="bfloat16", block_size=16, max_model_len=128,
+              max_num_seqs=4, speculative_config={"model": str(tiny_models("mistral")), "acceptance_floor": 0.0})
+    proposer = llm.llm_engine.speculator._proposer
+    graphs = proposer.runner.graph_runner
+    assert graphs is not None
+    real, replays = graphs.run, []
+    graphs.run = lambda *a: replays.append(1) or real(*a)  # noqa: ANN002
+    prompt = list(range(5, 30))
+    first = proposer.propose(Sequence(0, "a", prompt, GREEDY), 4)  # the prompt's chunk, then 3 one-token steps
+    assert len(replays) == 3 and len(first) == 4 and PLACEHOLDER not in first
+    proposer.propose(Sequence(0, "a", prompt + [first[0] + 1], GREEDY), 4)  # 4 one-token steps
+    assert len(replays) == 3 + 4
+
+
 def test_draft_vocabulary_must_match(tiny_models, tmp_path) -> None:  # noqa: ANN001
     import json
     import shutil
