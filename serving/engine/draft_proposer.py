@@ -27,6 +27,7 @@ import logging
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from serving.engine.block_manager import BlockManager
@@ -34,6 +35,7 @@ from serving.engine.plan_builder import build_plan
 from serving.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from serving.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from serving.engine_config import EngineConfig
+from serving.executor.plan import StepOutput
 from serving.executor.sampler import _truncate, _truncates, generator_seed
 from serving.checkpoint.model_config import ModelArgs, read_json_object
 
@@ -110,6 +112,33 @@ def build_draft_proposer(config: EngineConfig, target_dir: str | Path, device: s
     return DraftModelProposer(runner, draft_seqs(config), config.seed or 0)
 
 
+class _Pending:
+    """Greedy drafts still on the device: where each PLACEHOLDER stands (the row's mirror index and
+    draft index) and the one-element id tensor that holds it, read back together by `resolve`."""
+
+    def __init__(self) -> None:
+        self.at: list[tuple[int, int, int]] = []  # (row i, index in the mirror's ids, index in drafts[i])
+        self.ids: list[torch.Tensor] = []
+
+    def add(self, i: int, mirror_index: int, draft_index: int, token_id: torch.Tensor) -> None:
+        self.at.append((i, mirror_index, draft_index))
+        self.ids.append(token_id)
+
+    def resolve(self, mirrors: dict[int, Sequence], drafts: list[list[int]]) -> None:
+        """Write the ids in (one host sync). A mirror's ids sent to the draft runner while they were
+        placeholders are sent again with its next plan (`num_synced` back to the first of them)."""
+        if not self.at:
+            return
+        values = torch.cat(self.ids).tolist()
+        for (i, m, d), token in zip(self.at, values):
+            mirror = mirrors[i]
+            assert mirror.token_ids[m] == PLACEHOLDER and drafts[i][d] == PLACEHOLDER, (i, m, d)
+            mirror.token_ids[m] = drafts[i][d] = token
+            mirror.num_synced = min(mirror.num_synced, m)
+        self.at.clear()
+        self.ids.clear()
+
+
 class DraftModelProposer:
     """Proposes with a draft `ModelRunner` (a `Proposer`, serving/engine/speculator.py)."""
 
@@ -167,9 +196,14 @@ class DraftModelProposer:
         for i in live:
             mirror = mirrors[i]
             while len(mirror.token_ids) - mirror.num_computed_tokens > budget:  # a long catch-up, in chunks
-                if self._run([(mirror, budget)], False, batch) is None:
+                if self._run([(mirror, budget)], False, batch, None) is None:
                     ks[i] = 0  # no room in the draft's cache even after evicting the others
                     break
+        # Greedy drafts stay on the device until all are made: each is a PLACEHOLDER in its mirror and
+        # in `drafts`, which the next forward takes from `prev` (the last forward's argmax), so the host
+        # plans forward j+1 while the device runs forward j; one device->host copy at the end.
+        pending = _Pending()
+        prev: StepOutput | None = None
         for _ in range(max(ks, default=0)):
             rows = [i for i in live if len(drafts[i]) < ks[i]]
             if not rows:
@@ -185,27 +219,35 @@ class DraftModelProposer:
                     used = 0
                 groups[-1].append(i)
                 used += n
+            picked: list[StepOutput] = []
             for group in groups:
                 chunks = [(mirrors[i], len(mirrors[i].token_ids) - mirrors[i].num_computed_tokens) for i in group]
-                logits = self._run(chunks, True, batch)
-                if logits is None:
+                step = self._run(chunks, True, batch, prev)
+                if step is None:
                     for i in group:
                         ks[i] = len(drafts[i])  # no room in the draft's cache: it stops here
                     continue
-                self._choose(group, logits, seqs, mirrors, drafts, probs)
+                logits, out = step
+                picked.append(out)
+                self._choose(group, logits, out, seqs, mirrors, drafts, probs, pending)
+            prev = (None if not picked else picked[0] if len(picked) == 1 else StepOutput(
+                [], token_ids=torch.cat([p.token_ids for p in picked]), rows=np.concatenate([p.rows for p in picked])))
+        pending.resolve(mirrors, drafts)
         for i, q in enumerate(probs):
             if q:
                 self._probs[seqs[i].seq_id] = torch.stack(q)
         return drafts
 
-    def _choose(self, group: list[int], logits: torch.Tensor, seqs: list[Sequence], mirrors: dict[int, Sequence],
-                drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
-        """Each row's next draft: the argmax (greedy rows, one device sync for all), else a draw from q."""
-        greedy = logits.argmax(dim=-1).tolist()
+    def _choose(self, group: list[int], logits: torch.Tensor, out: StepOutput, seqs: list[Sequence],
+                mirrors: dict[int, Sequence], drafts: list[list[int]], probs: list[list[torch.Tensor]],
+                pending: _Pending) -> None:
+        """Each row's next draft: the argmax (greedy rows: a PLACEHOLDER until `pending` resolves it),
+        else a draw from q."""
         for row, i in enumerate(group):
             params = seqs[i].params
             if params.greedy:
-                token = greedy[row]
+                pending.add(i, len(mirrors[i].token_ids), len(drafts[i]), out.token_ids[row : row + 1])
+                token = PLACEHOLDER
             else:
                 scaled = logits[row : row + 1] / float(params.temperature)
                 if _truncates(params):
@@ -216,10 +258,12 @@ class DraftModelProposer:
             mirrors[i].token_ids.append(token)
             drafts[i].append(token)
 
-    def _run(self, chunks: list[tuple[Sequence, int]], sample: bool, batch: set[int]) -> torch.Tensor | None:
+    def _run(self, chunks: list[tuple[Sequence, int]], sample: bool, batch: set[int], prev: StepOutput | None
+             ) -> tuple[torch.Tensor, StepOutput] | None:
         """One draft forward computing `num_new` more tokens of each mirror (single-token chunks
-        first, as the runner expects): the logits after each when `sample`, in `chunks` order (the
-        caller's order has them first already: sorted by length); None when the cache has no room."""
+        first, as the runner expects; a PLACEHOLDER among them takes its id from `prev`): the logits
+        after each when `sample`, in `chunks` order (the caller's order has them first already:
+        sorted by length), and their argmax on the device; None when the cache has no room."""
         if not all(self._grow(mirror, n, batch) for mirror, n in chunks):
             return None
         items = [ScheduledSequence(mirror, n, sample, mirror.num_computed_tokens) for mirror, n in chunks]
@@ -227,10 +271,10 @@ class DraftModelProposer:
         assert all(n == 1 for _, n in chunks[:num_decodes]), "single-token chunks first"
         plan = build_plan(next(self._steps), SchedulerOutput(items, num_decodes, [], 0), self._forgotten)
         self._forgotten = []
-        logits = self.runner.draft_logits(plan)
+        step = self.runner.draft_logits(plan, prev)
         for mirror, n in chunks:
             mirror.num_computed_tokens += n
-        return logits
+        return step
 
     def forget(self, seq_id: int) -> None:
         """The target sequence ended: its mirror, blocks and draft-side state go."""

@@ -34,7 +34,7 @@ from serving.checkpoint.model_config import ModelArgs
 from serving.executor.sampler import Sampler, generator_seed, to_device
 from serving.executor.batch_state import BatchState, WorkerSeq
 from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPlan
-from serving.executor.spec_verify import verify_drafts
+from serving.executor.spec_verify import accept_all_drafts, verify_drafts
 from serving.executor.step_inputs import StepInputs, prepare_inputs
 from serving.executor.teardown import release_module, release_tensor
 from serving.executor.weights import init_dummy_weights, load_weights
@@ -96,6 +96,9 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed=config.seed, eos_token_ids=self.eos_token_ids)
         self._generators: dict[int, torch.Generator] = {}
         self._prompt_logprobs: dict[int, list[float | None]] = {}
+        # Benchmark only: verification accepts every draft (`accept_all_drafts`). Set on the runner object
+        # by bench/speculative.py to time all-accepted verify steps; nothing in a config reaches it.
+        self._accept_all_drafts = False
         self.graph_runner: DecodeGraphRunner | None = None  # set after the KV cache exists
         self.mixed_graphs: MixedGraphRunner | None = None  # steps with prompt tokens, idem
         num_blocks = parallel.min_over_ranks(self._num_kv_blocks(), self.device)  # every rank holds as many
@@ -331,36 +334,44 @@ class ModelRunner:
 
     def _sampled_logits(self, inputs: StepInputs, hidden: torch.Tensor, all_logits: torch.Tensor | None,
                         num_sampled: int) -> torch.Tensor:
-        """The logits of the sampled rows, `[num_sampled, vocab]`."""
+        """The logits of the sampled rows, `[len(inputs.sample_rows), vocab]` (`num_sampled` chunks: one row
+        each, k+1 for a chunk verifying k drafts)."""
         if all_logits is None:
             sampled_hidden = hidden[inputs.sample_rows]
             if self.world_size == 1 and self.device.type == "cuda":
                 # As in the decode graphs: the matmul's own bf16/fp16 output, which the samplers upcast as
                 # they read it (a float32 copy of 256 x 128,256 logits costs ~54 us on an H100).
+                # (one row per sampling chunk, k+1 per verifying chunk: `sample_rows` says which)
                 return self.model.compute_logits(sampled_hidden, out=torch.empty(
-                    (num_sampled, self.vocab_size), dtype=self.dtype, device=self.device))
+                    (sampled_hidden.shape[0], self.vocab_size), dtype=self.dtype, device=self.device))
             return self.model.compute_logits(sampled_hidden)  # [num_sampled, vocab] float32
         if num_sampled == all_logits.shape[0]:  # the decode graph's logits (one rank: the model's dtype)
             return all_logits  # every row samples (the usual decode step): no gather
         return all_logits[inputs.sample_rows]
 
     @torch.inference_mode()
-    def draft_logits(self, plan: StepPlan) -> torch.Tensor:
+    def draft_logits(self, plan: StepPlan, prev: StepOutput | None = None) -> tuple[torch.Tensor, StepOutput]:
         """One step of a draft model (serving/engine/draft_proposer.py): the logits at each sampling
-        chunk's last row, `[num_sampled, vocab]` float32. Nothing is sampled and nothing is kept for a
-        next step's placeholders (a draft's plans carry none); one rank, no adapters."""
+        chunk's last row, `[num_sampled, vocab]` float32, and their argmax as a `StepOutput` (ids on the
+        device, never read here: no host sync) whose ids a next draft step's PLACEHOLDER rows take when
+        handed back as `prev`. Nothing is sampled; one rank, no adapters."""
         assert self.world_size == 1 and self.lora is None and not plan.num_drafts, "a draft model runs alone"
         self.batch.apply(plan)
         for seq_id in plan.finished_seq_ids:
             self.free_sequence(seq_id)
         num_sampled = sum(plan.sample)
-        if plan.is_empty:
-            return torch.empty((0, self.vocab_size), device=self.device)
-        inputs = prepare_inputs(plan, self.batch, self.block_size, self.device, None)
+        if plan.is_empty or not num_sampled:
+            if not plan.is_empty:  # a chunk that only writes its K/V
+                inputs = prepare_inputs(plan, self.batch, self.block_size, self.device, prev)
+                self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+            empty = torch.empty((0, self.vocab_size), device=self.device)
+            return empty, StepOutput([], token_ids=torch.empty(0, dtype=torch.long, device=self.device),
+                                     rows=np.empty(0, dtype=np.int64))
+        inputs = prepare_inputs(plan, self.batch, self.block_size, self.device, prev)
         hidden, all_logits = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
-        if not num_sampled:  # a chunk that only writes its K/V
-            return torch.empty((0, self.vocab_size), device=self.device)
-        return self._sampled_logits(inputs, hidden, all_logits, num_sampled).float()
+        logits = self._sampled_logits(inputs, hidden, all_logits, num_sampled).float()
+        rows = inputs.batch_rows[np.flatnonzero(np.array(plan.sample, dtype=bool))]
+        return logits, StepOutput([], token_ids=logits.argmax(dim=-1), rows=rows)
 
     def _verify_step(self, plan: StepPlan, seqs: list[WorkerSeq], sampled_chunks: np.ndarray, rows: np.ndarray,
                      logits: torch.Tensor, sampled_ids: list[int], prompt_logprobs: dict) -> StepOutput:
@@ -393,8 +404,12 @@ class ModelRunner:
             for c, r0, k in groups:
                 seq = seqs[c]
                 start = plan.starts[c] + plan.num_tokens[c] - k
-                tokens = verify_drafts(logits[r0 : r0 + k + 1], seq.token_ids[start : start + k], seq.params,
-                                       self._generator(seq) or self.sampler.generator, plan.draft_probs.get(c))
+                drafts, generator = seq.token_ids[start : start + k], self._generator(seq) or self.sampler.generator
+                if self._accept_all_drafts:
+                    tokens = accept_all_drafts(logits[r0 : r0 + k + 1], drafts, seq.params, generator)
+                else:
+                    tokens = verify_drafts(logits[r0 : r0 + k + 1], drafts, seq.params, generator,
+                                           plan.draft_probs.get(c))
                 tokens[0].following = tokens[1:]
                 out[c] = tokens[0]
         finally:

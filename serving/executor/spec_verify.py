@@ -43,6 +43,19 @@ def verify_drafts(
     return _with_logprobs(logits, ids, params)
 
 
+def accept_all_drafts(logits: torch.Tensor, drafts: list[int], params,  # noqa: ANN001  (SamplingParams)
+                      generator: torch.Generator) -> list[SampledToken]:
+    """Benchmark only (`ModelRunner._accept_all_drafts`, set by bench/speculative.py; no option, config key
+    or environment variable reaches it): every draft accepted whatever the target says, then the
+    target's own token after the last one, as full acceptance would emit. The output is the drafts,
+    not the model's: it measures what an all-accepted verify step costs, never what it yields."""
+    k = len(drafts)
+    assert logits.shape[0] == k + 1, (logits.shape, k)
+    logits = logits.float()
+    bonus = int(logits[k].argmax()) if params.greedy else _rejection_sample(logits[k:], [], params, generator, None)[0]
+    return _with_logprobs(logits, [*drafts, bonus], params)
+
+
 def _rejection_sample(logits: torch.Tensor, drafts: list[int], params, generator: torch.Generator,  # noqa: ANN001
                       draft_probs: torch.Tensor | None) -> list[int]:
     k = len(drafts)

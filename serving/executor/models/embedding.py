@@ -49,6 +49,7 @@ class VocabParallelEmbedding(nn.Module):
         ([N, vocab]) when given. An `out` of the weights' dtype on one rank is the matmul's own
         output (no copy: the decode graphs' static logits; a float32 copy of 256 rows of 128,256
         cost 54 µs a step on an H100, and the samplers upcast exactly what they read)."""
+        assert out is None or out.shape[0] == hidden.shape[0], f"logits out= has {out.shape[0]} rows for {hidden.shape[0]}"
         if out is not None and self.tp == 1 and out.dtype == self.weight.dtype and hidden.dim() == 2:
             return torch.mm(hidden, self.weight.t(), out=out)
         logits = F.linear(hidden, self.weight)

@@ -15,6 +15,7 @@ import torch
 from shared_runner import llms_on_runner
 
 from serving.engine.ngram_proposer import NgramProposer, propose_ngram
+from serving.engine.sequence import PLACEHOLDER
 from serving.engine_config import EngineConfig
 from serving.executor.spec_verify import verify_drafts
 from serving.llm import LLM
@@ -175,6 +176,64 @@ def test_steps_without_drafts_run_as_plain_async_decoding(make_llm) -> None:  # 
     trace = _step_trace(lookup, GROUNDED[:2], GREEDY)
     assert _spec(lookup)["spec_decode_num_drafts"] > 0
     assert sum(overlapped for _, overlapped in trace) < sum(overlapped for _, overlapped in expected)
+
+
+class _AnyDrafts(NgramProposer):
+    """Always k drafts, a fixed function of the last token (rarely what the model would say)."""
+
+    def propose(self, seq, k):  # noqa: ANN001, ANN201
+        return _any_drafts(seq.token_ids[-1], k)
+
+    def may_propose(self, seq):  # noqa: ANN001, ANN201
+        return True
+
+
+def _any_drafts(last: int, k: int) -> list[int]:
+    return [(last * 7 + 11 * j + 3) % 200 + 20 for j in range(k)]
+
+
+def test_forced_acceptance_is_a_benchmark_hook_only(tiny_models) -> None:  # noqa: ANN001
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import serving
+
+    # Nothing configures it: no field of either config, no environment variable; the runner holds
+    # it False from its constructor and reads it in one place (bench/speculative.py sets it).
+    hook = "_accept_all_drafts"
+    for cls in (EngineConfig, SpeculativeConfig):
+        assert not [f.name for f in dataclasses.fields(cls) if "accept" in f.name and "all" in f.name]
+    root = Path(serving.__file__).parent
+    sets = {p.relative_to(root).as_posix(): re.findall(rf"\b{hook}\b\s*=(?!=)[^\n]*|setattr\([^\n]*{hook}[^\n]*",
+                                                       p.read_text()) for p in root.rglob("*.py")}
+    assert {where: found for where, found in sets.items() if found} == {"executor/model_runner.py": [f"{hook} = False"]}
+    options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05,
+                   max_num_seqs=4)
+    path = str(tiny_models("llama"))
+    llm = LLM(path, speculative_config={**NGRAM, "acceptance_floor": 0.0}, **options)
+    runner = llm.llm_engine.executor.runner
+    assert runner._accept_all_drafts is False
+    llm.llm_engine.speculator._proposer = _AnyDrafts(3, 1)
+    long = SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True)
+    plain = _tokens(LLM(path, **options), GROUNDED[:2], long)
+    assert _tokens(llm, GROUNDED[:2], long) == plain  # hook off: verified, so the model's own tokens
+    off = _spec(llm)
+    assert off["spec_decode_num_accepted_tokens"] < off["spec_decode_num_draft_tokens"]
+    runner._accept_all_drafts = True
+    forced = _tokens(llm, GROUNDED[:2], long)
+    on = {k: v - off[k] for k, v in _spec(llm).items()}
+    # Every verify step of k drafts emits them all (then the target's token): 30 tokens after the
+    # first = 6 steps of 4 + 1, every position accepted every time.
+    assert on["spec_decode_num_drafts"] == 2 * 6
+    assert on["spec_decode_num_accepted_tokens"] == on["spec_decode_num_draft_tokens"] == 2 * 6 * 4
+    assert all(on[f"spec_decode_num_accepted_tokens_pos_{j}"] == 2 * 6 for j in range(4))
+    for tokens in forced:
+        assert len(tokens) == 31
+        for step in range(6):  # the drafts proposed after each step's last token are the next 4 tokens
+            at = 1 + 5 * step
+            assert list(tokens[at : at + 4]) == _any_drafts(tokens[at - 1], 4)
+    assert forced != plain
 
 
 def test_poor_acceptance_pauses_by_tokens_and_backs_off() -> None:
@@ -341,12 +400,38 @@ def test_draft_model_tiny_llamas_greedy_identity(tiny_models) -> None:  # noqa: 
               **options)
     runner = llm.llm_engine.speculator._proposer.runner
     real, forwards = runner.draft_logits, []
-    runner.draft_logits = lambda plan: forwards.append(len(plan.seq_ids)) or real(plan)  # noqa: ANN001
+    piped = []  # forwards whose input ids were the previous forward's picks, still on the device
+
+    def draft_logits(plan, prev):  # noqa: ANN001, ANN202
+        forwards.append(len(plan.seq_ids))
+        piped.append(prev is not None and any(PLACEHOLDER in ids for _, ids in plan.syncs.values()))
+        return real(plan, prev)
+
+    runner.draft_logits = draft_logits
     assert _tokens(llm, GROUNDED, long) == expected
     assert max(forwards) == 4  # the draft steps of the 4 decoding sequences batched in one forward
+    assert sum(piped) >= len(piped) // 2  # positions 2..k of every proposal: no host sync between forwards
     spec = _spec(llm)
     assert spec["spec_decode_num_drafts"] > 0
     assert spec["spec_decode_num_accepted_tokens"] < spec["spec_decode_num_draft_tokens"]  # they disagree at times
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_draft_single_token_steps_replay_decode_graphs(tiny_models) -> None:  # noqa: ANN001
+    from serving.engine.sequence import Sequence
+
+    llm = LLM(str(tiny_models("llama")), device="cuda", dtype="bfloat16", block_size=16, max_model_len=128,
+              max_num_seqs=4, speculative_config={"model": str(tiny_models("mistral")), "acceptance_floor": 0.0})
+    proposer = llm.llm_engine.speculator._proposer
+    graphs = proposer.runner.graph_runner
+    assert graphs is not None
+    real, replays = graphs.run, []
+    graphs.run = lambda *a: replays.append(1) or real(*a)  # noqa: ANN002
+    prompt = list(range(5, 30))
+    first = proposer.propose(Sequence(0, "a", prompt, GREEDY), 4)  # the prompt's chunk, then 3 one-token steps
+    assert len(replays) == 3 and len(first) == 4 and PLACEHOLDER not in first
+    proposer.propose(Sequence(0, "a", prompt + [first[0] + 1], GREEDY), 4)  # 4 one-token steps
+    assert len(replays) == 3 + 4
 
 
 def test_draft_vocabulary_must_match(tiny_models, tmp_path) -> None:  # noqa: ANN001
@@ -421,14 +506,15 @@ def test_draft_proposer_starts_over_after_a_failed_step(tiny_models) -> None:  #
     proposer = llm.llm_engine.speculator._proposer
     prompt = list(range(5, 30))
     expected = proposer.propose(Sequence(0, "a", prompt, GREEDY), 4)
-    assert len(expected) == 4
+    assert len(expected) == 4 and PLACEHOLDER not in expected  # the drafts made on the device, read back
+    assert proposer._mirrors[0].token_ids == prompt + expected
     real, calls = proposer.runner.draft_logits, []
 
-    def failing_second_step(plan):  # noqa: ANN001, ANN202
+    def failing_second_step(plan, prev):  # noqa: ANN001, ANN202
         calls.append(plan)
         if len(calls) == 2:
             raise RuntimeError("device fault")
-        return real(plan)
+        return real(plan, prev)
 
     proposer.runner.draft_logits = failing_second_step
     with pytest.raises(RuntimeError, match="device fault"):
