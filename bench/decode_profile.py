@@ -109,7 +109,7 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
     from serving.engine_config import EngineConfig
     from serving.executor import parallel
     from serving.executor.model_runner import ModelRunner
-    from serving.executor.worker_proc import die_with_parent
+    from serving.executor.rank_process import die_with_parent
 
     die_with_parent(os.getppid())  # a parent killed on a timeout takes its ranks along
     device = torch.device("cuda", rank)

@@ -127,7 +127,7 @@ def write_random_checkpoint(out_dir: Path, layers: int, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     from serving.executor.models import build_model
-    from serving.checkpoint.model_config import ModelArgs
+    from serving.checkpoint.model_args import ModelArgs
 
     cfg = {**json.loads((make_dummy_model_dir("llama-3-8b", out_dir)).joinpath("config.json").read_text()),
            "num_hidden_layers": layers, "torch_dtype": "float32"}

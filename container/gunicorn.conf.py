@@ -16,7 +16,7 @@ Never `preload_app`, never gevent (its hub starves /ping under load).
 
 import os
 
-from serving.server.settings.config import config_from_env
+from serving.server.settings.serving_config import config_from_env
 
 _config = config_from_env(os.environ)  # resolved by container/serve; parsed here, once: the worker forks from us
 

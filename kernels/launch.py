@@ -4,7 +4,7 @@ Triton compiles one kernel per specialisation key, and the key includes whether 
 argument is 16-byte aligned. The per-step metadata our launchers receive (positions, slot
 mappings, sequence lengths, block tables) are often views into one packed device array, or row
 slices of it, at offsets that change with the batch: left alone, the same kernel would compile
-again mid-serving for the unaligned case (measured: `bench/cold_start.py`, RESULTS run 13).
+again mid-serving for the unaligned case (measured: `bench/cold_start.py`, bench/RESULTS.md).
 `aligned` hands such a view over as a small aligned copy instead, so every step reuses the
 kernels compiled at start-up.
 """

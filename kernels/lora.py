@@ -18,7 +18,7 @@ The engine runs the shrink on a side stream, concurrent with the base GEMM, and 
 after the join (`serving.executor.lora`, LORA_VARIANT "stream"). A fused shrink->expand kernel
 (one launch, the rank-r shrink recomputed per output column block) was tried and removed: on an
 H200 it added 70-371 us per Llama-3-8B layer at T=1..256 against stream's 17-83 and split's
-36-87 (bench/RESULTS.md run 15; likely its serial loop over all of K in every program costs
+36-87 (bench/RESULTS.md; likely its serial loop over all of K in every program costs
 more than the launch it saves).
 """
 

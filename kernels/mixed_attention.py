@@ -4,7 +4,7 @@ Why: the decode and prefill kernels each size their grid from the step (how many
 decode, the longest prompt chunk), so a step that carries prompt tokens cannot be replayed from
 one captured CUDA graph, and its attention used to run eagerly between graph pieces: 2-3
 launches a layer plus their set-up, ~6 ms of host time per 8B step on a fast host and up to
-16 ms on a slow one (RESULTS run 17), which is what set the serving inter-token tail there.
+16 ms on a slow one (bench/RESULTS.md), which is what set the serving inter-token tail there.
 
 What: one kernel whose grid depends only on the shapes of its buffers, `[T // BLOCK_Q + S,
 num_kv_heads]` for T query rows and S sequence slots. Each program owns one tile of BLOCK_Q

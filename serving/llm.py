@@ -326,7 +326,7 @@ class _HeapFreeze:
 
     A generation-2 collection walks every tracked object while the engine waits: on the 1B shape's
     reference workload they showed as idle gaps of 4-5 ms between GPU steps of ~3.5 ms
-    (bench/RESULTS.md run 19); the server and worker processes freeze theirs for the same reason
+    (bench/RESULTS.md); the server and worker processes freeze theirs for the same reason
     (serving/server/wsgi.py). Frozen objects are still freed by reference counting; the freeze is
     undone when the last LLM shuts down, so cycles among them are collected again after that. A
     process that froze its heap itself (`gc.get_freeze_count()` > 0 at the first LLM) is left as it is.

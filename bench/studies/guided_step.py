@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     args = ap.parse_args()
     from serving.checkpoint.default_model import default_model_path
-    from serving.engine.guided import GuidedDecoder
+    from serving.engine.structured_output import GuidedDecoder
     from serving.executor.plan import SampledToken, StepPlan
     from serving.executor.sampler import apply_token_masks
     from serving.sampling_params import GuidedDecodingParams

@@ -200,7 +200,7 @@ def build_app():  # noqa: ANN201
     from flask import Response, request
 
     from serving.server.app import create_app
-    from serving.server.settings.config import load_config
+    from serving.server.settings.serving_config import load_config
     from serving.engine_config import EngineConfig
     from serving.engine.engine_loop import EngineLoop
 
@@ -371,7 +371,7 @@ def python_per_record(fmt: str, backlog: bool, tokens: int = 2000) -> tuple[floa
     """(HTTP side, engine side) us of Python per record, best of 7: the runner's generator with queue
     get, Result.add and formatting; and the engine loop's put of one delta. `backlog`: the whole
     stream is queued before it is read (coalesced); else every record is its own write."""
-    from serving.server.settings.config import load_config
+    from serving.server.settings.serving_config import load_config
     from serving.engine.engine_loop import RequestStream
     from serving.server.api.lmi.request import parse_invocations
     from serving.server.api.openai_chat import parse_chat

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 
 # The projections an adapter may target, as PEFT names them (fused ones are split on load).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -9,7 +9,7 @@ When the hub cannot be reached, or offline mode is on and the id is not cached, 
 names the id and says what to do. (s3:// sources are the container's job, upstream of this.)
 
 `local_model_dir` is the one judge of what a local model dir is, and `_ALLOW_PATTERNS` the one list
-of files fetched from the hub: the edge's `model_source` resolves local paths and hub ids here.
+of files fetched from the hub: the edge's `model_fetch` resolves local paths and hub ids here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from serving.checkpoint.gguf_convert import GGUFConversionError, gguf_model_dir,
 logger = logging.getLogger(__name__)
 
 # What a hub snapshot needs: no .bin / .pth / .gguf duplicates, no remote code. The one allow-list:
-# `serving/server/settings/model_source.py` fetches hub ids through `resolve_model_dir` too.
+# `serving/server/settings/model_fetch.py` fetches hub ids through `resolve_model_dir` too.
 _ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
 
 

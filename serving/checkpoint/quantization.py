@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from serving.checkpoint.model_config import read_json_object
+from serving.checkpoint.model_args import read_json_object
 
 QuantMethod = Literal["gptq", "awq", "fp8", "compressed-tensors"]  # the last: pack-quantized int weights
 

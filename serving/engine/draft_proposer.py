@@ -37,7 +37,7 @@ from serving.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from serving.engine_config import EngineConfig
 from serving.executor.plan import StepOutput
 from serving.executor.sampler import _truncate, _truncates, generator_seed
-from serving.checkpoint.model_config import ModelArgs, read_json_object
+from serving.checkpoint.model_args import ModelArgs, read_json_object
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Engine cores: each model copy's engine loop in a process of its own, serving several HTTP frontends.
 
 Why: in one process, the engine thread (schedule, launch, read tokens, detokenize) shares the GIL
-with every HTTP thread, and each streamed token wakes one of those (bench/RESULTS.md run 16). And
+with every HTTP thread, and each streamed token wakes one of those (bench/RESULTS.md). And
 one HTTP process in front of several copies is itself the ceiling: at 2 copies it sat at ~130 % CPU,
-~100 us of Python per streamed token, and delivered 1.66x one copy (run 22). So, as vLLM runs several
+~100 us of Python per streamed token, and delivered 1.66x one copy (bench/RESULTS.md). So, as vLLM runs several
 API-server processes over its engine cores, each copy's engine runs in a core process that listens on
 a private AF_UNIX socket and serves any number of frontends (gunicorn workers), each of which is a
 client of every core.
@@ -364,7 +364,7 @@ class _Core:
 def _core_main(config: EngineConfig, devices: tuple[str, ...] | None, max_queue_size: int, address: CoreAddress,
                parent_pid: int, load_error: str | None) -> None:
     """The core process: listen, build the engine, serve every client until SIGTERM (see module doc)."""
-    from serving.executor.worker_proc import die_with_parent
+    from serving.executor.rank_process import die_with_parent
 
     die_with_parent(parent_pid)
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
@@ -400,7 +400,7 @@ _tokenizer_lock = threading.Lock()
 
 def _shared_tokenizer(path: str, revision: str | None, trust_remote_code: bool) -> Any:
     """One tokenizer per process for every core's client (the same files; transformers' lazy module
-    is not safe to import from several threads at once: bench/RESULTS.md run 22)."""
+    is not safe to import from several threads at once: bench/RESULTS.md)."""
     key = (path, revision, trust_remote_code)
     with _tokenizer_lock:
         if key not in _tokenizers:

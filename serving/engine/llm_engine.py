@@ -10,7 +10,7 @@ With async scheduling (default on CUDA) a step launches step N on the device and
 reads step N-1's tokens, detokenizes them and applies stops, so that host work overlaps the
 GPU; a sample that stops at step N-1 has computed one extra token, which is dropped. A step
 whose samples read their own history (repetition/frequency/presence penalties) first waits
-for the previous one. Guided-decoding rows (`serving/engine/guided.py`) need the token in flight
+for the previous one. Guided-decoding rows (`serving/engine/structured_output.py`) need the token in flight
 for their next-token masks: on a single in-process device the step is launched without them and
 the engine fills them after reading the previous step's tokens, while the forward runs
 (`Executor.sample_deferred`); on executors without that (worker processes), such a step waits
@@ -27,7 +27,7 @@ import weakref
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.draft_proposer import DraftModelProposer, build_draft_proposer
-from serving.engine.guided import GuidedDecoder
+from serving.engine.structured_output import GuidedDecoder
 from serving.engine.lora_slots import LoRARegistry
 from serving.engine.request_state import RequestState
 from serving.engine.scheduler import Scheduler
@@ -324,12 +324,12 @@ class LLMEngine:
         self._involved = [self._inflight[0]] if had_inflight else []
         # The launched step's tokens are read first (no overlap) when its samples need their own
         # history, or when this step is likely to carry a prompt chunk: launching a prompt step
-        # can block for much of its length (bench/RESULTS.md run 16: decode intervals of 20-50 ms
+        # can block for much of its length (bench/RESULTS.md: decode intervals of 20-50 ms
         # whenever one was launched before the previous step's tokens were read), and every
         # stream would wait for it on top of the step it is owed. That order is for streams
         # (a server: `max_prefill_tokens_while_decoding` set); offline (0) nobody waits per
         # token, and overlapping the prompt step's host work with the GPU is worth more
-        # (run 17: 5-11 ms of idle GPU before each 16k-token prefill step of the 1B workload).
+        # (5-11 ms of idle GPU before each 16k-token prefill step of the 1B workload).
         # Speculation needs a sequence's last token on the host to propose from (and a verify
         # step's token count is only known once read, `_inflight_blocks_next`): the step waits
         # only when a running decode is likely to propose (`Speculator.wants_tokens_in_flight`);

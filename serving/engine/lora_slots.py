@@ -17,7 +17,7 @@ import threading
 from serving.engine.scheduler_output import SchedulerOutput
 from serving.checkpoint.lora_adapter import read_adapter
 from serving.lora_request import LoRARequest, UnknownAdapterError
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 
 SlotLoad = tuple[str, int, str] | None  # (name, int id, path) to load into a slot, or None: free it
 

@@ -4,7 +4,7 @@ It exists because a fresh process pays for lazy work on its first requests: Trit
 compile on their first launch (the sampling kernel, for one, is never launched by the model's
 profiling forward or the CUDA-graph capture), CUDA modules that load on first use, cuBLAS
 handles and workspaces for shapes not seen yet. Measured on an H200 (`bench/cold_start.py`,
-RESULTS run 13): without it the first reference workload in a fresh process ran at 0.46x (1B)
+bench/RESULTS.md): without it the first reference workload in a fresh process ran at 0.46x (1B)
 and 0.63x (8B) the tokens/s of the second, with 7 kernel specialisations compiled inside it.
 
 `warm_up(engine)` pushes a few short requests through the engine's normal path (scheduler,

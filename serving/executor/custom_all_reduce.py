@@ -46,8 +46,8 @@ ONE_SHOT_ENV, TWO_SHOT_ENV = "OPEN_LMI_ONE_SHOT_MAX_KB", "OPEN_LMI_TWO_SHOT_MAX_
 _DTYPES = (torch.float32, torch.bfloat16)  # what the symm_mem kernels dispatch on
 _ALIGN = 16  # bytes: the kernels' widest vector; both ops check offset and size alignment
 
-# Largest message (bytes) per path by world size, from bench/allreduce.py on 4x H100 NVLink (RESULTS.md
-# run 25, bf16, in a CUDA graph): one-shot beats two-shot up to 512 KiB at TP=4 (16.4 vs 17.6 us; 22.0
+# Largest message (bytes) per path by world size, from bench/allreduce.py on 4x H100 NVLink (bench/RESULTS.md,
+# bf16, in a CUDA graph): one-shot beats two-shot up to 512 KiB at TP=4 (16.4 vs 17.6 us; 22.0
 # vs 20.2 at 1 MiB) and up to 1 MiB at TP=2 (16.7 vs 18.0; 23.3 vs 21.2 at 2 MiB); two-shot beats NCCL
 # up to 8 MiB at both (57 vs 66 us at TP=4, 44 vs 53 at TP=2; eager within 2 %) and loses eager at
 # 16 MiB. One-shot reads W x the message per rank, so its range shrinks as W grows (8: unmeasured).

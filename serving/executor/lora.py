@@ -17,7 +17,7 @@ the mixed-step graphs) only read that buffer: no grouping kernels.
 it before the engine captures its graphs): "stream" (the default: the shrink on a side stream,
 concurrent with the base GEMM, reading only x; the expand after the join) or "split" (shrink,
 then expand, both after the base GEMM; also what "stream" falls back to off CUDA). Stream is the
-fastest at every batch size measured (bench/RESULTS.md run 15, H200, one Llama-3-8B layer, 16
+fastest at every batch size measured (bench/RESULTS.md, H200, one Llama-3-8B layer, 16
 slots of rank 16, CUDA graph, us added per layer: T=1 +17.2 vs split's +36.4, T=256 +83.1
 vs +87.4; batch-1 8B decode 1.067x the base model's ms/token, bar 1.15). A fused shrink->expand
 kernel and an "auto" choice between it and split were removed: the fused launch was slower
@@ -45,7 +45,7 @@ from serving.engine_config import EngineConfig
 from serving.executor import parallel
 from serving.executor.models.linear import ColumnParallelLinear, RowParallelLinear
 from serving.checkpoint.lora_adapter import AdapterWeights, read_adapter
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 
 logger = logging.getLogger(__name__)
 

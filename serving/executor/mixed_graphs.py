@@ -4,7 +4,7 @@ Why: a decode-only step replays one whole-model graph (`cuda_graphs.py`), but a 
 carries a prompt chunk ran its attention eagerly between graph pieces (the decode and prefill
 kernels size their grids from the step): 33 graph launches, 2-3 Triton launches a layer and their
 metadata slicing, ~6 ms of host time per 8B step on a fast host and 13-16 ms on a slow one
-(RESULTS run 17), longer than the GPU's ~12 ms. Those steps set the serving inter-token tail.
+(bench/RESULTS.md), longer than the GPU's ~12 ms. Those steps set the serving inter-token tail.
 
 What: `kernels.mixed_attention` launches a grid that depends only on its buffers' shapes (T query
 rows, S sequence slots), so each token bucket's whole forward, attention included, is captured

@@ -29,8 +29,8 @@ from serving.engine_config import CacheConfig, EngineConfig
 from serving.checkpoint.model_files import resolve_model_dir
 from serving.executor.models import build_model
 from serving.executor import parallel
-from serving.checkpoint.model_config import check_supported, eos_token_ids, read_json_object
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import check_supported, eos_token_ids, read_json_object
+from serving.checkpoint.model_args import ModelArgs
 from serving.executor.sampler import Sampler, generator_seed, to_device
 from serving.executor.batch_state import BatchState, WorkerSeq
 from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPlan

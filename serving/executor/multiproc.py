@@ -1,6 +1,6 @@
 """`MultiprocExecutor`: one spawned process per rank, driven over pipes, watched for death.
 
-Each rank's process (`serving/executor/worker_proc.py`) joins one torch.distributed group
+Each rank's process (`serving/executor/rank_process.py`) joins one torch.distributed group
 (NCCL on GPUs, gloo on CPU), loads only its shard, sizes its KV cache (the minimum over ranks)
 and captures its CUDA graphs in step with the others. Per step the executor pickles the plan
 once and writes it to every rank's pipe; rank 0 answers the sampled tokens when they are
@@ -58,7 +58,7 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_dir: str | None, devices: tuple[str, ...],
                  hang_timeout_s: float = HANG_TIMEOUT_S, start_timeout_s: float = 3600.0) -> None:
-        from serving.executor.worker_proc import worker_main
+        from serving.executor.rank_process import rank_main
 
         self.world_size = len(devices)
         self.devices = tuple(devices)
@@ -82,7 +82,7 @@ class MultiprocExecutor(Executor):
             self._heartbeats[rank] = now
             ours, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(
-                target=worker_main, name=f"open-lmi-rank{rank}", daemon=True,
+                target=rank_main, name=f"open-lmi-rank{rank}", daemon=True,
                 args=(config, model_dir, rank, self.world_size, device, init_method, theirs, self._heartbeats),
             )
             proc.start()

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from serving.executor.custom_all_reduce import CustomAllReduce
 
 if TYPE_CHECKING:
-    from serving.checkpoint.model_config import ModelArgs
+    from serving.checkpoint.model_args import ModelArgs
 
 logger = logging.getLogger(__name__)
 

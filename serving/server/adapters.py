@@ -21,7 +21,7 @@ from pathlib import Path
 
 from serving.server.settings.adapter_allowlist import SourceNotAllowed, check_allowed
 from serving.server.settings.adapter_source import check_adapter_name, fetch_adapter, find_adapters
-from serving.server.settings.config import ServingConfig
+from serving.server.settings.serving_config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.lora_request import LoRARequest
 from serving.server.adapter_journal import AdapterJournal

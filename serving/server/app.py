@@ -1,4 +1,4 @@
-"""The HTTP surface: `create_app(engine_loop, config)` -> Flask app (thin; no engine state here).
+"""The HTTP surface: `create_app(engine, config)` -> Flask app (thin; no engine state here).
 
 Routes live with their APIs, as Flask blueprints registered below (`serving/server/api/`): LMI's
 `POST /invocations` (LMI, TGI-compat and chat bodies) and TGI's `POST /`, `POST /generate_stream`
@@ -23,7 +23,7 @@ import logging
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from serving.server.settings.config import ServingConfig
+from serving.server.settings.serving_config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.server.adapter_journal import AdapterJournal
 from serving.server.adapters import AdapterRegistry
@@ -49,29 +49,29 @@ BLUEPRINTS = (
 )
 
 
-def _stats(engine_loop: EngineClient) -> dict:
+def _stats(engine: EngineClient) -> dict:
     try:
-        return engine_loop.stats()
+        return engine.stats()
     except Exception:  # noqa: BLE001 - never fail a scrape
         return {}
 
 
-def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
+def create_app(engine: EngineClient, config: ServingConfig) -> Flask:
     """Build the Flask app around a running (or loading) engine: one EngineLoop, or a ReplicaSet
     of model copies (`serving/engine/client.py` says what the app may use of it).
 
     Args:
-        engine_loop: the engine client (its streams: `get(timeout)` -> StreamDelta,
+        engine: the engine client (its streams: `get(timeout)` -> StreamDelta,
             `get_nowait()`, `close()` aborts).
         config: the resolved container configuration.
     """
     app = Flask("serving")
     app.config["MAX_CONTENT_LENGTH"] = None  # we answer 400 ourselves (LMI error schema)
     runner: RequestRunner | None = None
-    metrics = Metrics(lambda: _stats(engine_loop), lambda: runner.inflight if runner else 0)
-    runner = RequestRunner(engine_loop, config, metrics)
-    adapters = AdapterRegistry(engine_loop, config, AdapterJournal(config.download_dir))
-    edge = Edge(engine_loop, config, runner, metrics, adapters)
+    metrics = Metrics(lambda: _stats(engine), lambda: runner.inflight if runner else 0)
+    runner = RequestRunner(engine, config, metrics)
+    adapters = AdapterRegistry(engine, config, AdapterJournal(config.download_dir))
+    edge = Edge(engine, config, runner, metrics, adapters)
     app.extensions.update(edge=edge, runner=runner, adapters=adapters, metrics=metrics)  # (metrics: wsgi shares it)
     for blueprint in BLUEPRINTS:
         app.register_blueprint(blueprint)
@@ -83,7 +83,7 @@ def create_app(engine_loop: EngineClient, config: ServingConfig) -> Flask:
             return UNMATCHED_ROUTE
 
     app.extensions["admission"] = Admission(
-        config.job_queue_size, lambda: engine_health(engine_loop),
+        config.job_queue_size, lambda: engine_health(engine),
         reject_body=lambda path, message: error_for_path(path, 503, message),
         on_reject=lambda method, path: metrics.observe_request(route_of(method, path), 503))
 

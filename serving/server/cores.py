@@ -33,7 +33,7 @@ import tempfile
 import threading
 from concurrent.futures import ProcessPoolExecutor
 
-from serving.server.settings.config import ServingConfig, resolved_to_env
+from serving.server.settings.serving_config import ServingConfig, resolved_to_env
 from serving.engine.engine_process import CoreAddress, EngineCore
 from serving.server.shared_queue import SharedQueue
 
@@ -133,8 +133,8 @@ class ServerCores:
 def _fetch_model(resolved: str) -> str | None:
     """In a spawned process: fetch the model once for every copy (S3 / hub / local / GGUF, whose
     conversion imports torch, which the arbiter must not)."""
-    from serving.server.settings.config import RESOLVED_ENV, config_from_env
-    from serving.server.settings.model_source import resolve_model
+    from serving.server.settings.serving_config import RESOLVED_ENV, config_from_env
+    from serving.server.settings.model_fetch import resolve_model
 
     path = resolve_model(config_from_env({RESOLVED_ENV: resolved}))
     return str(path) if path else None

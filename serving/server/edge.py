@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from flask import Response, current_app, request
 
-from serving.server.settings.config import ServingConfig
+from serving.server.settings.serving_config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState
 from serving.engine.grammar_compiler import COMPILE_CANCELLED

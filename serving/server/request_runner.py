@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from serving.server.settings.config import ServingConfig
+from serving.server.settings.serving_config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState, RequestStream
 from serving.engine.schema_validator import OUTPUT_INVALID, output_problem
@@ -82,8 +82,8 @@ class _Job:
 class RequestRunner:
     """Executes GenerateRequests against the engine client (`serving/engine/client.py`)."""
 
-    def __init__(self, engine_loop: EngineClient, config: ServingConfig, metrics: Metrics | None = None) -> None:
-        self.engine = engine_loop
+    def __init__(self, engine: EngineClient, config: ServingConfig, metrics: Metrics | None = None) -> None:
+        self.engine = engine
         self.config = config
         self.metrics = metrics
         self._lock = threading.Lock()

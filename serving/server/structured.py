@@ -1,7 +1,7 @@
 """Structured output and tools at the HTTP edge: request fields -> `GuidedDecodingParams`, and the
 model's text -> OpenAI `tool_calls`.
 
-Accepted (each is one guided-decoding constraint; `serving/engine/guided.py` enforces it):
+Accepted (each is one guided-decoding constraint; `serving/engine/structured_output.py` enforces it):
 - OpenAI `response_format`: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict"}}` (`text` = none);
 - vLLM's extras `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (on /v1 and in

@@ -47,7 +47,7 @@ class WriteStall:
 
         The kernel is asked at most every PROBE_EVERY_S (a stall is still seen within the timeout
         plus that): the ioctl releases and retakes the GIL, and one per streamed token cost the HTTP
-        process ~12 % of its output tokens/s on a saturated 2-copy server (bench/RESULTS.md run 22)."""
+        process ~12 % of its output tokens/s on a saturated 2-copy server (bench/RESULTS.md)."""
         now = self._clock()
         if now < self._next_probe:
             self._written += size

@@ -21,7 +21,7 @@ import threading
 import time
 
 from serving.server.app import create_app
-from serving.server.settings.config import ServingConfig, config_from_env
+from serving.server.settings.serving_config import ServingConfig, config_from_env
 from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
 from serving.engine.client import EngineClient
@@ -133,7 +133,7 @@ _resolved: list = []
 
 def _resolved_model():  # noqa: ANN202 - Path | None
     """Fetch the model (S3 / hub / local / default) once for every copy."""
-    from serving.server.settings.model_source import resolve_model
+    from serving.server.settings.model_fetch import resolve_model
 
     with _resolve_lock:
         if not _resolved:
@@ -219,8 +219,8 @@ def _setup_logging() -> None:
 
 _setup_logging()
 config = config_from_env(os.environ)  # resolved by container/serve; parsed in the arbiter before fork (else here)
-engine_loop = ServedEngine(_engine_client(config), config)
-app = create_app(engine_loop, config)
+served = ServedEngine(_engine_client(config), config)
+app = create_app(served, config)
 _started = threading.Lock()
 
 
@@ -229,16 +229,16 @@ def start(frontend_slot: int | None = None) -> None:
     `frontend_slot`: this worker's share of the server's admission count (several frontends)."""
     if not _started.acquire(blocking=False):
         return
-    engine_loop.started_at = time.monotonic()
+    served.started_at = time.monotonic()
     if config.engine_process:
         _share_with_other_frontends(frontend_slot)
     if config.model_copies > 1 and not config.engine_process:
         import transformers  # noqa: F401 - its lazy module is not safe to import from the copies' threads at once
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401
-    engine_loop.loop.start()
-    threading.Thread(target=_register_startup_adapters, args=(engine_loop,), name="adapters-at-start",
+    served.loop.start()
+    threading.Thread(target=_register_startup_adapters, args=(served,), name="adapters-at-start",
                      daemon=True).start()
-    threading.Thread(target=_watch, args=(engine_loop,), name="engine-watch", daemon=True).start()
+    threading.Thread(target=_watch, args=(served,), name="engine-watch", daemon=True).start()
 
 
 def _share_with_other_frontends(slot: int | None) -> None:
@@ -256,7 +256,7 @@ def _share_with_other_frontends(slot: int | None) -> None:
 def _model_dir():  # noqa: ANN202 - Path | str | None
     """The resolved model dir (its `adapters/` are registered at start)."""
     if config.engine_process:
-        loops = getattr(engine_loop.loop, "loops", [engine_loop.loop])
+        loops = getattr(served.loop, "loops", [served.loop])
         return loops[0].model_dir
     return _resolved[0] if _resolved else None
 
@@ -282,7 +282,7 @@ def _freeze_startup_objects() -> None:
     that live as long as the process) out of the cyclic collector's reach, before /ping says 200.
 
     A full collection walks every tracked object while holding the GIL, so every stream stalls
-    for it: on a 16 req/s 8B server they took 28-275 ms each (bench/RESULTS.md run 15), the
+    for it: on a 16 req/s 8B server they took 28-275 ms each (bench/RESULTS.md), the
     TTFT and inter-token p99. Frozen objects are still freed by reference counting; only cycles
     among them would stay, and this process never builds a second engine (it exits on SIGTERM).
     """
@@ -295,5 +295,5 @@ def _freeze_startup_objects() -> None:
 
 def stop() -> None:
     """Close the engine (aborts what is left); called when the worker exits."""
-    if engine_loop.loop.started:
-        engine_loop.loop.close(timeout=5.0)
+    if served.loop.started:
+        served.loop.close(timeout=5.0)

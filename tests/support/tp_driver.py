@@ -23,7 +23,7 @@ from serving.executor import parallel
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 from serving.executor.models import build_model
 from serving.executor.weights import load_weights
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import resolve_quantization
 
 

@@ -7,10 +7,10 @@ the one table the sizing calculator reads too), so the edge, the engine and the 
 
 from __future__ import annotations
 
-from serving.checkpoint.architectures import cohere, gemma, layernorm_decoder, llama, moe, multimodal_text, olmo
+from serving.checkpoint.architectures import cohere, gemma, gpt, llama, moe, multimodal_text, olmo
 from serving.checkpoint.architectures.model_type import ArchitectureFamily, ModelType, MultimodalText
 
-FAMILIES: tuple[ArchitectureFamily, ...] = tuple(m.FAMILY for m in (llama, gemma, layernorm_decoder, cohere, olmo,
+FAMILIES: tuple[ArchitectureFamily, ...] = tuple(m.FAMILY for m in (llama, gemma, gpt, cohere, olmo,
                                                                     moe, multimodal_text))
 
 MODEL_TYPES: dict[str, ModelType] = {t.name: t for f in FAMILIES for t in f.model_types}

@@ -35,7 +35,7 @@ class ModelType:
     tied_embeddings: bool = False  # transformers' default where a config omits tie_word_embeddings
     all_biased: bool = False  # every linear layer has a bias unless `attention_bias` says otherwise
     qk_norm: bool = False  # attention RMS-normalises each head of q and k (over head_dim) before RoPE
-    layer_norm: bool = False  # a LayerNorm decoder (serving/executor/models/layernorm_decoder.py)
+    layer_norm: bool = False  # a LayerNorm decoder (serving/executor/models/gpt.py)
     llama_alike: bool = False  # a Llama-family class reads its config alike (a fine-tune may name another's)
     sliding_opt_in: bool = False  # the config's sliding window is off unless `use_sliding_window` (Qwen)
     # what transformers' config class defaults where the config omits a key (Gemma 2/3 name little more

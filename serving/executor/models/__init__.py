@@ -27,7 +27,7 @@ from serving.executor.models.gemma import (
     Gemma3TextOfMultimodal,
     GemmaForCausalLM,
 )
-from serving.executor.models.layernorm_decoder import (
+from serving.executor.models.gpt import (
     FalconForCausalLM,
     GPT2ForCausalLM,
     GPTBigCodeForCausalLM,
@@ -40,7 +40,7 @@ from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.models.olmo import OlmoForCausalLM
 from serving.executor.parallel import TPShard
-from serving.checkpoint.model_config import (
+from serving.checkpoint.model_args import (
     SUPPORTED_ARCHITECTURES,
     ModelArgs,
     UnsupportedModelError,

@@ -17,7 +17,7 @@ from serving.executor.models.norm import RMSNorm
 from serving.executor.models.params import SINGLE
 from serving.executor.parallel import TPShard, attention_shard
 from serving.executor.quant import linear_method
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import QuantConfig
 
 class PagedAttention(nn.Module):

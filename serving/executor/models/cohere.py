@@ -24,7 +24,7 @@ from serving.executor.models.params import Loaded, read_checkpoint
 from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard
 from serving.checkpoint.architectures import cohere as cohere_types
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import QuantConfig
 
 

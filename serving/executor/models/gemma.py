@@ -29,7 +29,7 @@ from serving.executor.models.norm import RMSNorm
 from serving.executor.models.stack import bind_rope_caches
 from serving.executor.parallel import TPShard
 from serving.checkpoint.architectures import gemma as gemma_types
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import QuantConfig
 
 

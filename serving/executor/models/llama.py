@@ -33,7 +33,7 @@ from serving.executor.parallel import (
     validate_tensor_parallel,
 )
 from serving.checkpoint.architectures import llama as llama_types, moe as moe_types
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import QuantConfig
 
 

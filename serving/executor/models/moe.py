@@ -33,7 +33,7 @@ from serving.executor import parallel
 from serving.executor.models.linear import Linear
 from serving.executor.models.mlp import GatedMLP
 from serving.executor.parallel import TPShard
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import QuantConfig
 
 

@@ -23,7 +23,7 @@ from serving.executor.models.params import Loaded, check_shape, default_weight_l
 from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard, attention_shard
 from serving.checkpoint.architectures import olmo as olmo_types
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import QuantConfig
 
 

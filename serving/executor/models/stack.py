@@ -18,7 +18,7 @@ from torch import nn
 from serving.executor.models.embedding import VocabParallelEmbedding
 from serving.executor.models.rotary import build_cos_sin_cache
 from serving.executor.parallel import TPShard
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 
 
 def bind_rope_caches(model: nn.Module, args: ModelArgs, max_position: int, context_len: int | None) -> None:

@@ -2,7 +2,7 @@
 
 `find_adapters(model_dir)` lists the adapters LMI loads at start (DJL's layout: one PEFT
 directory per adapter under `adapters/`, shipped beside the model, locally or under the same
-`s3://` prefix, which `serving/server/settings/model_source.py` has already mirrored with the model).
+`s3://` prefix, which `serving/server/settings/model_fetch.py` has already mirrored with the model).
 `fetch_adapter(src, ...)` turns a management-API `src` into a local directory (S3 through the
 model's own resumable download). Both check only the layout and the name; whether the weights
 fit the base model is the engine's check (`EngineClient.add_lora`).
@@ -14,7 +14,7 @@ import logging
 import re
 from pathlib import Path
 
-from serving.server.settings.model_source import ModelSourceError, download_s3
+from serving.server.settings.model_fetch import ModelSourceError, download_s3
 
 logger = logging.getLogger("serving.server.settings.adapter_source")
 ADAPTERS_DIR = "adapters"

@@ -2,7 +2,7 @@
 
 One row per key: its serving.properties name (env `OPTION_FOO` maps to `option.foo`), vLLM-name
 aliases, the `ServingConfig` / `EngineConfig` field it sets, a parser that raises `ValueError`,
-and the "accepts" text used in start-up error messages. `serving/server/settings/config.py` applies it.
+and the "accepts" text used in start-up error messages. `serving/server/settings/serving_config.py` applies it.
 """
 
 from __future__ import annotations
@@ -120,18 +120,18 @@ def _optional_int(lo: int) -> Callable[[str], int | None]:
 # one long step that every stream waits on (at an H100's ~760 TFLOP/s, 2,048 prompt tokens of an
 # 8B model are ~40 ms of compute, 256 about 5 ms: near the ridge where a step's GEMMs turn from
 # reading weights to computing, so such a step costs ~1.5x a decode step). Once the decode-interval
-# tail was gone, the steps carrying prompts set the inter-token p99 (bench/RESULTS.md run 17):
+# tail was gone, the steps carrying prompts set the inter-token p99 (bench/RESULTS.md):
 # 512 gave 2.7-2.8x p50, 256 2.3-2.4x, with TTFT p99 still 2.5-2.8x p50. With such steps captured whole
-# (run 18: mixed-step graphs), 256 measured 1.86-2.42x, TTFT p99 2.3-2.8x p50.
+# (mixed-step graphs), 256 measured 1.86-2.42x, TTFT p99 2.3-2.8x p50.
 PREFILL_TOKENS_WHILE_DECODING = 256
 # The server's default for distributed_executor_backend on GPUs when the engine shares the HTTP
 # process (option.engine_process=false; offline `LLM`: "uni" for one rank): the model's host work
 # (step inputs, graph launches) runs in its own process, so it never waits for the GIL that every
 # streaming HTTP thread takes once per token. A fresh 8B server at 16 req/s measured TPOT p50
-# 12.0 -> 8.3 ms and ITL p99 32.5 -> 16.4 ms with it (bench/RESULTS.md run 16). With the whole engine
+# 12.0 -> 8.3 ms and ITL p99 32.5 -> 16.4 ms with it (bench/RESULTS.md). With the whole engine
 # in its own process (option.engine_process, the default for several copies) it is "mp" too: with "uni"
 # each copy's engine core ran scheduling, detokenization and the model's host work on one thread and sat
-# at 100 % of a core at saturation (bench/RESULTS.md run 22).
+# at 100 % of a core at saturation (bench/RESULTS.md).
 SERVER_EXECUTOR_BACKEND = "mp"
 CHAT_TEMPLATE_MAX_BYTES = 256 * 1024  # the largest hub chat templates are ~20 KB
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # not in a text file
@@ -282,7 +282,7 @@ KEYS: tuple[Key, ...] = (
     Key("option.speculative_config", "engine.speculative_config", _speculative_config,
         'a JSON object of vLLM\'s speculative_config names, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}'),
-    # LMI's draft-model names; `serving/server/settings/config.py` folds them into engine.speculative_config.
+    # LMI's draft-model names; `serving/server/settings/serving_config.py` folds them into engine.speculative_config.
     Key("option.speculative_draft_model", "speculative_draft_model", _str,
         "a draft checkpoint (directory or Hub id) with the model's vocabulary", None),  # no field: folded
     Key("option.speculative_length", "speculative_length", _int(1, 16),
@@ -323,7 +323,7 @@ KEYS: tuple[Key, ...] = (
     # Unset: auto, resolved at start (on for several model copies).
     Key("option.engine_process", "engine_process", _optional_bool, "auto|true|false", None),
     Key("max_workers", "max_workers", _int(1, 1024), "a positive integer (model copies)"),
-    # HTTP frontends (gunicorn workers) over the shared engine cores; auto: settings/config.py `auto_frontends`.
+    # HTTP frontends (gunicorn workers) over the shared engine cores; auto: settings/serving_config.py `auto_frontends`.
     Key("option.frontends", "frontends", _auto_int(1, 64), "auto|an integer 1..64", aliases=("frontends",)),
     Key("option.prefix_affinity", "prefix_affinity", _bool, "true|false"),
     Key("threads", "threads", _int(0, 4096), "an integer 0..4096 (0 = automatic)"),

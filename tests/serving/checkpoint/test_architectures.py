@@ -12,9 +12,9 @@ from torch import nn
 from sdk import model_types as shared
 from sdk.sizing import ModelShape
 from serving.checkpoint import architectures
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.executor import models
-from serving.executor.models.layernorm_decoder import LayerNormForCausalLM, NemotronForCausalLM
+from serving.executor.models.gpt import LayerNormForCausalLM, NemotronForCausalLM
 
 # enough of a config for every declared model type (OPT reads ffn_dim; a gelu that every MLP accepts)
 SIZES = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,

@@ -175,7 +175,7 @@ def test_grammar_cache_is_bounded_in_bytes_and_compiles_are_killed_past_their_ti
     """Distinct grammars of ~0.5 MB each through a 3 MiB cache: the cache never holds more than its
     bound (oldest out first, a hit moves one to the front); a grammar over a quarter of the cache,
     one over the size cap and one past the compile timeout are refused."""
-    from serving.engine.guided import GuidedDecoder
+    from serving.engine.structured_output import GuidedDecoder
 
     _, _, tok = smol
     dec = GuidedDecoder(tok, len(tok), [tok.eos_token_id], compile_timeout=2.0, max_bytes=4096, cache_bytes=3 << 20)

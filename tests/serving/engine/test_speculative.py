@@ -482,7 +482,7 @@ def test_rejection_sampling_with_draft_probabilities_follows_the_target(truncate
 
 
 def test_lmi_draft_model_keys() -> None:
-    from serving.server.settings.config import ConfigError, load_config
+    from serving.server.settings.serving_config import ConfigError, load_config
 
     env = {"OPTION_SPECULATIVE_DRAFT_MODEL": "/opt/ml/draft", "OPTION_SPECULATIVE_LENGTH": "3", "OPTION_DEVICE": "cpu"}
     spec = load_config(env, [], gpu_count=lambda: 0).engine.speculative_config

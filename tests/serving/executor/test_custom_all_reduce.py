@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from all_reduce_worker import all_reduce_worker
 
-from serving.server.settings.config import load_config
+from serving.server.settings.serving_config import load_config
 from serving.engine_config import EngineConfig
 from serving.executor import parallel
 from serving.executor.custom_all_reduce import (

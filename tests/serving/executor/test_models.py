@@ -15,7 +15,7 @@ from paged_driver import PagedDriver
 
 from serving.engine_config import EngineConfig
 from serving.executor.model_runner import ModelRunner
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 
 ATOL = 2e-4
 
@@ -172,7 +172,7 @@ def test_layernorm_decoder_switches_match_transformers(tmp_path, arch, overrides
 def test_gpt2_checkpoint_names_of_both_layouts():
     """GPT2LMHeadModel's `transformer.*` names and the original checkpoints' bare ones (with their saved
     causal-mask buffers) map to the same parameters."""
-    from serving.executor.models.layernorm_decoder import gpt2_checkpoint_name as name
+    from serving.executor.models.gpt import gpt2_checkpoint_name as name
 
     for prefix in ("", "transformer."):
         assert name(f"{prefix}h.11.attn.c_attn.weight") == "model.layers.11.self_attn.qkv_proj.weight"

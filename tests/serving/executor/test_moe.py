@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from serving.executor.models import _default_dtype
 from serving.executor.models.moe import SparseMoeBlock, mixtral_checkpoint_name
 from serving.executor.parallel import TPShard, validate_tensor_parallel
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 
 BASE = dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=100, hidden_size=32,
             intermediate_size=48, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,

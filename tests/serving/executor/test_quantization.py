@@ -35,7 +35,7 @@ from serving.executor.models.linear import OutputPart, PackedColumnParallelLinea
 from serving.executor.parallel import TPShard
 from serving.executor.quant import linear_method, process_weights_after_loading
 from serving.executor.weights import init_dummy_weights
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import QuantConfig, QuantizationError, resolve_quantization
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -101,7 +101,7 @@ def test_config_errors_name_the_field(qc, option, match):
 
 
 def test_quantize_option_in_the_container_config():
-    from serving.server.settings.config import load_config
+    from serving.server.settings.serving_config import load_config
     from serving.server.settings.config_keys import ConfigError
 
     assert load_config({"OPTION_QUANTIZE": "AWQ"}, []).engine.quantization == "awq"

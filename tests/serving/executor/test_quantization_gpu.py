@@ -19,7 +19,7 @@ from quant_fixtures import Format, write_quantized
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 from serving.executor.models import build_model
 from serving.executor.weights import load_weights
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import resolve_quantization
 
 pytestmark = pytest.mark.gpu

@@ -28,7 +28,7 @@ from serving.executor import parallel
 from serving.executor.models import build_model
 from serving.executor.parallel import TPShard, attention_shard, kv_heads_per_rank, validate_tensor_parallel
 from serving.executor.weights import checkpoint_files, init_dummy_weights, load_weights
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import ModelArgs
 
 # TP changes only the summation order of o_proj / down_proj partial products (fp32): tight for
 # the 2-layer models; SmolLM2's 30 layers compound it (~7e-5 seen), so it gets the HF-identity

@@ -11,7 +11,7 @@ import pytest
 
 from fake_engine_loop import FakeEngineLoop
 from serving.server.settings.adapter_source import AdapterSourceError, fetch_adapter, find_adapters
-from serving.server.settings.config import load_config
+from serving.server.settings.serving_config import load_config
 from serving.server.settings.config_keys import ConfigError
 from serving.server.adapter_journal import AdapterJournal
 from serving.server.adapters import AdapterRegistry, StartupAdapterError, header_adapter
@@ -223,7 +223,7 @@ def s3_endpoint(monkeypatch):
 
 def test_adapters_from_s3(s3_endpoint, tmp_path):
     """Start-up adapters ride along with an s3:// model (one download); a management `src` may be s3:// too."""
-    from serving.server.settings.model_source import resolve_model
+    from serving.server.settings.model_fetch import resolve_model
 
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     s3.create_bucket(Bucket="lora-test")  # not "models": moto keeps one store per process

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from serving.server.app import create_app
-from serving.server.settings.config import load_config
+from serving.server.settings.serving_config import load_config
 from fake_engine_loop import FakeEngineLoop
 
 

@@ -182,7 +182,7 @@ def test_decoder_input_details_prefill_plain_and_on_the_final_streamed_record():
 def client():
     from fake_engine_loop import FakeEngineLoop
 
-    from serving.server.settings.config import load_config
+    from serving.server.settings.serving_config import load_config
     from serving.server.app import create_app
     return create_app(FakeEngineLoop(), load_config({}, [])).test_client()
 

@@ -9,7 +9,7 @@ import random
 import pytest
 from fake_engine_loop import FakeEngineLoop, FakeStream
 
-from serving.server.settings.config import load_config
+from serving.server.settings.serving_config import load_config
 from serving.engine.engine_loop import RequestStream
 from serving.server.formatters import Formatter, Result
 from serving.outputs import StreamDelta

@@ -1,4 +1,4 @@
-"""The LayerNorm decoders' model types (serving/executor/models/layernorm_decoder.py): StarCoder2,
+"""The LayerNorm decoders' model types (serving/executor/models/gpt.py): StarCoder2,
 Phi-1/1.5/2, GPT-2, GPT-BigCode, GPT-NeoX, Falcon, OPT, StableLM, Nemotron, and their configs' own
 spellings. All but StableLM have a plain MLP (`sdk/model_types.py` lists them)."""
 
@@ -89,5 +89,5 @@ STABLELM = ModelType("stablelm", "StableLmForCausalLM", **_LN,
 # Nemotron's LayerNorm1P: scaled by 1 + weight
 NEMOTRON = ModelType("nemotron", "NemotronForCausalLM", **_LN, fixed_args={"layer_norm_unit_offset": True})
 
-FAMILY = ArchitectureFamily("layernorm_decoder", (STARCODER2, PHI, GPT2, GPT_NEOX, GPT_BIGCODE, FALCON, OPT,
+FAMILY = ArchitectureFamily("gpt", (STARCODER2, PHI, GPT2, GPT_NEOX, GPT_BIGCODE, FALCON, OPT,
                                                   STABLELM, NEMOTRON))

@@ -43,8 +43,8 @@ from serving.executor.models.norm import LayerNorm
 from serving.executor.models.params import Loaded, read_checkpoint
 from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard
-from serving.checkpoint.architectures import layernorm_decoder as ln_types
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.architectures import gpt as ln_types
+from serving.checkpoint.model_args import ModelArgs
 from serving.checkpoint.quantization import QuantConfig
 
 _RENAMES = ((".mlp.c_fc.", ".mlp.fc_in."), (".mlp.c_proj.", ".mlp.fc_out."), (".mlp.fc1.", ".mlp.fc_in."),

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from serving.executor.models import build_model
-from serving.checkpoint.model_config import UnsupportedModelError, check_supported
-from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.model_args import UnsupportedModelError, check_supported
+from serving.checkpoint.model_args import ModelArgs
 from serving.executor.models.rotary import build_cos_sin_cache
 
 BASE = {

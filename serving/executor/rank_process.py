@@ -40,7 +40,7 @@ def _beat(heartbeats, rank: int) -> None:  # noqa: ANN001 - a shared ctypes arra
         time.sleep(_HEARTBEAT_S)
 
 
-def worker_main(config, model_dir, rank, world_size, device, init_method, conn, heartbeats) -> None:  # noqa: ANN001
+def rank_main(config, model_dir, rank, world_size, device, init_method, conn, heartbeats) -> None:  # noqa: ANN001
     """Entry point of rank `rank`'s process."""
     die_with_parent(os.getppid())
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),

@@ -7,8 +7,8 @@ import re
 import boto3
 import pytest
 
-from serving.server.settings.config import load_config
-from serving.server.settings.model_source import ModelSourceError, check_no_remote_code, download_s3, resolve_model
+from serving.server.settings.serving_config import load_config
+from serving.server.settings.model_fetch import ModelSourceError, check_no_remote_code, download_s3, resolve_model
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 
@@ -41,7 +41,7 @@ def test_s3_download_parallel_and_resumable(s3, s3_endpoint, tmp_path, caplog):
     client, files = s3
     env = {"HF_MODEL_ID": "s3://models/m/", "AWS_ENDPOINT_URL_S3": s3_endpoint, "SERVING_DOWNLOAD_DIR": str(tmp_path)}
     cfg = load_config(env, [])
-    with caplog.at_level(logging.INFO, logger="serving.server.settings.model_source"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.model_fetch"):
         path = resolve_model(cfg)
     assert path == tmp_path / "s3" / "models" / "m"
     for key, data in files.items():
@@ -50,7 +50,7 @@ def test_s3_download_parallel_and_resumable(s3, s3_endpoint, tmp_path, caplog):
     caplog.clear()
     (path / "tokenizer.json").write_bytes(b"{")  # a broken/partial file is fetched again
     client.put_object(Bucket="models", Key="m/sub/extra.txt", Body=b"HELLO")  # same size, new ETag
-    with caplog.at_level(logging.INFO, logger="serving.server.settings.model_source"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.model_fetch"):
         download_s3("s3://models/m", tmp_path, endpoint_url=s3_endpoint)
     assert "2 files fetched, 2 already complete" in caplog.text
     assert (path / "sub/extra.txt").read_bytes() == b"HELLO" and (path / "tokenizer.json").read_bytes() == b'{"x": 1}'
@@ -167,7 +167,7 @@ def test_a_symlink_in_the_mirror_is_not_followed_out(s3, s3_endpoint, tmp_path):
 
 
 def test_unreadable_model_files_are_named_not_tracebacks(tmp_path):
-    from serving.checkpoint.model_config import ModelConfigError, read_json_object
+    from serving.checkpoint.model_args import ModelConfigError, read_json_object
 
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ModelSourceError, match=r"config.json holds a JSON list, not an object"):

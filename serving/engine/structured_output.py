@@ -26,7 +26,7 @@ import numpy as np
 from serving.engine.grammar_compiler import CompiledGrammarCache
 from serving.sampling_params import GuidedDecodingParams
 
-logger = logging.getLogger("serving.engine.guided")
+logger = logging.getLogger("serving.engine.structured_output")
 _BATCH_MIN = 16  # fewer constrained rows: one thread (the batch API's hand-off costs more than it saves)
 
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from serving.server.settings.config import ConfigError, load_config, log_config, read_properties
+from serving.server.settings.serving_config import ConfigError, load_config, log_config, read_properties
 from serving.server.settings.config_keys import KEYS
 
 
@@ -187,7 +187,7 @@ def test_hf_model_id_beats_option_model_id():
 @pytest.mark.parametrize("rb", ["auto", "vllm", "lmi-dist", "scheduler", "disable", "deepspeed", "trtllm", "tnx"])
 def test_every_rolling_batch_is_served_and_explained(rb, caplog):
     cfg = load_config({"OPTION_ROLLING_BATCH": rb.upper()}, [])
-    with caplog.at_level(logging.INFO, logger="serving.server.settings.config"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.serving_config"):
         log_config(cfg)
     assert f"option.rolling_batch={rb}:" in caplog.text and "option.max_rolling_batch_size" in caplog.text
 
@@ -195,7 +195,7 @@ def test_every_rolling_batch_is_served_and_explained(rb, caplog):
 def test_unknown_keys_warn(caplog, tmp_path):
     props = tmp_path / "serving.properties"
     props.write_text("option.bogus=1\noption.entryPoint=model.py\n")
-    with caplog.at_level(logging.INFO, logger="serving.server.settings.config"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.serving_config"):
         load_config({"OPTION_NOT_A_THING": "1"}, [props])
     assert "unknown setting option.not_a_thing (env OPTION_NOT_A_THING)" in caplog.text
     assert "unknown setting option.bogus" in caplog.text
@@ -264,7 +264,7 @@ def test_the_table_restates_no_field_default():
     import dataclasses
 
     from serving.engine_config import EngineConfig
-    from serving.server.settings.config import ServingConfig, key_default
+    from serving.server.settings.serving_config import ServingConfig, key_default
     from serving.server.settings.config_keys import FIELD_DEFAULT
 
     def field_default(target):
@@ -349,7 +349,7 @@ def test_lora_keys_lmi_defaults_env_and_properties(tmp_path, caplog):
     e = cfg.engine
     assert (e.enable_lora, e.max_loras, e.max_lora_rank, e.max_cpu_loras) == (True, 16, 64, 32)
     assert cfg.sources["engine.max_loras"] == "env OPTION_MAX_LORAS" and cfg.lora_extra_vocab_size == 512
-    with caplog.at_level(logging.INFO, logger="serving.server.settings.config"):
+    with caplog.at_level(logging.INFO, logger="serving.server.settings.serving_config"):
         log_config(cfg)
     assert "LoRA adapters enabled: 16 on the device at once, 32 kept in host memory, rank <= 64" in caplog.text
     assert "option.lora_extra_vocab_size=512 (env OPTION_LORA_EXTRA_VOCAB_SIZE) accepted and has no effect" \
@@ -375,7 +375,7 @@ def test_properties_file_that_is_not_utf8_names_the_file(tmp_path):
 
 
 def test_frontends_are_one_per_copy_at_most_half_the_cpus_and_need_engine_cores():
-    from serving.server.settings.config import auto_frontends
+    from serving.server.settings.serving_config import auto_frontends
 
     cfg = lambda env, gpus: load_config(env, [], gpu_count=lambda: gpus)  # noqa: E731
     assert [auto_frontends(copies, True, 64) for copies in (1, 2, 4, 8)] == [1, 2, 4, 8]
@@ -394,7 +394,7 @@ def test_resolved_config_crosses_exec_as_json_and_is_parsed_once_per_process_tre
     """container/serve -> RESOLVED_ENV -> gunicorn.conf (arbiter) parses; the forked worker reuses it."""
     import os
 
-    from serving.server.settings import config as config_module
+    from serving.server.settings import serving_config as config_module
 
     env = {"HF_MODEL_ID": "org/m", "OPTION_MAX_ROLLING_BATCH_SIZE": "8", "OPTION_DEVICE": "cpu",
            "OPTION_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'}

@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from serving.checkpoint import model_files
-from serving.server.settings.config import OPT_ML_MODEL, ServingConfig
+from serving.server.settings.serving_config import OPT_ML_MODEL, ServingConfig
 from serving.server.settings.download_paths import S3_BUCKET, UnsafePathError, check_names, check_tree, destination
 
-logger = logging.getLogger("serving.server.settings.model_source")
+logger = logging.getLogger("serving.server.settings.model_fetch")
 _META_DIR = ".open-lmi-s3"  # per-file ETag records, so a restart can skip finished files
 
 
@@ -62,7 +62,7 @@ def check_no_remote_code(path: Path, trust_remote_code: bool) -> None:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelSourceError(f"{path} has no config.json: not a Hugging Face model directory")
-    from serving.checkpoint.model_config import (
+    from serving.checkpoint.model_args import (
         ModelConfigError,
         UnsupportedModelError,
         check_supported,

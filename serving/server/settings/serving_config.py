@@ -35,7 +35,7 @@ from serving.engine_config import EngineConfig
 from serving.checkpoint.quantization import startup_summary
 from serving.speculative_config import SpeculativeConfig
 
-logger = logging.getLogger("serving.server.settings.config")
+logger = logging.getLogger("serving.server.settings.serving_config")
 
 OPT_ML_MODEL = "/opt/ml/model"
 PROPERTIES_NAME = "serving.properties"
@@ -61,7 +61,7 @@ class ServingConfig:
     """Everything the container needs, resolved once at start (engine options use vLLM names).
 
     `engine.model` is None for the embedded default model and otherwise the *source* string
-    (hub id, s3:// URI or local path); `serving/server/settings/model_source.py` turns it into a local dir.
+    (hub id, s3:// URI or local path); `serving/server/settings/model_fetch.py` turns it into a local dir.
     """
 
     engine: EngineConfig
@@ -387,7 +387,7 @@ def _parse_resolved(text: str) -> ServingConfig:
 
 def auto_frontends(copies: int, engine_process: bool, cpus: int) -> int:
     """HTTP frontends for `frontends=auto`: one per model copy (one HTTP process routes ~1.7 copies'
-    streams at most: bench/RESULTS.md run 22), never more than half the CPUs (each busy frontend
+    streams at most: bench/RESULTS.md), never more than half the CPUs (each busy frontend
     takes about one core, the cores' engines and rank processes need the rest); 1 for one copy or
     with the engine in the HTTP process."""
     if not engine_process or copies <= 1:
