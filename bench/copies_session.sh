@@ -151,14 +151,16 @@ echo "================ summary ================"
 cat "$OUT/device.txt"
 printf '%s\n' "${summary[@]}"
 echo "================ table ================"
-printf '%s\n' "${rows[@]}" | python3 - "$OUT" <<'PY'
+printf '%s\n' "${rows[@]}" >"$OUT/rows.txt"  # (the script itself comes on stdin: the rows go by file)
+python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
+rows = (out / "rows.txt").read_text()
 print("| load | offered | served | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | 503 | lost | /ping max ms |")
 print("|---|---|---|---|---|---|---|---|---|")
 tok = {}
-for line in sys.stdin.read().splitlines():
+for line in rows.splitlines():
     label, _, args = line.partition("|")
     path = out / f"{label}.json"
     if not path.exists():
@@ -175,3 +177,5 @@ if "one_sat" in tok and "four_sat" in tok:
 if "one_sat" in tok and "tp2_sat" in tok:
     print(f"2 copies of TP=2 / 1 copy output tok/s: {tok['tp2_sat'] / tok['one_sat']:.2f}x")
 PY
+# A device call brings back at most 8 files: every log and JSON of the run travel in one archive.
+(cd "$OUT" && tar czf /tmp/copies_all.tgz --exclude copies_all.tgz . && find . -type f -delete && mv /tmp/copies_all.tgz .)
