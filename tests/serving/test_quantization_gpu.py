@@ -85,12 +85,13 @@ def test_quantized_checkpoint_logits_match_the_dequantised_model(name, checkpoin
 
 
 def packed_rows_are_contiguous(model_dir: Path) -> bool:
-    """The int kernels read packed words by row: every layer's qweight must be contiguous after load."""
+    """The int kernels read packed words by row: every layer's qweight / packed must be contiguous after load."""
     config = json.loads((model_dir / "config.json").read_text())
     model = build_model(ModelArgs.from_dict(config), torch.bfloat16, torch.device("cuda"),
                         quant=resolve_quantization(model_dir, config, None))
     load_weights(model, model_dir)
-    return all(p.is_contiguous() for n, p in model.named_parameters() if n.endswith("qweight"))
+    words = [p for n, p in model.named_parameters() if n.endswith(("qweight", ".packed"))]
+    return bool(words) and all(p.is_contiguous() for p in words)
 
 
 def test_fp8_at_load_is_close_to_bf16(checkpoints):
@@ -117,5 +118,5 @@ def test_8b_shape_gptq_int4_dummy_generates(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": list(range(1000, 1000 + n))} for n in (5, 77)], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16]
-    layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj  # int4 [14336 / 8, 4096]
-    assert layer.qweight.shape == (1792, 4096) and layer.qweight.dtype == torch.int32
+    layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj  # int4 repacked [14336, 4096 / 8]
+    assert layer.packed.shape == (14336, 512) and layer.packed.dtype == torch.int32
