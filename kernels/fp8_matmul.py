@@ -76,12 +76,20 @@ def fp8_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale).T + bias -> `[M, N]` in x's dtype."""
+    if (x.shape[0] <= SKINNY_MAX_M and _capability(x.device.index or 0) >= (8, 9)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight_scale.dtype == torch.float32
+            and weight.stride(1) == 1):
+        return fp8_skinny_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, bias)
+    return scaled_mm_linear(x, weight, weight_scale, bias)
+
+
+def scaled_mm_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fp8_linear` through activation quantisation + `torch._scaled_mm` at any M (the path above 16 rows)."""
     N, K = weight.shape
     cap = _capability(x.device.index or 0)
     per_channel = weight_scale.numel() > 1
-    if (x.shape[0] <= SKINNY_MAX_M and cap >= (8, 9) and x.dtype in (torch.bfloat16, torch.float16)
-            and weight_scale.dtype == torch.float32 and weight.stride(1) == 1):
-        return fp8_skinny_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, bias)
     fits = K % 16 == 0 and N % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16)
     if not fits or cap < (8, 9) or (cap < (9, 0) and per_channel):
         return quant_reference.fp8_linear(x, weight, weight_scale, bias)
