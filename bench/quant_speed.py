@@ -82,11 +82,13 @@ def int4_candidates(m: int, n: int, k: int, num_sms: int) -> list[Int4Config]:
         return cfg._replace(split_k=triton.cdiv(k_tiles, triton.cdiv(k_tiles, s)))
 
     if m == 1:
-        base = [Int4Config(1, 256 * w, bk, 0, w, 1) for w, bk in ((2, 64), (4, 32), (4, 64), (4, 128), (8, 64))]
+        base = [Int4Config(1, 256 * w, bk, 0, w, 1) for w, bk in ((2, 32), (4, 16), (4, 32), (4, 64), (8, 32))]
+        base.append(Int4Config(1, 1024, 32, 0, 4, 1, asm=False))  # the plain and + or, for comparison
         return [split(c, p) for c in base for p in (1, 2, 4)]
     if m <= 16:
         base = [Int4Config(16, bn, bk, 0, w, s) for bn, bk, w, s in
                 ((64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 4), (256, 64, 4, 3), (64, 256, 4, 3))]
+        base.append(Int4Config(16, 128, 128, 0, 4, 4, asm=False))
         return [split(c, p) for c in base for p in (1, 2, 4)]
     if m <= 64:
         base = [Int4Config(bm, bn, bk, 0, w, s) for bm, bn, bk, w, s in

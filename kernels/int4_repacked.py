@@ -6,8 +6,8 @@ expanded to a bf16 copy: both kernels dequantise it in registers from words read
 
 - M == 1, `_int4_gemv_kernel` (CUDA cores): a `[BLOCK_K, BLOCK_C]` tile of words keeps its rows in
   one thread (each thread reads one word per row, a warp 128 contiguous bytes), so the sum over k
-  is thread-local. Per weight: a constant shift and one and/or make the fp32 f = 1 + q / 16 (exact;
-  `unit_float`), one FMA adds f * x; per tile and column, s (16 sum x f - (16 + z) sum x) applies
+  is thread-local. Per weight: a mask and a shift-add (one LEA) make the fp32 f = 1 + q / 16 (exact),
+  one FMA adds f * x; per tile and column, s (16 sum x f - (16 + z) sum x) applies
   the group's scale and zero. x is loaded once per row for 8 columns.
 - M >= 2, `_int4_gemm_kernel` (tensor cores): the `[BLOCK_K, BLOCK_N // 8]` word tile is unpacked
   into `[BLOCK_K, BLOCK_N]` in natural column order (8 fields, joined), dequantised with one FMA per
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_tile, unit_float
+from kernels.int4_common import finish_tile
 from kernels.int4_matmul import _NUM_COUNTERS, _num_sms, _split_for, _tile_counters
 
 
@@ -37,6 +37,24 @@ class Int4Config(NamedTuple):
     split_k: int  # 1: no workspace
     num_warps: int
     num_stages: int
+    asm: bool = True  # dequantise with an inline-PTX lop3 (CUDA only; the interpreter runs the plain form)
+
+
+@triton.jit
+def _nibble_float(words, J: tl.constexpr, ASM: tl.constexpr):
+    # Nibble J of each uint32 word as the fp32 1 + q / 16 (exact): move it to the top of the
+    # mantissa (bits 19-22) and or in 1.0's exponent; no int-to-float conversion. With ASM the
+    # and + or is one lop3 (ptxas emits two LOP3s for the plain form: both constants are immediates).
+    SHIFT: tl.constexpr = 19 - 4 * J
+    if SHIFT >= 0:
+        moved = words << SHIFT
+    else:
+        moved = words >> (-SHIFT)  # logical: the words are unsigned
+    if ASM:
+        # lop3 LUT 0xEA = (a & b) | c, b = 0x780000 (mantissa bits 19-22), c = 0x3F800000 (1.0)
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 7864320, 1065353216, 234;", "=r,r", [moved],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return ((moved & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -48,17 +66,17 @@ def _join8(f0, f1, f2, f3, f4, f5, f6, f7):
 
 
 @triton.jit
-def _unpack_tile(words):
-    # [R, C] words -> [R, 8 C] fp32 1 + q / 16, columns in natural order.
-    return _join8(unit_float(words, 0, 4), unit_float(words, 1, 4), unit_float(words, 2, 4),
-                  unit_float(words, 3, 4), unit_float(words, 4, 4), unit_float(words, 5, 4),
-                  unit_float(words, 6, 4), unit_float(words, 7, 4))
+def _unpack_tile(words, ASM: tl.constexpr):
+    # [R, C] uint32 words -> [R, 8 C] fp32 1 + q / 16, columns in natural order.
+    return _join8(_nibble_float(words, 0, ASM), _nibble_float(words, 1, ASM), _nibble_float(words, 2, ASM),
+                  _nibble_float(words, 3, ASM), _nibble_float(words, 4, ASM), _nibble_float(words, 5, ASM),
+                  _nibble_float(words, 6, ASM), _nibble_float(words, 7, ASM))
 
 
 @triton.jit
-def _gemv_slot(words, x, xs, s_row, z_row, mask_c, J: tl.constexpr):
+def _gemv_slot(words, x, xs, s_row, z_row, mask_c, J: tl.constexpr, ASM: tl.constexpr):
     # Column 8c + J's share of this tile: s (16 sum_k x f - (16 + z) sum_k x), [BLOCK_C] fp32.
-    d = tl.sum(unit_float(words, J, 4) * x[:, None], axis=0)
+    d = tl.sum(_nibble_float(words, J, ASM) * x[:, None], axis=0)
     s = tl.load(s_row + J, mask=mask_c, other=0.0).to(tl.float32)
     z = tl.load(z_row + J, mask=mask_c, other=0.0).to(tl.float32)
     return s * (16.0 * d - (z + 16.0) * xs)
@@ -79,6 +97,7 @@ def _int4_gemv_kernel(
     USE_SPLIT: tl.constexpr,
     BLOCK_C: tl.constexpr,  # words (8 columns each) per program: 32 * num_warps
     BLOCK_K: tl.constexpr,  # rows per tile; divides group_size (or one group)
+    ASM: tl.constexpr,  # one lop3 per weight through inline PTX (CUDA only; not in the interpreter)
 ):
     pid_c = tl.program_id(0)
     split = tl.program_id(1)
@@ -106,7 +125,7 @@ def _int4_gemv_kernel(
                          mask=((rows < K) & (t_start < t_end))[:, None] & mask_c[None, :], other=0,
                          eviction_policy="evict_first")
     for t in range(t_start, t_end):
-        words = words_next  # the next tile's words are in flight while this one is used
+        words = words_next.to(tl.uint32, bitcast=True)  # the next tile's words are in flight meanwhile
         rows = t * BLOCK_K + offs_k
         nxt = rows + BLOCK_K
         words_next = tl.load(w_ptr + nxt[:, None] * stride_wk + offs_c[None, :],
@@ -117,14 +136,14 @@ def _int4_gemv_kernel(
         g_row = (t * BLOCK_K // group_size) * stride_sg  # the tile lies in one group
         s_row = scales_ptr + g_row + offs_c * 8
         z_row = zeros_ptr + g_row + offs_c * 8
-        acc0 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 0)
-        acc1 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 1)
-        acc2 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 2)
-        acc3 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 3)
-        acc4 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 4)
-        acc5 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 5)
-        acc6 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 6)
-        acc7 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 7)
+        acc0 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 0, ASM)
+        acc1 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 1, ASM)
+        acc2 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 2, ASM)
+        acc3 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 3, ASM)
+        acc4 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 4, ASM)
+        acc5 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 5, ASM)
+        acc6 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 6, ASM)
+        acc7 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 7, ASM)
     acc = tl.reshape(_join8(acc0[None, :], acc1[None, :], acc2[None, :], acc3[None, :], acc4[None, :],
                             acc5[None, :], acc6[None, :], acc7[None, :]), [BLOCK_C * 8])
     col = offs_c[None, :] * 8
@@ -148,6 +167,7 @@ def _int4_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     BLOCK_C: tl.constexpr = BLOCK_N // 8
@@ -179,7 +199,7 @@ def _int4_gemm_kernel(
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
         words = tl.load(w_ptr + offs_k[:, None] * stride_wk + offs_c[None, :],
                         mask=mask_k[:, None] & mask_c[None, :], other=0)  # [BK, BC]
-        f = _unpack_tile(words)  # [BK, BN]; rows past K multiply x's zeros
+        f = _unpack_tile(words.to(tl.uint32, bitcast=True), ASM)  # [BK, BN]; rows past K multiply x's zeros
         if ROW_GROUPS:
             sg = (offs_k // group_size)[:, None] * stride_sg + offs_n[None, :]
             sg_mask = mask_k[:, None] & mask_n[None, :]
@@ -209,11 +229,11 @@ def pick_int4_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> I
     """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
 
     First guesses for H100/H200 at the 8B shapes, to be replaced by `bench/quant_speed.py --sweep`'s
-    findings: M == 1 the GEMV (4 warps, 64-row tiles, split-K to ~2 programs per SM); M <= 16 a
+    findings: M == 1 the GEMV (4 warps, 32-row tiles: 123 registers for sm_90, split-K to ~2 programs per SM); M <= 16 a
     16-row tensor-core tile with split-K; then 64- and 128-row tiles.
     """
     if M == 1:
-        warps, bk = 4, 64
+        warps, bk = 4, 32
         bn = 8 * 32 * warps
         bk = _fit_block_k(bk, group_size, K)
         tiles = triton.cdiv(N, bn)
@@ -257,6 +277,7 @@ def int4_linear_impl(
     row_groups = not one_group and group_size % config.block_k != 0
     assert not (gemv and row_groups), "the GEMV needs block_k to divide group_size"
     assert not gemv or config.block_n % 256 == 0
+    asm = config.asm and x.is_cuda  # the interpreter runs on CPU tensors, and has no PTX
     split = config.split_k
     if gemv:
         grid_tiles = triton.cdiv(N, config.block_n)
@@ -275,7 +296,7 @@ def int4_linear_impl(
             x, packed, scales, zeros, bias_arg, out, partial, counters,
             N, K, group_size, tiles_per_split, split, packed.stride(0), scales.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_C=config.block_n // 8, BLOCK_K=config.block_k,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            ASM=asm, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
     _int4_gemm_kernel[(grid_tiles, split)](
@@ -283,7 +304,7 @@ def int4_linear_impl(
         M, N, K, group_size, tiles_per_split, split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, USE_SPLIT=split > 1, ROW_GROUPS=row_groups,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -171,6 +171,23 @@ def test_int4_linear_other_groups(group_size):
         assert _rel(out, ref) < 1e-2, (m, _rel(out, ref))
 
 
+@pytest.mark.parametrize("asm", [False, True])
+@pytest.mark.parametrize("config", [(1, 1024, 32, 8, 4, 1), (1, 512, 64, 1, 2, 1), (16, 128, 128, 4, 4, 4),
+                                    (64, 128, 64, 2, 4, 4), (128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3)])
+def test_int4_linear_tilings_with_and_without_inline_ptx(config, asm):
+    from kernels.int4_repacked import Int4Config, int4_linear_impl
+
+    K, N = 4096, 6144
+    qweight, packed, scales, zeros = _int4_weight(K, N, 128, torch.bfloat16)
+    cfg = Int4Config(*config, asm=asm)
+    m = 1 if cfg.block_m == 1 else 2 * cfg.block_m + 3
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    out = int4_linear_impl(x, packed, scales, zeros, 128, bias, cfg)
+    ref = quant_reference.quant_linear(x, qweight, scales, zeros, None, 4, 128, bias)
+    assert _rel(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("K, N", PROJECTIONS)
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_fp8_linear_8b_projections(K, N, per_channel):
