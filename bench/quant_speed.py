@@ -84,6 +84,7 @@ def int4_candidates(m: int, n: int, k: int, num_sms: int) -> list[Int4Config]:
     if m == 1:
         base = [Int4Config(1, 256 * w, bk, 0, w, 1) for w, bk in ((2, 32), (4, 16), (4, 32), (4, 64), (8, 32))]
         base.append(Int4Config(1, 1024, 32, 0, 4, 1, asm=False))  # the plain and + or, for comparison
+        base.append(Int4Config(1, 2048, 16, 0, 4, 1))  # 2 adjacent words a thread
         return [split(c, p) for c in base for p in (1, 2, 4)]
     if m <= 16:
         base = [Int4Config(16, bn, bk, 0, w, s) for bn, bk, w, s in

@@ -29,7 +29,7 @@ from kernels.int4_matmul import _NUM_COUNTERS, _num_sms, _split_for, _tile_count
 
 
 class Int4Config(NamedTuple):
-    """One tiling. `block_m` 1 selects the GEMV (`block_n` = 8 * 32 * num_warps: one word column a thread)."""
+    """One tiling. `block_m` 1 selects the GEMV (`block_n` = 256 * num_warps * v: v adjacent words a thread, 1 or 2)."""
 
     block_m: int
     block_n: int
@@ -95,18 +95,21 @@ def _int4_gemv_kernel(
     N, K, group_size, tiles_per_split, split_k, stride_wk, stride_sg, stride_om,
     HAS_BIAS: tl.constexpr,
     USE_SPLIT: tl.constexpr,
-    BLOCK_C: tl.constexpr,  # words (8 columns each) per program: 32 * num_warps
+    BLOCK_C: tl.constexpr,  # words (8 columns each) per program: 32 * num_warps * VEC
     BLOCK_K: tl.constexpr,  # rows per tile; divides group_size (or one group)
+    VEC: tl.constexpr,  # adjacent words per thread and row: 1 or 2
     ASM: tl.constexpr,  # one lop3 per weight through inline PTX (CUDA only; not in the interpreter)
 ):
     pid_c = tl.program_id(0)
     split = tl.program_id(1)
     num_words = N // 8
-    # Element e of the tile row is word c0 + (e % 4) * (BLOCK_C // 4) + e // 4: no 4 consecutive
-    # elements are adjacent words, so each thread gets one word per row (no 16-byte vectors that
-    # would put the rows of a tile on different warps), while a warp's 32 words are 4 runs of 8.
+    # Element e of the tile row is word c0 + e % VEC + ((e // VEC) % P) * (BLOCK_C // P) + (e // 4) * VEC
+    # (P = 4 // VEC): runs of exactly VEC adjacent words, so each thread loads VEC words per row
+    # (4- or 8-byte vectors; 16-byte ones would spread a tile's rows over warps and threads), while
+    # a warp reads P runs of 32 * VEC / P contiguous words.
+    P: tl.constexpr = 4 // VEC
     e = tl.arange(0, BLOCK_C)
-    offs_c = pid_c * BLOCK_C + (e % 4) * (BLOCK_C // 4) + e // 4
+    offs_c = pid_c * BLOCK_C + e % VEC + ((e // VEC) % P) * (BLOCK_C // P) + (e // 4) * VEC
     mask_c = offs_c < num_words
     offs_k = tl.arange(0, BLOCK_K)
     num_k_tiles = tl.cdiv(K, BLOCK_K)
@@ -276,7 +279,8 @@ def int4_linear_impl(
     one_group = group_size >= K
     row_groups = not one_group and group_size % config.block_k != 0
     assert not (gemv and row_groups), "the GEMV needs block_k to divide group_size"
-    assert not gemv or config.block_n % 256 == 0
+    vec = config.block_n // (256 * config.num_warps)
+    assert not gemv or (vec in (1, 2) and config.block_n == 256 * config.num_warps * vec), config
     asm = config.asm and x.is_cuda  # the interpreter runs on CPU tensors, and has no PTX
     split = config.split_k
     if gemv:
@@ -296,7 +300,7 @@ def int4_linear_impl(
             x, packed, scales, zeros, bias_arg, out, partial, counters,
             N, K, group_size, tiles_per_split, split, packed.stride(0), scales.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_C=config.block_n // 8, BLOCK_K=config.block_k,
-            ASM=asm, num_warps=config.num_warps, num_stages=config.num_stages,
+            VEC=vec, ASM=asm, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
     _int4_gemm_kernel[(grid_tiles, split)](

@@ -16,6 +16,7 @@ CASES = [
     # (dtype, K, group_size, M, config); block_m 1 is the GEMV
     (torch.float32, 256, 128, 1, Int4Config(1, 256, 64, 1, 1, 1)),
     (torch.float16, 256, 64, 1, Int4Config(1, 256, 32, 3, 1, 1)),
+    (torch.float16, 256, 64, 1, Int4Config(1, 512, 32, 2, 1, 1)),  # 2 adjacent words a thread
     (torch.float16, 192, 192, 1, Int4Config(1, 256, 64, 2, 1, 1)),  # one group, K = 3 tiles
     (torch.float16, 160, 160, 1, Int4Config(1, 256, 64, 2, 1, 1)),  # one group, a K tail
     (torch.float16, 256, 128, 2, Int4Config(16, 64, 64, 1, 4, 1)),
@@ -42,7 +43,7 @@ def test_repack_matches_gptq_layout():
 
 @pytest.mark.parametrize("dtype, K, group_size, M, config", CASES)
 def test_int4_linear_matches_reference(device, dtype, K, group_size, M, config):
-    N = 8 * 40  # 40 words: the last column tile is partial
+    N = 8 * 72  # 72 words: the last column tile is partial
     w = make_int_weight(K, N, 4, group_size, False, dtype, seed=M + K)
     packed = quant_reference.repack_int4(w.qweight).to(device)
     x = torch.randn(M, K).to(dtype).to(device)
