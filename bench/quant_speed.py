@@ -95,7 +95,7 @@ def int4_candidates(m: int, n: int, k: int, num_sms: int) -> list[Int4Config]:
         return [split(c, p) for c in base for p in (1, 2, 4)]
     if m <= 64:
         base = [Int4Config(bm, bn, bk, 0, w, s) for bm, bn, bk, w, s in
-                ((64, 128, 64, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3))]
+                ((64, 128, 64, 8, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3))]
         return [split(c, p) for c in base for p in (1, 2)]
     return [split(Int4Config(bm, bn, bk, 0, w, s), p) for bm, bn, bk, w, s in
             ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4),
