@@ -76,11 +76,14 @@ def repack_int4(qweight: torch.Tensor) -> torch.Tensor:
     n = qweight.shape[1]
     if n % 8:
         raise ValueError(f"int4 repack needs a multiple of 8 output columns, got {n}")
-    q = unpack_int_weight(qweight, 4).to(torch.int64)  # [K, N]
-    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)  # [8]
-    words = (q.reshape(q.shape[0], n // 8, 8) << shifts).sum(-1)  # disjoint fields: sum == or
-    words = torch.where(words >= 2**31, words - 2**32, words)  # the int32 with those bits
-    return words.to(torch.int32).contiguous()
+    out = torch.empty((qweight.shape[0] * 8, n // 8), dtype=torch.int32, device=qweight.device)
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int64)  # [8]
+    step = 512  # packed rows at a time: int64 temporaries of 4096 x N, not K x N
+    for r in range(0, qweight.shape[0], step):
+        q = unpack_int_weight(qweight[r: r + step], 4).to(torch.int64)  # [8 * rows, N]
+        words = (q.reshape(q.shape[0], n // 8, 8) << shifts).sum(-1)  # disjoint fields: sum == or
+        out[8 * r: 8 * r + q.shape[0]] = torch.where(words >= 2**31, words - 2**32, words)  # int32 bits
+    return out
 
 
 def unpack_int4_repacked(packed: torch.Tensor) -> torch.Tensor:
