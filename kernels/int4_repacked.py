@@ -252,7 +252,8 @@ def pick_int4_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> I
     else:
         bm, bn, bk, warps, stages, target = 128, 128, 64, 8, 3, 0
     bk = _fit_block_k(bk, group_size, K)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    # Row tiles of the bucket's largest M: one split (and one compiled variant) for the whole bucket.
+    tiles = triton.cdiv(16 if M <= 16 else 64 if M <= 64 else 256 if M <= 256 else M, bm) * triton.cdiv(N, bn)
     return Int4Config(bm, bn, bk, _split_for(tiles, triton.cdiv(K, bk), target), warps, stages)
 
 

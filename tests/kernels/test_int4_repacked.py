@@ -73,5 +73,7 @@ def test_pick_int4_config_buckets():
     assert pick_int4_config(3, 4096, 4096, 128, 132) == pick_int4_config(16, 4096, 4096, 128, 132)
     assert pick_int4_config(16, 4096, 4096, 32, 132).block_k == 32
     assert pick_int4_config(2048, 4096, 4096, 128, 132).split_k == 1
+    # one split per bucket: no second compiled variant (USE_SPLIT) as M moves inside it
+    assert len({pick_int4_config(m, 4096, 1024, 128, 132) for m in range(65, 257)}) == 1
     for m in (1, 16, 64, 256, 2048):
         assert pick_int4_config(m, 4096, 14336, 14336, 132).block_k >= 16  # per channel
