@@ -75,8 +75,9 @@ def _unpack_tile(words, ASM: tl.constexpr):
 
 @triton.jit
 def _gemv_slot(words, x, xs, s_row, z_row, mask_c, J: tl.constexpr, ASM: tl.constexpr):
-    # Column 8c + J's share of this tile: s (16 sum_k x f - (16 + z) sum_k x), [BLOCK_C] fp32.
-    d = tl.sum(_nibble_float(words, J, ASM) * x[:, None], axis=0)
+    # Column 8c + J's share of this tile: s (16 sum_k x f - (16 + z) sum_k x), [1, BLOCK_C] fp32
+    # (2-D, in the words' layout: scales, sums and accumulators then share one layout).
+    d = tl.sum(_nibble_float(words, J, ASM) * x[:, None], axis=0, keep_dims=True)
     s = tl.load(s_row + J, mask=mask_c, other=0.0).to(tl.float32)
     z = tl.load(z_row + J, mask=mask_c, other=0.0).to(tl.float32)
     return s * (16.0 * d - (z + 16.0) * xs)
@@ -115,14 +116,15 @@ def _int4_gemv_kernel(
     num_k_tiles = tl.cdiv(K, BLOCK_K)
     t_start = split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
-    acc0 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc4 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc5 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc6 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc7 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    zero = tl.zeros([1, BLOCK_C], dtype=tl.float32)
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    acc4 = zero
+    acc5 = zero
+    acc6 = zero
+    acc7 = zero
     rows = t_start * BLOCK_K + offs_k
     words_next = tl.load(w_ptr + rows[:, None] * stride_wk + offs_c[None, :],
                          mask=((rows < K) & (t_start < t_end))[:, None] & mask_c[None, :], other=0,
@@ -137,18 +139,17 @@ def _int4_gemv_kernel(
         x = tl.load(x_ptr + rows, mask=rows < K, other=0.0).to(tl.float32)  # [BLOCK_K]
         xs = tl.sum(x, axis=0)
         g_row = (t * BLOCK_K // group_size) * stride_sg  # the tile lies in one group
-        s_row = scales_ptr + g_row + offs_c * 8
-        z_row = zeros_ptr + g_row + offs_c * 8
-        acc0 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 0, ASM)
-        acc1 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 1, ASM)
-        acc2 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 2, ASM)
-        acc3 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 3, ASM)
-        acc4 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 4, ASM)
-        acc5 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 5, ASM)
-        acc6 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 6, ASM)
-        acc7 += _gemv_slot(words, x, xs, s_row, z_row, mask_c, 7, ASM)
-    acc = tl.reshape(_join8(acc0[None, :], acc1[None, :], acc2[None, :], acc3[None, :], acc4[None, :],
-                            acc5[None, :], acc6[None, :], acc7[None, :]), [BLOCK_C * 8])
+        s_row = scales_ptr + g_row + offs_c[None, :] * 8
+        z_row = zeros_ptr + g_row + offs_c[None, :] * 8
+        acc0 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 0, ASM)
+        acc1 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 1, ASM)
+        acc2 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 2, ASM)
+        acc3 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 3, ASM)
+        acc4 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 4, ASM)
+        acc5 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 5, ASM)
+        acc6 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 6, ASM)
+        acc7 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 7, ASM)
+    acc = tl.reshape(_join8(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7), [BLOCK_C * 8])
     col = offs_c[None, :] * 8
     offs_n = tl.reshape(_join8(col, col + 1, col + 2, col + 3, col + 4, col + 5, col + 6, col + 7), [BLOCK_C * 8])
     # finish_tile takes a 2-row tile; row 1 repeats row 0 and its mask drops it.
