@@ -97,7 +97,8 @@ def int4_candidates(m: int, n: int, k: int, num_sms: int) -> list[Int4Config]:
         base = [Int4Config(bm, bn, bk, 0, w, s) for bm, bn, bk, w, s in
                 ((64, 128, 64, 8, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3))]
         return [split(c, p) for c in base for p in (1, 2)]
-    big = ((256, 128, 32, 8, 4), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3)) if m >= 2048 else ()
+    # 256-row tiles dequantise each weight tile once for twice the rows
+    big = ((256, 128, 32, 8, 4), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3)) if m >= 2048 else ((256, 64, 64, 8, 3),)
     return [split(Int4Config(bm, bn, bk, 0, w, s), p) for bm, bn, bk, w, s in
             ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4),
              (128, 128, 128, 8, 3), *big) for p in ((1, 0) if m >= 2048 else (1,))]
