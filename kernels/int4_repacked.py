@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_tile
+from kernels.int4_common import finish_tile, join8, nibble_float, unpack_nibbles
 from kernels.int4_matmul import _NUM_COUNTERS, _num_sms, _split_for, _tile_counters
 
 
@@ -41,43 +41,10 @@ class Int4Config(NamedTuple):
 
 
 @triton.jit
-def _nibble_float(words, J: tl.constexpr, ASM: tl.constexpr):
-    # Nibble J of each uint32 word as the fp32 1 + q / 16 (exact): move it to the top of the
-    # mantissa (bits 19-22) and or in 1.0's exponent; no int-to-float conversion. With ASM the
-    # and + or is one lop3 (ptxas emits two LOP3s for the plain form: both constants are immediates).
-    SHIFT: tl.constexpr = 19 - 4 * J
-    if SHIFT >= 0:
-        moved = words << SHIFT
-    else:
-        moved = words >> (-SHIFT)  # logical: the words are unsigned
-    if ASM:
-        # lop3 LUT 0xEA = (a & b) | c, b = 0x780000 (mantissa bits 19-22), c = 0x3F800000 (1.0)
-        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 7864320, 1065353216, 234;", "=r,r", [moved],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    return ((moved & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _join8(f0, f1, f2, f3, f4, f5, f6, f7):
-    # [R, C] x 8 -> [R, 8 C] with element (r, 8 c + j) = f_j[r, c]. tl.join appends a size-2 axis
-    # whose index is the less significant one after the final reshape than every later join's.
-    t = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
-    return tl.reshape(t, [f0.shape[0], f0.shape[1] * 8])
-
-
-@triton.jit
-def _unpack_tile(words, ASM: tl.constexpr):
-    # [R, C] uint32 words -> [R, 8 C] fp32 1 + q / 16, columns in natural order.
-    return _join8(_nibble_float(words, 0, ASM), _nibble_float(words, 1, ASM), _nibble_float(words, 2, ASM),
-                  _nibble_float(words, 3, ASM), _nibble_float(words, 4, ASM), _nibble_float(words, 5, ASM),
-                  _nibble_float(words, 6, ASM), _nibble_float(words, 7, ASM))
-
-
-@triton.jit
 def _gemv_slot(words, x, xs, s_row, z_row, mask_c, J: tl.constexpr, ASM: tl.constexpr):
     # Column 8c + J's share of this tile: s (16 sum_k x f - (16 + z) sum_k x), [1, BLOCK_C] fp32
     # (2-D, in the words' layout: scales, sums and accumulators then share one layout).
-    d = tl.sum(_nibble_float(words, J, ASM) * x[:, None], axis=0, keep_dims=True)
+    d = tl.sum(nibble_float(words, J, ASM) * x[:, None], axis=0, keep_dims=True)
     s = tl.load(s_row + J, mask=mask_c, other=0.0).to(tl.float32)
     z = tl.load(z_row + J, mask=mask_c, other=0.0).to(tl.float32)
     return s * (16.0 * d - (z + 16.0) * xs)
@@ -149,9 +116,9 @@ def _int4_gemv_kernel(
         acc5 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 5, ASM)
         acc6 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 6, ASM)
         acc7 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 7, ASM)
-    acc = tl.reshape(_join8(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7), [BLOCK_C * 8])
+    acc = tl.reshape(join8(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7), [BLOCK_C * 8])
     col = offs_c[None, :] * 8
-    offs_n = tl.reshape(_join8(col, col + 1, col + 2, col + 3, col + 4, col + 5, col + 6, col + 7), [BLOCK_C * 8])
+    offs_n = tl.reshape(join8(col, col + 1, col + 2, col + 3, col + 4, col + 5, col + 6, col + 7), [BLOCK_C * 8])
     # finish_tile takes a 2-row tile; row 1 repeats row 0 and its mask drops it.
     offs_m = tl.arange(0, 2)
     tile = tl.broadcast_to(acc[None, :], [2, BLOCK_C * 8])
@@ -203,7 +170,7 @@ def _int4_gemm_kernel(
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
         words = tl.load(w_ptr + offs_k[:, None] * stride_wk + offs_c[None, :],
                         mask=mask_k[:, None] & mask_c[None, :], other=0)  # [BK, BC]
-        f = _unpack_tile(words.to(tl.uint32, bitcast=True), ASM)  # [BK, BN]; rows past K multiply x's zeros
+        f = unpack_nibbles(words.to(tl.uint32, bitcast=True), ASM)  # [BK, BN]; rows past K multiply x's zeros
         if ROW_GROUPS:
             sg = (offs_k // group_size)[:, None] * stride_sg + offs_n[None, :]
             sg_mask = mask_k[:, None] & mask_n[None, :]
