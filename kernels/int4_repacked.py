@@ -1,11 +1,12 @@
 """Int4 linear on the repacked layout (`quant_reference.repack_int4`): y = x @ W (+ bias), every M.
 
 In: `x [M, K]`, `packed` int32 `[K, N // 8]` (nibble j of word `[k, c]` = code of column 8c + j),
-`scales`/`zeros [G, N]` (group `k // group_size`). Out: `[M, N]` in x's dtype. The weight is never
-expanded to a bf16 copy: both kernels dequantise it in registers from words read once.
+`scales`/`zeros [G, N]` (group `k // group_size`: a power of two, or one group). Out: `[M, N]` in
+x's dtype. The weight is never expanded to a bf16 copy: both kernels dequantise it in registers
+from words read once.
 
 - M == 1, `_int4_gemv_kernel` (CUDA cores): a `[BLOCK_K, BLOCK_C]` tile of words keeps its rows in
-  one thread (each thread reads one word per row, a warp 128 contiguous bytes), so the sum over k
+  one thread (each thread reads one word per row, a warp 4 runs of 32 bytes), so the sum over k
   is thread-local. Per weight: a mask and a shift-add (one LEA) make the fp32 f = 1 + q / 16 (exact),
   one FMA adds f * x; per tile and column, s (16 sum x f - (16 + z) sum x) applies
   the group's scale and zero. x is loaded once per row for 8 columns.
@@ -60,11 +61,11 @@ def _int4_gemv_kernel(
     out_ptr,  # [1, N]
     partial_ptr,  # [split_k, 1, N] fp32 (only with USE_SPLIT)
     counter_ptr,  # [>= tiles] int32, zero between launches (only with USE_SPLIT)
-    N, K, group_size, tiles_per_split, split_k, stride_wk, stride_sg, stride_om,
+    N, K, group_shift, tiles_per_split, split_k, stride_wk, stride_sg, stride_om,
     HAS_BIAS: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     BLOCK_C: tl.constexpr,  # words (8 columns each) per program: 32 * num_warps * VEC
-    BLOCK_K: tl.constexpr,  # rows per tile; divides group_size (or one group)
+    BLOCK_K: tl.constexpr,  # rows per tile; divides the group (or one group)
     VEC: tl.constexpr,  # adjacent words per thread and row: 1 or 2
     ASM: tl.constexpr,  # one lop3 per weight through inline PTX (CUDA only; not in the interpreter)
 ):
@@ -105,7 +106,7 @@ def _int4_gemv_kernel(
                              eviction_policy="evict_first")
         x = tl.load(x_ptr + rows, mask=rows < K, other=0.0).to(tl.float32)  # [BLOCK_K]
         xs = tl.sum(x, axis=0)
-        g_row = (t * BLOCK_K // group_size) * stride_sg  # the tile lies in one group
+        g_row = ((t * BLOCK_K) >> group_shift) * stride_sg  # the tile lies in one group
         s_row = scales_ptr + g_row + offs_c[None, :] * 8
         z_row = zeros_ptr + g_row + offs_c[None, :] * 8
         acc0 += _gemv_slot(words, x, xs, s_row, z_row, mask_c[None, :], 0, ASM)
@@ -129,7 +130,7 @@ def _int4_gemv_kernel(
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
 def _int4_gemm_kernel(
     x_ptr, w_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,  # as the GEMV's, M rows
-    M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_wk, stride_sg, stride_om,
+    M, N, K, group_shift, tiles_per_split, split_k, stride_xm, stride_wk, stride_sg, stride_om,
     HAS_BIAS: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     ROW_GROUPS: tl.constexpr,  # groups smaller than BLOCK_K: scales per row of the tile
@@ -172,13 +173,13 @@ def _int4_gemm_kernel(
                         mask=mask_k[:, None] & mask_c[None, :], other=0)  # [BK, BC]
         f = unpack_nibbles(words.to(tl.uint32, bitcast=True), ASM)  # [BK, BN]; rows past K multiply x's zeros
         if ROW_GROUPS:
-            sg = (offs_k // group_size)[:, None] * stride_sg + offs_n[None, :]
+            sg = (offs_k >> group_shift)[:, None] * stride_sg + offs_n[None, :]
             sg_mask = mask_k[:, None] & mask_n[None, :]
             s = tl.load(scales_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
             z = tl.load(zeros_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
             w = (f * (s * 16.0) - (z + 16.0) * s).to(DTYPE)
         else:
-            g_row = (t * BLOCK_K // group_size) * stride_sg  # the tile lies in one group
+            g_row = ((t * BLOCK_K) >> group_shift) * stride_sg  # the tile lies in one group
             s = tl.load(scales_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(zeros_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             w = (f * (s * 16.0)[None, :] - ((z + 16.0) * s)[None, :]).to(DTYPE)
@@ -249,6 +250,13 @@ def int4_linear_impl(
     gemv = config.block_m == 1
     one_group = group_size >= K
     row_groups = not one_group and group_size % config.block_k != 0
+    # group k >> group_shift: a shift, not a division per tile (one group: every k < 2**31 gives 0)
+    if one_group:
+        group_shift = 31
+    elif group_size & (group_size - 1) == 0:
+        group_shift = group_size.bit_length() - 1
+    else:
+        raise ValueError(f"int4_linear needs a power-of-two group size or one group, got {group_size} for K={K}")
     assert not (gemv and row_groups), "the GEMV needs block_k to divide group_size"
     vec = config.block_n // (256 * config.num_warps)
     assert not gemv or (vec in (1, 2) and config.block_n == 256 * config.num_warps * vec), config
@@ -269,14 +277,14 @@ def int4_linear_impl(
     if gemv:
         _int4_gemv_kernel[(grid_tiles, split)](
             x, packed, scales, zeros, bias_arg, out, partial, counters,
-            N, K, group_size, tiles_per_split, split, packed.stride(0), scales.stride(0), out.stride(0),
+            N, K, group_shift, tiles_per_split, split, packed.stride(0), scales.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_C=config.block_n // 8, BLOCK_K=config.block_k,
             VEC=vec, ASM=asm, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
     _int4_gemm_kernel[(grid_tiles, split)](
         x, packed, scales, zeros, bias_arg, out, partial, counters,
-        M, N, K, group_size, tiles_per_split, split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
+        M, N, K, group_shift, tiles_per_split, split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, USE_SPLIT=split > 1, ROW_GROUPS=row_groups,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,

@@ -113,7 +113,7 @@ class GroupQuantLinearMethod:
         `packed` [K, N / 8]. Others keep `qweight` (`packed` None) and the general kernel."""
         k, n = layer.qweight.shape[0] * self.pf, layer.qweight.shape[1]
         g = layer.quant_group_size
-        if self.bits == 4 and layer.g_idx is None and n % 8 == 0 and (g >= k or g % 16 == 0):
+        if self.bits == 4 and layer.g_idx is None and n % 8 == 0 and (g >= k or (g % 16 == 0 and g & (g - 1) == 0)):
             layer.packed = nn.Parameter(kernels.repack_int4(layer.qweight.data), requires_grad=False)
             del layer.qweight
         else:
