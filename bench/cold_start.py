@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 
 def _child(args: argparse.Namespace) -> dict:
@@ -33,7 +34,7 @@ def _child(args: argparse.Namespace) -> dict:
     import triton
     from triton import knobs
 
-    from bench.dummy_model import make_dummy_model_dir
+    from dummy_model import make_dummy_model_dir
     from bench.offline import run_ours
     from bench.workload import reference_workload, workload_floor_s
     from bench.ceilings import copy_bandwidth_gbs, matmul_tflops

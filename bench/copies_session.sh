@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
-# Model copies and overload through the real server (issue 24), one device call on a 2+ GPU machine.
-# 8B shape, random bf16 weights, ShareGPT-like streaming LMI load from bench/serving.py (4 client
-# processes, /ping probed every 0.1 s). Servers, each fresh:
-#   one      1 copy (SERVING_MAX_WORKERS=1): saturated (64 req/s), then ~4.5x capacity (160 req/s)
-#   two      2 copies (engine processes, the default): saturated (128 req/s), shared-prefix load
-#   noaff    2 copies, prefix affinity off: saturated again, shared-prefix load
-#   threads  2 copies as engine threads in the HTTP process (OPTION_ENGINE_PROCESS=false): saturated
+# Model copies, HTTP frontends and overload through the real server (issue 24), one device call.
+# 8B shape, random bf16 weights, ShareGPT-like streaming LMI load from bench/serving.py (/ping probed
+# every 0.1 s). Servers, each fresh. The issue's checks, on a 4-GPU machine (about 6 minutes):
+#   one      1 copy (SERVING_MAX_WORKERS=1): saturated, 64 req/s x 768
+#   four     4 copies of TP=1 (engine cores + frontends=auto: 4 HTTP processes): 256 req/s x 3,072
+#   tp2      2 copies of TP=2: 128 req/s x 1,536
+#   over     1 copy offered ~4x its capacity: 192 req/s x 2,304 (/ping max, 503s, lost)
+# Earlier stages (runs 22-23, 2 GPUs): two noaff threads profile onefull twomp.
 # Needs in carry: .whl (flask, gunicorn, werkzeug, itsdangerous, blinker, click, prometheus-client
-# wheels) and .bench_models/tokenizer. Logs and JSON land in $OUT; a summary table prints last.
+# wheels) and .bench_models/tokenizer. Logs and JSON land in $OUT; a summary and one table print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/copies_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-STAGES=${*:-one two noaff threads}
+STAGES=${*:-one four tp2 over}
+PROCS=${PROCS:-8}  # client processes (4 copies stream ~30k JSON lines/s)
 MODELS=/tmp/open-lmi-bench-models
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
   >"$OUT/pip.log" 2>&1
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-python3 bench/dummy_model.py "$MODELS" .bench_models/tokenizer >/dev/null
+python3 tests/support/dummy_model.py "$MODELS" .bench_models/tokenizer >/dev/null
 summary=()
+rows=()  # label|load arguments, for the table
 PORT=8080
 
 start_server() {  # name, env assignments...: start, wait for /ping 200, record the start-up time
@@ -55,9 +58,10 @@ load() {  # label, bench/serving.py args...
   local label=$1; shift
   python3 bench/proc_cpu.py --after 8 --interval 5 >"$OUT/$label.cpu" 2>&1 &
   local cpid=$!
-  timeout 150 python3 bench/serving.py --url http://127.0.0.1:$PORT --dataset synthetic --procs 4 \
+  timeout 150 python3 bench/serving.py --url http://127.0.0.1:$PORT --dataset synthetic --procs "$PROCS" \
     --ping-interval 0.1 --out "$OUT/$label.json" "$@" >"$OUT/$label.log" 2>&1
   wait "$cpid"
+  rows+=("$label|$*")
   summary+=("  $label ($*):" "$(grep -E '^rate|^ttft|^tpot|^shed|^/ping' "$OUT/$label.log" | sed 's/^/    /')"
             "    CPU over 5 s of the load:" "$(head -6 "$OUT/$label.cpu" | sed 's/^/    /')")
 }
@@ -90,8 +94,8 @@ for stage in $STAGES; do
         load profile_sat --rate 128 --num-prompts 1536 &
         lpid=$!
         sleep 10
-        worker=$(pgrep -P "$SPID" | head -1)  # serve exec'd gunicorn: SPID is the arbiter
-        core=$(pgrep -P "$worker" -f 'multiprocessing.spawn' | head -1)
+        worker=$(pgrep -P "$SPID" -f 'serving.server.wsgi' | head -1)  # serve exec'd gunicorn: SPID is the arbiter
+        core=$(pgrep -P "$SPID" -f 'multiprocessing.spawn' | head -1)  # the engine cores are the arbiter's children
         summary+=("  profiled: arbiter $SPID, worker $worker, engine core $core")
         timeout 30 py-spy record --gil --nonblocking --duration 10 --rate 200 --format raw -o "$OUT/prof_http.txt" \
           --pid "$worker" >"$OUT/pyspy.log" 2>&1 &
@@ -125,6 +129,19 @@ PY
       start_server twomp SERVING_MAX_WORKERS=2 OPTION_DISTRIBUTED_EXECUTOR_BACKEND=mp && \
         load twomp_sat --rate 128 --num-prompts 1536
       stop_server ;;
+    four)  # 4 copies of TP=1: engine cores, one HTTP frontend per copy (frontends=auto)
+      start_server four SERVING_MAX_WORKERS=4 && {
+        load four_sat --rate 256 --num-prompts 3072
+        curl -s localhost:$PORT/metrics | grep -E '^lmi_copy' | tr '\n' ' ' >"$OUT/four_metrics.txt"
+        summary+=("  $(cat "$OUT/four_metrics.txt")" "  frontends: $(pgrep -P "$SPID" -f 'serving.server.wsgi' | wc -l)")
+      }
+      stop_server ;;
+    tp2)  # 2 copies of 2 ranks each
+      start_server tp2 SERVING_MAX_WORKERS=2 TENSOR_PARALLEL_DEGREE=2 && load tp2_sat --rate 128 --num-prompts 1536
+      stop_server ;;
+    over)  # 1 copy (~45 req/s of capacity at these lengths: run 22) offered ~4x that
+      start_server over SERVING_MAX_WORKERS=1 && load over_4x --rate 192 --num-prompts 2304 --seed 1
+      stop_server ;;
     threads)
       start_server threads SERVING_MAX_WORKERS=2 OPTION_ENGINE_PROCESS=false && load threads_sat --rate 128 --num-prompts 1536
       stop_server ;;
@@ -133,3 +150,28 @@ done
 echo "================ summary ================"
 cat "$OUT/device.txt"
 printf '%s\n' "${summary[@]}"
+echo "================ table ================"
+printf '%s\n' "${rows[@]}" | python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print("| load | offered | served | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | 503 | lost | /ping max ms |")
+print("|---|---|---|---|---|---|---|---|---|")
+tok = {}
+for line in sys.stdin.read().splitlines():
+    label, _, args = line.partition("|")
+    path = out / f"{label}.json"
+    if not path.exists():
+        print(f"| {label} | {args} | (no result) | | | | | | |")
+        continue
+    s = json.loads(path.read_text())
+    tok[label] = s["output_throughput_tok_s"]
+    ping = s.get("ping", {}).get("max_ms", float("nan"))
+    print(f"| {label} | {s['rate']:g} req/s x {s['num_prompts']:,} | {s['completed']:,} | {s['output_throughput_tok_s']:,.0f} | "
+          f"{s['ttft_ms']['p50']:,.0f} / {s['ttft_ms']['p99']:,.0f} | {s['tpot_ms']['p50']:.1f} | {s['refused_503']} | "
+          f"{s['lost']} | {ping:,.0f} |")
+if "one_sat" in tok and "four_sat" in tok:
+    print(f"4 copies / 1 copy output tok/s: {tok['four_sat'] / tok['one_sat']:.2f}x (bar: >= 3.5x)")
+if "one_sat" in tok and "tp2_sat" in tok:
+    print(f"2 copies of TP=2 / 1 copy output tok/s: {tok['tp2_sat'] / tok['one_sat']:.2f}x")
+PY

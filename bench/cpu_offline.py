@@ -77,7 +77,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from serving import LLM, SamplingParams
-    from serving.default_model import default_model_path
+    from serving.checkpoint.default_model import default_model_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

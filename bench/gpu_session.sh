@@ -2,7 +2,7 @@
 # One device call = one run of this script. Stages (any order, any subset):
 #   tests     GPU kernel tests at real shapes + whole-model parity with transformers
 #   profile   cProfile of the 1B offline run (host overhead per step)
-#   micro     kernel micro timings (bench/kernel_micro.py)
+#   micro     kernel micro timings (bench/studies/kernel_micro.py)
 #   latency   batch-1 decode ms/token vs the bandwidth floor, both shapes
 #   offline   the reference workload, both shapes, + the transformers peer (OFFLINE_ARGS to override)
 #   serving   8B-shape server (random weights) + bench/serving.py at 16 req/s
@@ -21,7 +21,7 @@ summary=()
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-python3 bench/dummy_model.py "$MODELS" "$TOK" >/dev/null
+python3 tests/support/dummy_model.py "$MODELS" "$TOK" >/dev/null
 
 for stage in $STAGES; do
   t0=$(date +%s)
@@ -30,10 +30,10 @@ for stage in $STAGES; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels >"$OUT/tests.log" 2>&1
       summary+=("tests: $(tail -1 "$OUT/tests.log")") ;;
     profile)
-      timeout 120 python3 bench/profile_offline.py --model-root "$MODELS" >"$OUT/profile.log" 2>&1
+      timeout 120 python3 bench/studies/profile_offline.py --model-root "$MODELS" >"$OUT/profile.log" 2>&1
       summary+=("profile: $(head -1 "$OUT/profile.log")") ;;
     micro)
-      timeout 120 python3 bench/kernel_micro.py >"$OUT/micro.log" 2>&1
+      timeout 120 python3 bench/studies/kernel_micro.py >"$OUT/micro.log" 2>&1
       summary+=("micro: see micro.log") ;;
     latency)
       timeout 300 python3 bench/latency.py --model-root "$MODELS" --tokenizer-dir "$TOK" ${LATENCY_ARGS:-} \

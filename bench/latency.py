@@ -7,7 +7,7 @@ through the offline API with random weights, so it includes every per-step engin
   python bench/latency.py --shapes llama-3.2-1b,llama-3-8b
   python bench/latency.py --shapes llama-3-8b --quantize bf16,gptq    # int4 g128 vs bf16, same call
 
-With several `--quantize` variants (bench/dummy_model.py QUANT_VARIANTS) each row also gives its
+With several `--quantize` variants (tests/support/dummy_model.py QUANT_VARIANTS) each row also gives its
 ms/token as a fraction of the same shape's bf16 row, and its floor counts the variant's bytes.
 """
 
@@ -22,11 +22,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 import torch  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
-from bench.dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, weight_bytes  # noqa: E402
+from dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, weight_bytes  # noqa: E402
 
 
 def _time_request(llm, prompt: list[int], max_tokens: int, reps: int = 3) -> float:

@@ -13,7 +13,7 @@ same reduced workload (all 256 prompts, output lengths divided by --peer-div: th
 `--makespan 0,192` also times the same warm engine (prefix cache emptied before each run) with the scheduler's `makespan_step_tokens` set to each
 value (0: FCFS, as before that option existed), after the run with the shipped default; rows `shape@makespan=V`.
 
-`--quantize` runs each variant of bench/dummy_model.py QUANT_VARIANTS per shape (int4 g128 GPTQ /
+`--quantize` runs each variant of tests/support/dummy_model.py QUANT_VARIANTS per shape (int4 g128 GPTQ /
 AWQ packed dummy weights, fp8 converted at load) and adds its tokens/s as a ratio to bf16's.
 """
 
@@ -29,11 +29,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 import torch  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs, matmul_tflops  # noqa: E402
-from bench.dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, shape_info  # noqa: E402
+from dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, shape_info  # noqa: E402
 from bench.workload import reference_workload, workload_floor_s  # noqa: E402
 
 

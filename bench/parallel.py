@@ -4,11 +4,15 @@ Parts (each prints a table row; `--parts` picks them):
 - `overhead` (1 GPU): the same engine with the in-process executor and with the worker-process
   executor (what TP and replicas use): batch-1 decode ms/token and the reference workload's
   tokens/s; plus the plan's pickled size and pickle+unpickle time per decode step at 256 rows.
-- `agree` (2 GPUs): greedy tokens of a reduced-layer Llama-3-8B shape in fp32, TP=2 vs TP=1,
-  from one random checkpoint written to disk (so both read the same weights).
-- `tp8b` (2 GPUs): Llama-3-8B shape, bf16: batch-1 decode and reference workload, TP=1 and TP=2.
-- `tp70b` (2 GPUs): Llama-3-70B shape, TP=2: loads, batch-1 decode vs the two-GPU floor
-  (weights / (2 x copy bandwidth)), reference workload vs its floor.
+- `agree` (2 GPUs; 4 with `--tp-agree 2,4`): greedy tokens of a reduced-layer Llama-3-8B shape in
+  fp32, TP=2 (and 4) vs TP=1, from one random checkpoint written to disk (so all read the same weights).
+- `tp8b` (2 GPUs; 4 with `--tp8b 1,2,4`): Llama-3-8B shape, bf16: batch-1 decode and reference
+  workload, TP=1 and TP=2.
+- `tp70b` (2 GPUs; `--tp70b 4` on 4): Llama-3-70B shape, TP=2: loads, batch-1 decode vs the TP-GPU
+  floor (weights / (TP x copy bandwidth)), reference workload vs its floor.
+  `--custom-ar on,off` runs every TP > 1 engine of these three with the custom all-reduce
+  (symmetric memory) and again with NCCL only (`disable_custom_all_reduce`); `--no-workload`
+  leaves the reference workload out (decode only: bench/allreduce.py's decode part).
 - `replicas` (2 GPUs): two copies (degree 1) of the 8B shape behind a ReplicaSet vs one copy,
   saturating request rate: output tokens/s, TTFT / TPOT percentiles.
 
@@ -28,11 +32,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model builder lives with the tests' support
 
 import torch  # noqa: E402
 
 from bench.ceilings import copy_bandwidth_gbs, matmul_tflops  # noqa: E402
-from bench.dummy_model import SHAPES, make_dummy_model_dir, weight_bytes  # noqa: E402
+from dummy_model import SHAPES, make_dummy_model_dir, weight_bytes  # noqa: E402
 from bench.workload import reference_workload, workload_floor_s  # noqa: E402
 
 SHAPES.setdefault("llama-3-70b", dict(
@@ -122,7 +127,7 @@ def write_random_checkpoint(out_dir: Path, layers: int, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     from serving.executor.models import build_model
-    from serving.model_config import ModelArgs
+    from serving.checkpoint.model_config import ModelArgs
 
     cfg = {**json.loads((make_dummy_model_dir("llama-3-8b", out_dir)).joinpath("config.json").read_text()),
            "num_hidden_layers": layers, "torch_dtype": "float32"}
@@ -139,47 +144,67 @@ def write_random_checkpoint(out_dir: Path, layers: int, seed: int = 0) -> Path:
     return out_dir
 
 
+def _degrees(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _engine_modes(tp: int, custom_modes: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """(result-key suffix, engine options) per all-reduce mode an engine of degree `tp` runs in."""
+    if tp == 1:
+        return [("", {})]
+    return [(f"_{'custom' if m == 'on' else 'nccl'}", {"disable_custom_all_reduce": m == "off"}) for m in custom_modes]
+
+
 def part_agree(args) -> dict:  # noqa: ANN001
     from serving import SamplingParams
 
     path = write_random_checkpoint(Path(args.model_root) / "llama-3-8b-4l-fp32", layers=4)
     prompts = [{"prompt_token_ids": list(range(1000 + 7 * i, 1064 + 7 * i))} for i in range(8)]
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=32, detokenize=False)
+    tps = [tp for tp in _degrees(args.tp_agree) if 1 < tp <= torch.cuda.device_count()]
     out = {}
     # 4,096: every prompt in one step; 48: prompt chunks share steps with the first ones' decodes
-    # (mixed-step graphs, with their all-reduces, under TP=2).
-    for budget in (4096, 48):
+    # (mixed-step graphs, with their all-reduces, under TP > 1).
+    for budget in _degrees(args.agree_budgets):
         toks = {}
-        for tp in (1, 2):
-            llm = engine(path, tp=tp, load_format="auto", dtype="float32", max_num_seqs=16,
-                         max_num_batched_tokens=budget, gpu_memory_utilization=0.5)
-            toks[tp] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * len(prompts), use_tqdm=False)]
-            llm.llm_engine.shutdown()
-            del llm
-        same = sum(a == b for a, b in zip(toks[1], toks[2]))
-        out[f"identical_sequences_budget_{budget}"] = f"{same}/{len(prompts)}"
+        for tp in (1, *tps):
+            for suffix, opts in _engine_modes(tp, args.custom_ar):
+                llm = engine(path, tp=tp, load_format="auto", dtype="float32", max_num_seqs=16,
+                             max_num_batched_tokens=budget, gpu_memory_utilization=0.5, **opts)
+                toks[f"tp{tp}{suffix}"] = [list(o.outputs[0].token_ids)
+                                           for o in llm.generate(prompts, [sp] * len(prompts), use_tqdm=False)]
+                llm.llm_engine.shutdown()
+                del llm
+        for key, seqs in toks.items():
+            if key != "tp1":
+                same = sum(a == b for a, b in zip(toks["tp1"], seqs))
+                out[f"{key}_identical_sequences_budget_{budget}"] = f"{same}/{len(prompts)}"
     return out
 
 
 def part_tp(args, shape: str, tps: tuple[int, ...]) -> dict:  # noqa: ANN001
     model_dir = make_dummy_model_dir(shape, Path(args.model_root) / shape)
     bw, tflops = copy_bandwidth_gbs(), matmul_tflops()
+    torch.cuda.empty_cache()  # the ceilings' buffers: the ranks size their KV caches from free memory
     prompts, out_lens = reference_workload()
     out = {"copy_gbs": bw, "matmul_tflops": tflops}
     for tp in tps:
-        t0 = time.perf_counter()
-        llm = engine(model_dir, tp=tp)
-        load_s = time.perf_counter() - t0
-        ms = decode_ms(llm)
-        floor_ms = weight_bytes(shape) / (tp * bw * 1e9) * 1e3
-        tok_s, dt = workload_tps(llm, shape)
-        floor_s = workload_floor_s(shape, [len(p) for p in prompts], out_lens, tflops * 1e12 * tp,
-                                   bw * 1e9 * tp)["floor_s"]
-        out[f"tp{tp}"] = {"load_s": load_s, "decode_ms": ms, "decode_floor_ms": floor_ms,
-                          "decode_of_floor": floor_ms / ms, "workload_tok_s": tok_s, "workload_s": dt,
-                          "workload_of_floor": floor_s / dt}
-        llm.llm_engine.shutdown()
-        del llm
+        for suffix, opts in _engine_modes(tp, args.custom_ar):
+            t0 = time.perf_counter()
+            llm = engine(model_dir, tp=tp, **opts)
+            load_s = time.perf_counter() - t0
+            ms = decode_ms(llm)
+            floor_ms = weight_bytes(shape) / (tp * bw * 1e9) * 1e3
+            row = {"load_s": load_s, "decode_ms": ms, "decode_floor_ms": floor_ms, "decode_of_floor": floor_ms / ms}
+            if args.workload:
+                tok_s, dt = workload_tps(llm, shape)
+                floor_s = workload_floor_s(shape, [len(p) for p in prompts], out_lens, tflops * 1e12 * tp,
+                                           bw * 1e9 * tp)["floor_s"]
+                row.update(workload_tok_s=tok_s, workload_s=dt, workload_of_floor=floor_s / dt)
+            out[f"tp{tp}{suffix}"] = row
+            print(f"   {shape} tp{tp}{suffix}: {json.dumps(row)}", flush=True)
+            llm.llm_engine.shutdown()
+            del llm
     return out
 
 
@@ -255,8 +280,19 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
     ap.add_argument("--rate", type=float, default=64.0, help="requests/s per copy in the replicas part")
+    ap.add_argument("--tp8b", default="1,2", help="degrees of the tp8b part")
+    ap.add_argument("--tp70b", default="2", help="degrees of the tp70b part")
+    ap.add_argument("--tp-agree", default="2", help="degrees (> 1) compared with TP=1 in the agree part")
+    ap.add_argument("--agree-budgets", default="4096,48", help="token budgets of the agree part's engines")
+    ap.add_argument("--custom-ar", default="on", help="on, off or on,off: TP > 1 engines with / without "
+                    "the custom all-reduce")
+    ap.add_argument("--no-workload", dest="workload", action="store_false",
+                    help="tp8b / tp70b: batch-1 decode only, no reference workload")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    args.custom_ar = tuple(m.strip() for m in args.custom_ar.split(","))
+    if not args.custom_ar or set(args.custom_ar) - {"on", "off"}:
+        raise SystemExit(f"--custom-ar takes on, off or on,off, got {args.custom_ar!r}")
     print(f"device: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}", flush=True)
     results = {}
     for part in args.parts.split(","):
@@ -266,16 +302,16 @@ def main() -> None:
         elif part == "agree":
             results[part] = part_agree(args)
         elif part == "tp8b":
-            results[part] = part_tp(args, "llama-3-8b", (1, 2))
+            results[part] = part_tp(args, "llama-3-8b", _degrees(args.tp8b))
         elif part == "tp70b":
-            results[part] = part_tp(args, "llama-3-70b", (2,))
+            results[part] = part_tp(args, "llama-3-70b", _degrees(args.tp70b))
         elif part == "replicas":
             results[part] = part_replicas(args)
         else:
             raise SystemExit(f"unknown part {part!r}")
         print(f"== {part} ({time.perf_counter() - t0:.0f} s)\n{json.dumps(results[part], indent=1)}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        if args.out:  # after every part: a run cut short keeps what it measured
+            Path(args.out).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

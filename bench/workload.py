@@ -9,8 +9,11 @@ with decode steps = the longest output (every sequence decodes concurrently).
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
-from bench.dummy_model import shape_info, weight_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the random-weight model builder
+from dummy_model import shape_info, weight_bytes  # noqa: E402
 
 
 def reference_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024):

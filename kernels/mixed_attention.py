@@ -35,7 +35,7 @@ def tile_rows(group: int, num_tokens: int, on_cuda: bool, head_dim: int = 128) -
 
     16 rows while a step's rows are few (its sequences mostly decode: a 16-row tile wastes least
     on one-token queries), 64 for the large buckets that long prompt chunks fill (more rows share
-    each K/V tile). Graph-timed on an H100 (`bench/mixed_attention.py`, 8B heads): 32 decodes +
+    each K/V tile). Graph-timed on an H100 (`bench/studies/mixed_attention.py`, 8B heads): 32 decodes +
     a 256 chunk 64.7 us at 16 against 74.2 at 64; one 2048-token chunk 329 against 172. Heads wider
     than 128 (Gemma 3's 256) keep 16 rows: a 64 x 256 float32 accumulator alone is 128 registers a
     thread."""
@@ -48,7 +48,7 @@ def tile_columns(block_m: int, head_dim: int, on_cuda: bool) -> int:
 
     128 for 16-row tiles of small heads (decode-heavy steps of head_dim <= 64: each loop step then
     moves as many bytes as 64 positions of a 128-wide head), else 64. Graph-timed on an H100
-    (`bench/mixed_attention.py --configs`, 1B heads, steps of 256 tokens mostly decoding): 250 decodes
+    (`bench/studies/mixed_attention.py --configs`, 1B heads, steps of 256 tokens mostly decoding): 250 decodes
     at 900 + a 6-token chunk 177.0 us against 187.8 with 64; 256 decodes at 1,000 193.3 against 207.4;
     128 at 1,500 + a 128 chunk 154.4 against 168.5. At head_dim 128 the same change lost 0-7 %.
     Heads wider than 128 read 32 positions a step (the K and V tiles stay 16 KB each in bf16)."""

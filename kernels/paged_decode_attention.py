@@ -195,7 +195,7 @@ def paged_decode_attention_impl(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """`paged_decode_attention` with the tile, split count and launch shape exposed (tests and
-    bench/decode_attention_sweep.py pin them)."""
+    bench/studies/decode_attention_sweep.py pin them)."""
     assert window >= 0 and softcap >= 0, (window, softcap)
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, page_size, num_kv_heads, cache_head_dim = k_cache.shape

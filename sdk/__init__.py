@@ -3,7 +3,8 @@
 Importable without torch (and without the server package): ``pip install 'open-lmi[sdk]'``.
 Modules: ``iterators`` (LineIterator), ``client`` (StreamingClient), ``parsing``/``results`` (typed
 wire formats), ``gateway`` (local sagemaker-runtime), ``deploy`` (sagemaker 2.x helpers),
-``sizing`` (GPU memory calculator), ``local`` (container process + moto + gateway for laptops/CI).
+``sizing`` (GPU memory calculator), ``model_types`` (the model-type facts sizing
+and the server share), ``local`` (container process + moto + gateway for laptops/CI).
 """
 
 from sdk.client import StreamingClient, TokenStream

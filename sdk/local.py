@@ -40,7 +40,7 @@ def free_port() -> int:
 def default_model_dir() -> Path:
     """Where the container keeps the embedded default model (SmolLM2-135M-Instruct, HF format).
 
-    Mirrors ``serving.default_model`` (``$OPEN_LMI_CACHE`` or ``~/.cache/open-lmi``) without importing
+    Mirrors ``serving.checkpoint.default_model`` (``$OPEN_LMI_CACHE`` or ``~/.cache/open-lmi``) without importing
     it: the SDK must not depend on the server or torch.
     """
     root = os.environ.get("OPEN_LMI_CACHE")
@@ -53,7 +53,7 @@ def ensure_default_model(python: str = sys.executable) -> Path:
     target = default_model_dir()
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
-    code = "from serving.default_model import default_model_path; print(default_model_path())"
+    code = "from serving.checkpoint.default_model import default_model_path; print(default_model_path())"
     out = subprocess.run([python, "-c", code], cwd=REPO_ROOT, check=True, capture_output=True, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
 

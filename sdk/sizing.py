@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sdk import model_types
+
 GB = 1e9
 GIB = 2**30
 
@@ -59,8 +61,6 @@ PHI3_MINI_4K: dict[str, Any] = {
 
 _GPT2_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
                "n_inner": "intermediate_size"}
-# model_types whose MLP is fc_in -> activation -> fc_out (two matrices, not three)
-_PLAIN_MLP_TYPES = ("starcoder2", "phi", "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt", "bloom", "mpt")
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class ModelShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             num_experts=num_experts,
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-            mlp_matrices=2 if cfg.get("model_type") in _PLAIN_MLP_TYPES else 3,
+            mlp_matrices=model_types.mlp_matrices(str(cfg.get("model_type", ""))),
         )
 
     def mlp_width(self) -> int:

@@ -1,6 +1,6 @@
 """open-lmi serving: `from serving import LLM, SamplingParams` (vLLM's offline API).
 
-Exports resolve lazily, so `import serving.config` (the container's start path) does not pull
+Exports resolve lazily, so `import serving.server.settings.config` (the container's start path) does not pull
 torch or transformers before it needs them.
 """
 

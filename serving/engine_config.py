@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from serving.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
+from serving.checkpoint.quantization import QUANTIZE_ACCEPTS, parse_quantize_option
 from serving.speculative_config import SpeculativeConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's per-step token budget with chunked prefill
@@ -72,6 +72,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0  # CPU KV budget
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    # vLLM's name: sum tensor-parallel activations with NCCL only, never the symmetric-memory
+    # one-shot / two-shot all-reduce (serving/executor/custom_all_reduce.py; debugging, agreement tests).
+    disable_custom_all_reduce: bool = False
     seed: int = 0
     skip_tokenizer_init: bool = False
     load_format: Literal["auto", "dummy"] = "auto"
@@ -125,6 +128,8 @@ class EngineConfig:
             v = self.max_cpu_loras
             if not isinstance(v, int) or isinstance(v, bool) or v < self.max_loras:
                 raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {v!r}")
+        if not isinstance(self.disable_custom_all_reduce, bool):
+            raise ValueError(f"disable_custom_all_reduce must be a boolean, got {self.disable_custom_all_reduce!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be a boolean, got {self.enable_lora!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
@@ -150,6 +155,19 @@ class EngineConfig:
     def num_cpu_loras(self) -> int:
         """Adapters kept in host memory: `max_cpu_loras`, else `max_loras`."""
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    def rank_devices(self, gpus: int, copy: int = 0) -> tuple[str, ...]:
+        """The devices of model copy `copy`'s ranks (the one device-layout rule, for the container's
+        copies and the executor alike): `tensor_parallel_size` GPUs from copy * tensor_parallel_size
+        of the `gpus` visible, else one CPU rank each (`gpus` 0: the engine runs on the CPU)."""
+        ranks = range(self.tensor_parallel_size)
+        if not gpus:
+            return tuple("cpu" for _ in ranks)
+        first = copy * self.tensor_parallel_size
+        if first + self.tensor_parallel_size > gpus:
+            raise ValueError(f"tensor_parallel_degree={self.tensor_parallel_size} (from device {first}) exceeds the "
+                             f"{gpus} visible GPUs; lower TENSOR_PARALLEL_DEGREE / option.tensor_parallel_degree")
+        return tuple(f"cuda:{first + r}" for r in ranks)
 
     def makespan_target(self, device_type: str) -> int:
         """`makespan_step_tokens` resolved for this device (the one place its default is derived)."""

@@ -110,13 +110,14 @@ _STOP = object()
 
 @dataclass(frozen=True, slots=True)
 class _Add:
-    """Submit queue: a request for the engine thread (ids already validated, or text while loading)."""
+    """Submit queue: a request for the engine thread (ids already validated, or a prompt while loading)."""
 
     request_id: str
     payload: str | list[int]
     params: SamplingParams
     text: str | None
     lora: LoRARequest | str | None = None  # resolved, or a name to resolve (submitted while loading)
+    validated: bool = False  # admitted on the caller's thread (the engine was loaded): not checked again
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +259,8 @@ class EngineLoop:
             if len(self._streams) >= self.max_queue_size:
                 raise QueueFullError(f"too many unfinished requests (max_queue_size={self.max_queue_size})")
             self._streams[request_id] = stream
-        self._submit.put(_Add(request_id, payload, params, prompt if isinstance(prompt, str) else None, lora))
+        self._submit.put(_Add(request_id, payload, params, prompt if isinstance(prompt, str) else None, lora,
+                              validated=engine is not None))
         return stream
 
     # ---- LoRA adapters (any thread) ------------------------------------------------------
@@ -384,7 +386,7 @@ class EngineLoop:
                 self.engine.add_request(request_id, payload, params, lora_request=lora)  # type: ignore[union-attr]
             else:
                 self.engine.add_request(request_id, text, params, prompt_token_ids=payload,  # type: ignore[union-attr]
-                                        lora_request=lora)
+                                        lora_request=lora, validated=add.validated)
         except ValueError as exc:
             self._fail_stream(stream, str(exc))
 

@@ -8,7 +8,7 @@ path. A matcher that can only end (its grammar is complete and nothing but a sto
 remains) finishes its sample with finish_reason "stop".
 
 xgrammar was chosen over llguidance and outlines-core on mask cost per step and JSON-schema
-coverage (`bench/grammar_libs.py`, figures in bench/RESULTS.md). Constraints are compiled in
+coverage (`bench/studies/grammar_libs.py`, figures in bench/RESULTS.md). Constraints are compiled in
 child processes within a time and size bound, and kept in a cache bounded in bytes
 (`serving/engine/grammar_compiler.py`). A constraint that admits no output at all (nothing but a
 stop token from its first token: an unsatisfiable schema, an empty language) is refused.

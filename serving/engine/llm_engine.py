@@ -26,6 +26,7 @@ import time
 import weakref
 
 from serving.engine.block_manager import BlockManager
+from serving.engine.draft_proposer import DraftModelProposer, build_draft_proposer
 from serving.engine.guided import GuidedDecoder
 from serving.engine.lora_slots import LoRARegistry
 from serving.engine.request_state import RequestState
@@ -37,15 +38,15 @@ from serving.engine.speculator import Speculator
 from serving.engine.token_intervals import TokenIntervals
 from serving.engine.warmup import warm_up
 from serving.engine_config import EngineConfig
-from serving.executor.executor import Executor, WorkerFailedError
-from serving.executor.factory import make_executor
+from serving.executor.executor import Executor, InProcessExecutor, WorkerFailedError
+from serving.executor.factory import make_executor, visible_device_count
 from serving.executor.plan import StepOutput, StepPlan
 from serving.lora_request import LoRARequest, UnknownAdapterError
-from serving.model_files import resolve_model_dir
+from serving.checkpoint.model_files import resolve_model_dir
 from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 from serving.speculative_config import SpeculativeConfig
-from serving.tokenizer import IncrementalDetokenizer, load_tokenizer
+from serving.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("serving.engine.llm_engine")
 
@@ -69,14 +70,26 @@ class LLMEngine:
         devices: tuple[str, ...] | None = None,
         multiprocess: bool | None = None,
     ) -> None:
+        spec = config.speculative_config
+        draft: DraftModelProposer | None = None
         if executor is None:
             model_dir = resolve_model_dir(config.model, config.revision)
+            if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
+                # On rank 0's device, before the target: the target's KV cache is sized around it.
+                devices = devices or config.rank_devices(visible_device_count(config))
+                draft = build_draft_proposer(config, model_dir, devices[0])
             executor = make_executor(config, str(model_dir), devices, multiprocess)
         self.config = config
         self.executor = executor
-        # Worker processes and device memory go with the engine (offline users `del llm`).
-        self._finalizer = weakref.finalize(self, executor.shutdown)
         info = executor.info
+        if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model" and draft is None:
+            draft = build_draft_proposer(config, info.model_dir, info.devices[0])
+        # Worker processes and device memory go with the engine (offline users `del llm`).
+        self._finalizer = weakref.finalize(self, _shut_down, executor, draft)
+        if draft is not None and draft.max_model_len < info.cache.max_model_len:
+            self._finalizer()
+            raise ValueError(f"the draft model holds {draft.max_model_len} tokens, the model {info.cache.max_model_len}: "
+                             "set max_model_len (option.max_model_len) to at most the draft's")
         self.info = info
         cache = info.cache
         self.cache_config = cache
@@ -92,8 +105,7 @@ class LLMEngine:
             num_blocks = min(num_blocks, config.num_gpu_blocks_override)
         self.block_manager = BlockManager(num_blocks, cache.block_size, config.enable_prefix_caching)
         self.max_num_batched_tokens = config.token_budget(self.max_model_len)
-        spec = config.speculative_config
-        self.speculator = Speculator(spec) if isinstance(spec, SpeculativeConfig) else None
+        self.speculator = Speculator(spec, draft) if isinstance(spec, SpeculativeConfig) else None
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -227,6 +239,7 @@ class LLMEngine:
         final_only: bool = False,
         lora_name: str | None = None,
         lora_request: LoRARequest | None = None,
+        validated: bool = False,
     ) -> list[Sequence]:
         """Queue a request: `n` samples sharing the prompt. Raises ValueError if it cannot run.
 
@@ -234,6 +247,8 @@ class LLMEngine:
         tokens, text and logprobs (what offline `generate` needs, at a fraction of the cost).
         `lora_name`: run on that registered adapter (UnknownAdapterError if none is); or
         `lora_request`: an adapter already resolved (it may have been removed since: it still runs).
+        `validated`: `prompt_token_ids` and `params` passed `validate` at admission already (EngineLoop
+        admits on the caller's thread), so they are not checked again; the scheduler asserts the limits.
         """
         params = params or SamplingParams()
         if request_id in self._requests:
@@ -253,7 +268,8 @@ class LLMEngine:
         else:
             text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.validate(prompt_token_ids, params)
+        if not validated:
+            self.validate(prompt_token_ids, params)
         seqs = [
             Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, index=i, lora_request=lora_request)
             for i in range(params.n)
@@ -314,9 +330,11 @@ class LLMEngine:
         # (a server: `max_prefill_tokens_while_decoding` set); offline (0) nobody waits per
         # token, and overlapping the prompt step's host work with the GPU is worth more
         # (run 17: 5-11 ms of idle GPU before each 16k-token prefill step of the 1B workload).
-        # Speculation needs each sequence's last token on the host to propose from (and a verify
-        # step's token count is only known once read): while it may run, steps do not overlap.
-        if had_inflight and (self._inflight_blocks_next or self._may_speculate() or (
+        # Speculation needs a sequence's last token on the host to propose from (and a verify
+        # step's token count is only known once read, `_inflight_blocks_next`): the step waits
+        # only when a running decode is likely to propose (`Speculator.wants_tokens_in_flight`);
+        # otherwise it runs as plain decoding does, overlapped, and nobody proposes in it.
+        if had_inflight and (self._inflight_blocks_next or self._wants_drafts() or (
                 self.scheduler.prefill_cap_while_decoding and self.scheduler.prompt_work_ahead())):
             deltas = self._process(*self._take_inflight())
         sched_out = self.scheduler.schedule()
@@ -407,8 +425,8 @@ class LLMEngine:
             self._release(seq)
         return deltas
 
-    def _may_speculate(self) -> bool:
-        return self.speculator is not None and self.speculator.active(len(self.scheduler.running))
+    def _wants_drafts(self) -> bool:
+        return self.speculator is not None and self.speculator.wants_tokens_in_flight(self.scheduler.running)
 
     def _take_inflight(self) -> tuple[SchedulerOutput, StepOutput]:
         assert self._inflight is not None
@@ -508,6 +526,8 @@ class LLMEngine:
         plan = build_plan(self.num_steps, sched_out, self._finished_ids, self._preempted_ids,
                           placeholders=self.async_scheduling)
         self._finished_ids, self._preempted_ids = [], []
+        if plan.num_drafts:
+            self._attach_draft_probs(plan, sched_out)
         if self.lora is not None:
             plan.lora_slots, plan.lora_loads = self.lora.assign(sched_out)
         guided = self._guided
@@ -522,6 +542,16 @@ class LLMEngine:
                 else:
                     plan.masks = guided.fill(ids)
         return plan
+
+    def _attach_draft_probs(self, plan: StepPlan, sched_out: SchedulerOutput) -> None:
+        """The draft model's distributions of this step's sampled drafts, for rejection sampling
+        (on the host when the plan crosses to worker processes)."""
+        local = isinstance(self.executor, InProcessExecutor)
+        for i in plan.num_drafts:
+            q = self.speculator.draft_probs(sched_out.scheduled[i].seq.seq_id)  # type: ignore[union-attr]
+            if q is not None:
+                q = q[: plan.num_drafts[i]]  # (the scheduler may have kept fewer than were proposed)
+                plan.draft_probs[i] = q if local else q.cpu()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
         """Stop the executor's workers and free the devices (idempotent). Open requests are
@@ -556,6 +586,12 @@ class LLMEngine:
             "num_generation_tokens": self.num_generated_tokens,
             **(self.speculator.metrics() if self.speculator is not None else {}),
         }
+
+
+def _shut_down(executor: Executor, draft: DraftModelProposer | None) -> None:
+    executor.shutdown()
+    if draft is not None:
+        draft.runner.close()
 
 
 def _device_failed(exc: BaseException) -> bool:

@@ -1,7 +1,7 @@
 """The engine's LoRA adapters: the registry (add / remove / list, thread-safe) and the device slots.
 
 `LoRARegistry` checks an adapter when it is registered (PEFT config and tensor shapes against
-the base model, `serving/lora_adapter.py`; nothing is loaded here), resolves the adapter name
+the base model, `serving/checkpoint/lora_adapter.py`; nothing is loaded here), resolves the adapter name
 of each new request (`UnknownAdapterError` otherwise), and per step assigns each adapter of the
 scheduled rows a device slot, least recently used first (`assign`): the plan carries the slot
 of every chunk and the slot loads the workers must do first. The scheduler never schedules
@@ -15,9 +15,9 @@ from __future__ import annotations
 import threading
 
 from serving.engine.scheduler_output import SchedulerOutput
-from serving.lora_adapter import read_adapter
+from serving.checkpoint.lora_adapter import read_adapter
 from serving.lora_request import LoRARequest, UnknownAdapterError
-from serving.model_config import ModelArgs
+from serving.checkpoint.model_config import ModelArgs
 
 SlotLoad = tuple[str, int, str] | None  # (name, int id, path) to load into a slot, or None: free it
 

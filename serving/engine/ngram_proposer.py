@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from serving.engine.sequence import PLACEHOLDER, Sequence
+
 
 def propose_ngram(token_ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
     """Up to `k` tokens that followed an earlier occurrence of the last n tokens of `token_ids`
@@ -30,3 +32,34 @@ def propose_ngram(token_ids: list[int], k: int, n_max: int, n_min: int) -> list[
             start = int(whole[-1] if whole.shape[0] else hits[0]) + n
             return token_ids[start : start + k]
     return []
+
+
+class NgramProposer:
+    """Prompt lookup as a `Proposer` (serving/engine/speculator.py)."""
+
+    def __init__(self, n_max: int, n_min: int) -> None:
+        assert 1 <= n_min <= n_max, (n_min, n_max)
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return propose_ngram(seq.token_ids, k, self.n_max, self.n_min)
+
+    def propose_many(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        return [self.propose(seq, k) for seq, k in zip(seqs, ks)]
+
+    def may_propose(self, seq: Sequence) -> bool:
+        """Whether a lookup is likely to land once the token in flight is known: the known text's own
+        last n-gram recurs. Inside a copied span both do; at the span's first token this says no and
+        the lookup starts one step later (a step of plain decoding, async, instead of a wait for a
+        lookup that mostly misses)."""
+        ids = seq.token_ids
+        end = len(ids)
+        while end and ids[end - 1] == PLACEHOLDER:
+            end -= 1
+        return bool(propose_ngram(ids[:end], 1, self.n_max, self.n_min))
+
+    def take_probs(self, seq_id: int) -> None:
+        return None  # point masses: the drafts are copied, not drawn
+
+    def forget(self, seq_id: int) -> None:
+        pass  # nothing is kept per sequence

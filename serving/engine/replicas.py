@@ -2,14 +2,17 @@
 
 As LMI does when the GPUs outnumber the tensor-parallel degree, the container runs
 GPUs ÷ degree engine copies; this object routes each request to the copy with the fewest
-open requests. Prefix affinity: a prompt whose first blocks were routed to a copy before goes
-to that copy again (its prefix cache holds them) unless that copy is busier than the least
-loaded one by more than `affinity_slack` requests. The set is healthy only while every copy
+open requests. Prefix affinity: a prompt long enough to share cached blocks goes to its prefix's
+home copy, a function of its first `affinity_tokens` tokens alone (so every HTTP frontend of the
+server, serving/server/cores.py, sends a shared prefix to the same copy, whose prefix cache holds
+it), unless that copy is busier than the least loaded one by more than `affinity_slack` requests.
+With engine cores the loads are the cores' own counts, every frontend's requests included. The set is healthy only while every copy
 is: one dead copy marks the whole set dead (the worker then restarts, as for one copy).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 from collections import OrderedDict
@@ -103,7 +106,10 @@ class ReplicaSet:
         intervals = [stats["token_intervals"] for stats in per_copy if "token_intervals" in stats]
         if intervals:
             out["token_intervals"] = merge_snapshots(intervals)
-        out["routed_per_copy"] = list(self.num_routed)
+        received = [stats.get("num_received_requests") for stats in per_copy]
+        # Engine cores count what every frontend sent them; EngineLoops, what this set routed.
+        out["routed_per_copy"] = received if None not in received else list(self.num_routed)
+        out.pop("num_received_requests", None)
         out["prefix_affinity_hits"] = self.num_affinity_hits
         return out
 
@@ -118,17 +124,26 @@ class ReplicaSet:
 
     # ---- LoRA adapters: every copy holds the same ones -----------------------------------
 
-    def add_lora(self, request: LoRARequest) -> None:
-        """Register on every copy; if one refuses, the others forget it again (and the error is raised)."""
+    def add_lora(self, request: LoRARequest) -> LoRARequest | None:
+        """Register on every copy; if one refuses, the others forget it again (and the error is raised).
+        Returns what the first copy holds under that name (engine cores shared by several frontends
+        may hold it already: serving/engine/engine_process.py), or None (an EngineLoop)."""
         done: list[EngineLoop] = []
+        held = None
         try:
             for loop in self.loops:
-                loop.add_lora(request)
+                out = loop.add_lora(request)
+                held = held if done else out
                 done.append(loop)
         except BaseException:
             for loop in done:
                 loop.remove_lora(request.lora_name)
             raise
+        return held
+
+    def held_loras(self) -> list[LoRARequest]:
+        """The adapters the engine cores hold (registered through any frontend)."""
+        return self.loops[0].held_loras()  # type: ignore[union-attr]
 
     def remove_lora(self, name: str) -> bool:
         return any([loop.remove_lora(name) for loop in self.loops])  # (a list: every copy removes it)
@@ -142,25 +157,28 @@ class ReplicaSet:
         least = min(loads)
         candidates = [i for i, load in enumerate(loads) if load == least]
         choice = candidates[next(self._next) % len(candidates)]
-        key = self._prefix_key(prompt)
-        if key is not None and lora_name is not None:
-            key = hash((lora_name, key))  # an adapter's cached prefix is its own
+        key = self._prefix_key(prompt, lora_name)
         if key is None:
             return choice
+        home = key % len(self.loops)
         with self._lock:
-            known = self._affinity.get(key)
-            if known is not None and loads[known] <= least + self.affinity_slack:
-                choice = known
-                self.num_affinity_hits += 1
+            seen = key in self._affinity
+            if loads[home] <= least + self.affinity_slack:
+                choice = home
+                self.num_affinity_hits += seen  # a prefix seen before, sent where its blocks are cached
             self._affinity[key] = choice
             self._affinity.move_to_end(key)
             if len(self._affinity) > _AFFINITY_ENTRIES:
                 self._affinity.popitem(last=False)
         return choice
 
-    def _prefix_key(self, prompt: str | list[int]) -> int | None:
+    def _prefix_key(self, prompt: str | list[int], lora_name: str | None) -> int | None:
+        """A hash of the prompt's head (and adapter: its cached prefix is its own), the same in every
+        process (not Python's `hash`, which is salted per process for strings)."""
         n = self.affinity_tokens
         if n <= 0 or len(prompt) < n:
             return None  # too short to share a cached block worth steering for
         head = prompt[:n]
-        return hash(head if isinstance(head, str) else tuple(head))
+        text = head if isinstance(head, str) else ",".join(map(str, head))
+        digest = hashlib.blake2b(f"{lora_name or ''}\0{text}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")

@@ -9,7 +9,7 @@ from serving.outputs import StreamDelta
 from serving.sampling_params import SamplingParams
 from serving.executor.plan import SampledToken
 from serving.engine.sequence import Sequence, SequenceStatus
-from serving.tokenizer import IncrementalDetokenizer
+from serving.engine.tokenizer import IncrementalDetokenizer
 
 
 @dataclass

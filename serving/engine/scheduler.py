@@ -119,19 +119,13 @@ class Scheduler:
 
     # ---- admission -----------------------------------------------------------------------
 
-    def max_tokens(self, seq: Sequence) -> int:
-        """Most output tokens `seq` may produce (max_tokens, else up to the context limit: max_model_len,
-        or what the whole KV cache holds when that is less)."""
-        if seq.params.max_tokens is None:
-            return self._context_limit() - seq.num_prompt_tokens
-        return seq.params.max_tokens
-
     def _context_limit(self) -> int:
         bm = self.block_manager
         return min(self.max_model_len, bm.num_blocks * bm.block_size)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise ValueError when a request could never be scheduled."""
+        """Raise ValueError when a request could never be scheduled: the one check of a request's
+        length limit, made at admission (`LLMEngine.validate`); `add_sequences` asserts it held."""
         if num_prompt_tokens == 0:
             raise ValueError("the prompt is empty; at least one token is needed")
         total = num_prompt_tokens + (max_tokens if max_tokens is not None else 0)
@@ -151,16 +145,22 @@ class Scheduler:
             )
 
     def add_sequences(self, seqs: list[Sequence]) -> None:
-        """Queue the samples of one request (validated first; raises ValueError, queues nothing)."""
+        """Queue the samples of one request, admitted by `check_fits` (raises ValueError, queues nothing,
+        only for a request id in use).
+
+        Each sample's `max_tokens` is resolved here, once: the request's, else up to the context limit
+        (max_model_len, or what the whole KV cache holds when that is less)."""
         assert seqs and len({s.request_id for s in seqs}) == 1
-        for seq in seqs:
-            self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
         request_id = seqs[0].request_id
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._groups[request_id] = list(seqs)
+        context = self._context_limit()
         for seq in seqs:
-            seq.max_num_tokens = min(seq.num_prompt_tokens + self.max_tokens(seq), self.max_model_len)
+            asked, prompt = seq.params.max_tokens, seq.num_prompt_tokens
+            assert 0 < prompt < self.max_model_len and (asked is None or prompt + asked <= self.max_model_len), \
+                f"request {request_id!r} was not admitted by check_fits"
+            seq.max_tokens = min(context - prompt if asked is None else asked, self.max_model_len - prompt)
             seq.status = SequenceStatus.WAITING
             if self.makespan_target:  # longest first; FCFS among equals (and behind preempted ones)
                 self.waiting.insert(bisect.bisect_right(self.waiting, _admission_key(seq), key=_admission_key), seq)
@@ -225,7 +225,7 @@ class Scheduler:
                     num_decodes += 1
                 elif left > 1:
                     under_way.append(s)
-                horizon = max(horizon, s.max_num_tokens - n)
+                horizon = max(horizon, s.num_prompt_tokens + s.max_tokens - n)
         else:
             num_decodes = sum(1 for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1)
         # Prompt tokens (chunks of more than one token) this step may still take. The budget's room
@@ -244,13 +244,16 @@ class Scheduler:
             size = min(sizes[bisect.bisect_left(sizes, num_decodes + prefill_left)], budget)
             prefill_left = size - num_decodes
         spec = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) else None
+        if spec is not None:  # every decode's proposal at once (a draft model batches its forwards)
+            spec.prefetch([s for s in self.running
+                           if s.token_ids[-1] != PLACEHOLDER and len(s.token_ids) - s.num_computed_tokens == 1])
         num_verify = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             ids = seq.token_ids
             num_tokens = len(ids)
-            if ids[-1] == PLACEHOLDER and num_tokens >= seq.max_num_tokens:
+            if ids[-1] == PLACEHOLDER and num_tokens - seq.num_prompt_tokens >= seq.max_tokens:
                 i += 1  # its token in flight is its last: nothing more to compute
                 continue
             if loras is not None and not self._lora_fits(seq, loras):
@@ -347,7 +350,7 @@ class Scheduler:
         """A decode of `seq` carrying draft tokens (at most `room` of them), or None: nothing to
         propose, or no free block for them (a draft never preempts anyone)."""
         # (the step yields up to drafts + 1 tokens: no draft past the sample's last token)
-        room = min(room, seq.max_num_tokens - len(seq.token_ids) - 1)
+        room = min(room, seq.max_tokens - seq.num_output_tokens - 1)
         if room <= 0:
             return None
         drafts = spec.propose(seq, room)
@@ -375,7 +378,7 @@ class Scheduler:
         for seq in itertools.chain(under_way, self.waiting):
             n = len(seq.token_ids)
             tokens += n - seq.num_computed_tokens
-            steps = horizon - seq.max_num_tokens + n - 1
+            steps = horizon - seq.num_prompt_tokens - seq.max_tokens + n - 1
             if steps <= 0:
                 return self.max_num_batched_tokens
             rate = -(-tokens // steps)
@@ -469,7 +472,7 @@ class Scheduler:
                 ids[end] = token_id
             results.append((seq, sampled))
             # (only a token that can end it pays for `_check_stop`: most tokens of most steps cannot)
-            if end + 1 >= seq.max_num_tokens or token_id in eos or seq.params.stop_token_ids:
+            if end + 1 - seq.num_prompt_tokens >= seq.max_tokens or token_id in eos or seq.params.stop_token_ids:
                 reason, stop = self._check_stop(seq, end + 1, token_id)
                 if reason is not None:
                     self.finish(seq, reason, stop)
@@ -495,7 +498,7 @@ class Scheduler:
         seq.num_drafts = 0
         seq.num_computed_tokens = start + 1 + accepted
         seq.num_synced = min(seq.num_synced, start + 1 + accepted)
-        self.speculator.record(seq.seq_id, item.num_drafts, accepted)  # type: ignore[union-attr]
+        self.speculator.record(seq.seq_id, item.num_drafts, accepted, len(ids))  # type: ignore[union-attr]
         bm = self.block_manager
         if bm.enable_prefix_caching and (start + 1 + accepted) // bm.block_size > start // bm.block_size:
             bm.cache_computed_blocks(seq, start + 1 + accepted)  # only what holds accepted K/V
@@ -504,7 +507,7 @@ class Scheduler:
             n = start + 2 + j  # tokens of the sample with this one
             token.more = 0
             results.append((seq, token))
-            if n >= seq.max_num_tokens or token.token_id in eos or stop_ids:
+            if n - seq.num_prompt_tokens >= seq.max_tokens or token.token_id in eos or stop_ids:
                 reason, stop = self._check_stop(seq, n, token.token_id)
                 if reason is not None:
                     del ids[n:]
@@ -523,7 +526,7 @@ class Scheduler:
                 return FinishReason.EOS, token_id
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return FinishReason.EOS, None
-        if num_tokens >= seq.max_num_tokens:
+        if num_tokens - seq.num_prompt_tokens >= seq.max_tokens:
             return FinishReason.LENGTH, None
         return None, None
 
@@ -567,4 +570,4 @@ class Scheduler:
 def _admission_key(seq: Sequence) -> int:
     """Waiting order with `makespan_target`: preempted sequences first (as FCFS puts them), then the
     most output tokens still to produce first."""
-    return -(1 << 62) if seq.num_preemptions else -(seq.max_num_tokens - seq.num_tokens)
+    return -(1 << 62) if seq.num_preemptions else -(seq.max_tokens - seq.num_output_tokens)

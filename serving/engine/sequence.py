@@ -52,8 +52,9 @@ class Sequence:
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
-    # Length limit, prompt included: min(prompt + max_tokens, max_model_len) (set at admission).
-    max_num_tokens: int = 1 << 62
+    # Output tokens it may produce: params.max_tokens, else up to the context limit, within max_model_len
+    # (resolved once, by Scheduler.add_sequences).
+    max_tokens: int = 1 << 62
     # What the workers hold of it (see LLMEngine._plan): whether they know it at all, how many
     # leading ids they hold resolved, how many of its blocks they were sent.
     in_worker: bool = False

@@ -19,14 +19,13 @@ def make_executor(config: EngineConfig, model_dir: str | None, devices: tuple[st
     replica's device work off the HTTP process's GIL); default: `config.distributed_executor_backend`
     says "mp", or there are several ranks.
     """
-    tp = config.tensor_parallel_size
     if devices is None:
-        devices = default_devices(config, tp)
-    if len(devices) != tp:
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, got {list(devices)}")
+        devices = config.rank_devices(visible_device_count(config))
+    assert len(devices) == config.tensor_parallel_size, (  # devices come from EngineConfig.rank_devices
+        f"tensor_parallel_size={config.tensor_parallel_size} needs as many devices, got {list(devices)}")
     if multiprocess is None:
         multiprocess = config.distributed_executor_backend == "mp"
-    if tp == 1 and not multiprocess:
+    if config.tensor_parallel_size == 1 and not multiprocess:
         return InProcessExecutor(config, model_dir, devices[0])
     return MultiprocExecutor(config, model_dir, devices)
 
@@ -36,18 +35,7 @@ def visible_device_count(config: EngineConfig) -> int:
     import torch
 
     if config.device == "cpu" or not torch.cuda.is_available():
-        return 0
-    return torch.cuda.device_count()
-
-
-def default_devices(config: EngineConfig, count: int, first: int = 0) -> tuple[str, ...]:
-    """`count` devices from index `first`: GPUs when the engine runs on CUDA, else CPU ranks."""
-    gpus = visible_device_count(config)
-    if gpus == 0:
         if config.device == "cuda":
             raise RuntimeError("device='cuda' was asked for but CUDA is not available")
-        return ("cpu",) * count
-    if first + count > gpus:
-        raise ValueError(f"tensor_parallel_degree={count} (from device {first}) exceeds the {gpus} visible GPUs; "
-                         "lower TENSOR_PARALLEL_DEGREE / option.tensor_parallel_degree")
-    return tuple(f"cuda:{first + i}" for i in range(count))
+        return 0
+    return torch.cuda.device_count()

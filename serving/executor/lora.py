@@ -1,7 +1,7 @@
 """Multi-LoRA on one worker: adapter slots on the device, a host cache, and the wrapped projections.
 
 `LoRAManager` wraps each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj in a
-`LoRALinear` once the base weights are loaded (layers.py is untouched), and owns per projection
+`LoRALinear` once the base weights are loaded (models/linear.py is untouched), and owns per projection
 two stacked slot tensors: A `[max_loras, slices * max_lora_rank, in_local]` and B `[max_loras,
 out_local, max_lora_rank]`, zero-padded to the rank, the scaling folded into B. Plans say
 which adapter each slot holds (`StepPlan.lora_loads`: slot -> (name, id, path), or None to
@@ -43,9 +43,9 @@ from torch import nn
 import kernels
 from serving.engine_config import EngineConfig
 from serving.executor import parallel
-from serving.executor.models.layers import ColumnParallelLinear, RowParallelLinear
-from serving.lora_adapter import AdapterWeights, read_adapter
-from serving.model_config import ModelArgs
+from serving.executor.models.linear import ColumnParallelLinear, RowParallelLinear
+from serving.checkpoint.lora_adapter import AdapterWeights, read_adapter
+from serving.checkpoint.model_config import ModelArgs
 
 logger = logging.getLogger(__name__)
 

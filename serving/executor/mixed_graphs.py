@@ -127,7 +127,7 @@ class MixedGraphRunner:
     def _drop_slow_buckets(self, replays: int = 3) -> list[int]:
         """Time each bucket's replay and drop those no faster than a larger bucket: a GEMM's speed is
         not monotonic in its rows (tile shapes), e.g. 288 rows of an 8B layer took longer than 320 on
-        an H100 (bench/step_gemms.py). Steps then pad to the faster size, and the scheduler fills
+        an H100 (bench/studies/step_gemms.py). Steps then pad to the faster size, and the scheduler fills
         that padding with prompt tokens. Every rank replays the same graphs in the same order (their
         collectives pair up) and keeps rank 0's verdict, so all ranks keep the same buckets."""
         times = []

@@ -26,11 +26,11 @@ from serving.executor.cuda_graphs import DecodeGraphRunner
 from serving.executor.mixed_graphs import MixedGraphRunner
 from serving.executor.lora import LoRAManager
 from serving.engine_config import CacheConfig, EngineConfig
-from serving.model_files import resolve_model_dir
+from serving.checkpoint.model_files import resolve_model_dir
 from serving.executor.models import build_model
 from serving.executor import parallel
-from serving.model_config import check_supported, eos_token_ids, read_json_object
-from serving.model_config import ModelArgs
+from serving.checkpoint.model_config import check_supported, eos_token_ids, read_json_object
+from serving.checkpoint.model_config import ModelArgs
 from serving.executor.sampler import Sampler, generator_seed, to_device
 from serving.executor.batch_state import BatchState, WorkerSeq
 from serving.executor.plan import ExecutorInfo, SampledToken, StepOutput, StepPlan
@@ -39,7 +39,7 @@ from serving.executor.step_inputs import StepInputs, prepare_inputs
 from serving.executor.teardown import release_module, release_tensor
 from serving.executor.weights import init_dummy_weights, load_weights
 from serving.executor.quant import check_device
-from serving.quantization import resolve_quantization
+from serving.checkpoint.quantization import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,6 @@ class ModelRunner:
                                 ) if config.enable_lora else None
         self.sampler = Sampler(self.device, seed=config.seed, eos_token_ids=self.eos_token_ids)
         self._generators: dict[int, torch.Generator] = {}
-        # Benchmarks only (bench/speculative.py), never a serving option: verification accepts every
-        # draft ("all") or none ("none"), to time steps whose proposals all land or all miss.
-        self.force_acceptance: str | None = None
         self._prompt_logprobs: dict[int, list[float | None]] = {}
         self.graph_runner: DecodeGraphRunner | None = None  # set after the KV cache exists
         self.mixed_graphs: MixedGraphRunner | None = None  # steps with prompt tokens, idem
@@ -285,19 +282,7 @@ class ModelRunner:
         if not num_sampled:
             return StepOutput([])
         rows = inputs.batch_rows[sampled_chunks]  # the input-batch row of each sampled entry
-        if all_logits is None:
-            sampled_hidden = hidden[inputs.sample_rows]
-            if self.world_size == 1 and self.device.type == "cuda":
-                # As in the decode graphs: the matmul's own bf16/fp16 output, which the samplers upcast as
-                # they read it (a float32 copy of 256 x 128,256 logits costs ~54 us on an H100).
-                logits = self.model.compute_logits(sampled_hidden, out=torch.empty(
-                    (num_sampled, self.vocab_size), dtype=self.dtype, device=self.device))
-            else:
-                logits = self.model.compute_logits(sampled_hidden)  # [num_sampled, vocab] float32
-        elif num_sampled == all_logits.shape[0]:  # the decode graph's logits (one rank: the model's dtype)
-            logits = all_logits  # every row samples (the usual decode step): no gather
-        else:
-            logits = all_logits[inputs.sample_rows]
+        logits = self._sampled_logits(inputs, hidden, all_logits, num_sampled)
         if self.rank != 0:
             # Rank 0 samples; the others take its ids (inputs of their next step's placeholders).
             token_ids = torch.empty(num_sampled, dtype=torch.long, device=self.device)
@@ -344,6 +329,39 @@ class ModelRunner:
             return out
         return sample(masks)
 
+    def _sampled_logits(self, inputs: StepInputs, hidden: torch.Tensor, all_logits: torch.Tensor | None,
+                        num_sampled: int) -> torch.Tensor:
+        """The logits of the sampled rows, `[num_sampled, vocab]`."""
+        if all_logits is None:
+            sampled_hidden = hidden[inputs.sample_rows]
+            if self.world_size == 1 and self.device.type == "cuda":
+                # As in the decode graphs: the matmul's own bf16/fp16 output, which the samplers upcast as
+                # they read it (a float32 copy of 256 x 128,256 logits costs ~54 us on an H100).
+                return self.model.compute_logits(sampled_hidden, out=torch.empty(
+                    (num_sampled, self.vocab_size), dtype=self.dtype, device=self.device))
+            return self.model.compute_logits(sampled_hidden)  # [num_sampled, vocab] float32
+        if num_sampled == all_logits.shape[0]:  # the decode graph's logits (one rank: the model's dtype)
+            return all_logits  # every row samples (the usual decode step): no gather
+        return all_logits[inputs.sample_rows]
+
+    @torch.inference_mode()
+    def draft_logits(self, plan: StepPlan) -> torch.Tensor:
+        """One step of a draft model (serving/engine/draft_proposer.py): the logits at each sampling
+        chunk's last row, `[num_sampled, vocab]` float32. Nothing is sampled and nothing is kept for a
+        next step's placeholders (a draft's plans carry none); one rank, no adapters."""
+        assert self.world_size == 1 and self.lora is None and not plan.num_drafts, "a draft model runs alone"
+        self.batch.apply(plan)
+        for seq_id in plan.finished_seq_ids:
+            self.free_sequence(seq_id)
+        num_sampled = sum(plan.sample)
+        if plan.is_empty:
+            return torch.empty((0, self.vocab_size), device=self.device)
+        inputs = prepare_inputs(plan, self.batch, self.block_size, self.device, None)
+        hidden, all_logits = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not num_sampled:  # a chunk that only writes its K/V
+            return torch.empty((0, self.vocab_size), device=self.device)
+        return self._sampled_logits(inputs, hidden, all_logits, num_sampled).float()
+
     def _verify_step(self, plan: StepPlan, seqs: list[WorkerSeq], sampled_chunks: np.ndarray, rows: np.ndarray,
                      logits: torch.Tensor, sampled_ids: list[int], prompt_logprobs: dict) -> StepOutput:
         """Sample a step with verifying chunks (`plan.num_drafts`): plain rows as usual, each verifying
@@ -376,7 +394,7 @@ class ModelRunner:
                 seq = seqs[c]
                 start = plan.starts[c] + plan.num_tokens[c] - k
                 tokens = verify_drafts(logits[r0 : r0 + k + 1], seq.token_ids[start : start + k], seq.params,
-                                       self._generator(seq) or self.sampler.generator, self.force_acceptance)
+                                       self._generator(seq) or self.sampler.generator, plan.draft_probs.get(c))
                 tokens[0].following = tokens[1:]
                 out[c] = tokens[0]
         finally:

@@ -2,24 +2,26 @@
 
 One process per GPU, all ranks in one group (the default process group unless one is given).
 Each rank holds a slice of every large weight: attention heads, MLP columns and vocab rows
-(`serving/executor/models/layers.py`). Activations meet in two collectives per layer (sum after
+(`serving/executor/models/linear.py`, `embedding.py`). Activations meet in two collectives per layer (sum after
 o_proj and after down_proj) plus one after the embedding and a gather of the logits.
 
 Single process is the default and costs nothing: until `init_tensor_parallel` runs,
 `tp_world_size()` is 1, `tp_shard()` is `TPShard(0, 1)` and every collective below returns its
-input without calling torch.distributed. The collectives are plain
-`torch.distributed` calls with no host synchronisation and no branching on tensor values, so
-they can be captured in CUDA graphs (NCCL), and run on CPU with gloo for tests.
+input without calling torch.distributed. The collectives have no host synchronisation and no
+branching on tensor values, so they can be captured in CUDA graphs, and run on CPU with gloo for
+tests. `all_reduce` takes the custom all-reduce (symmetric memory, `custom_all_reduce.py`: one-shot
+or two-shot over peer-to-peer buffers, microseconds at decode sizes) where `init_tensor_parallel`
+could set it up and the message's size and dtype suit it, the process group's (NCCL, gloo) else.
 
-How shapes split over `tp` ranks (`validate_tensor_parallel` rejects the rest):
-- KV heads, when tp <= num_kv_heads: contiguous runs, as even as they go (rank r holds
-  [r*K//tp, (r+1)*K//tp)); each rank holds the query heads of its KV groups (so the degree need
+How shapes split over W = `world_size` ranks (`validate_tensor_parallel` rejects the rest):
+- KV heads, when W <= num_kv_heads: contiguous runs, as even as they go (rank r holds
+  [r*K//W, (r+1)*K//W)); each rank holds the query heads of its KV groups (so the degree need
   not divide the heads: ranks may hold different head counts, and KV caches of different widths);
-- when tp > num_kv_heads (tp a multiple of it): each rank holds ONE KV head, replicated: rank r
-  holds head r * num_kv_heads // tp, and H/tp query heads, the ones that read it;
-- MLP: `intermediate_size // tp` columns of gate/up, the same rows of down_proj;
-- vocab: `ceil(vocab / tp)` rows per rank (the last rank's tail is zero padding); logits are
-  gathered to `tp * ceil(vocab / tp)` columns and cut back to `vocab`.
+- when W > num_kv_heads (W a multiple of it): each rank holds ONE KV head, replicated: rank r
+  holds head r * num_kv_heads // W, and H/W query heads, the ones that read it;
+- MLP: `intermediate_size // W` columns of gate/up, the same rows of down_proj;
+- vocab: `ceil(vocab / W)` rows per rank (the last rank's tail is zero padding); logits are
+  gathered to `W * ceil(vocab / W)` columns and cut back to `vocab`.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from serving.executor.custom_all_reduce import CustomAllReduce
+
 if TYPE_CHECKING:
-    from serving.model_config import ModelArgs
+    from serving.checkpoint.model_config import ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,7 @@ class TPShard:
 
 _shard = TPShard()
 _group: dist.ProcessGroup | None = None  # None: the default process group
+_custom: CustomAllReduce | None = None  # the small-message all-reduce, where it could be set up
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # older torch
 
 
@@ -68,6 +73,7 @@ def init_tensor_parallel(
     backend: str | None = None,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    custom_all_reduce: bool = True,
 ) -> TPShard:
     """Join the tensor-parallel group as `rank` of `world_size`; returns this process's shard.
 
@@ -76,10 +82,13 @@ def init_tensor_parallel(
     default the current CUDA device: set it first (`torch.cuda.set_device`), one GPU per rank.
     `group` makes the collectives use a sub-group instead of the default group. One warm-up
     all-reduce runs eagerly, so the communicator exists before any CUDA-graph capture.
+    With NCCL the custom all-reduce is set up too (a collective; off when `custom_all_reduce` is
+    False or OPEN_LMI_DISABLE_CUSTOM_ALL_REDUCE=1; any failure falls back to NCCL, logged once).
     `world_size == 1` initialises nothing.
     """
-    global _shard, _group
+    global _shard, _group, _custom
     shard = TPShard(rank, world_size)
+    _close_custom()
     if world_size == 1:
         _shard, _group = shard, None
         return shard
@@ -97,6 +106,7 @@ def init_tensor_parallel(
                          f"asked for rank {rank} of {world_size}")
     _shard, _group = shard, group
     all_reduce(torch.ones(1, device=device))
+    _custom = CustomAllReduce.create(group, device, enabled=custom_all_reduce)
     logger.info("tensor parallel: rank %d of %d (%s on %s)", rank, world_size, backend, device)
     return shard
 
@@ -104,6 +114,7 @@ def init_tensor_parallel(
 def destroy_tensor_parallel() -> None:
     """Leave the group (destroys the default process group if one exists); back to single process."""
     global _shard, _group
+    _close_custom()
     _shard, _group = TPShard(), None
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -122,22 +133,42 @@ def tp_world_size() -> int:
     return _shard.world_size
 
 
+def _close_custom() -> None:
+    global _custom
+    if _custom is not None:
+        _custom.close()
+    _custom = None
+
+
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
     """Sum `t` over the tensor-parallel ranks, in place; returns `t` (untouched on one rank)."""
     if _shard.world_size > 1:
-        dist.all_reduce(t, group=_group)
+        path = _custom.policy.path(t) if _custom is not None else None
+        if path is not None:
+            _custom.run(t, path)
+        else:
+            dist.all_reduce(t, group=_group)
     return t
 
 
+def all_reduce_path(t: torch.Tensor) -> str:
+    """Which all-reduce `all_reduce(t)` takes: "none" (one rank), "one_shot" / "two_shot" (the
+    custom all-reduce) or the process group's backend ("nccl", "gloo")."""
+    if _shard.world_size == 1:
+        return "none"
+    path = _custom.policy.path(t) if _custom is not None else None
+    return path if path is not None else str(dist.get_backend(_group))
+
+
 def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's `t` along the last dim in rank order: [..., n] -> [..., tp * n]."""
-    ws = _shard.world_size
-    if ws == 1:
+    """Concatenate every rank's `t` along the last dim in rank order: [..., n] -> [..., world_size * n]."""
+    world_size = _shard.world_size
+    if world_size == 1:
         return t
     flat = t.contiguous().view(-1)  # the flat form works on every backend (gloo rejects stacked shapes)
-    out = torch.empty(ws * flat.numel(), dtype=t.dtype, device=t.device)
+    out = torch.empty(world_size * flat.numel(), dtype=t.dtype, device=t.device)
     _all_gather_single(out, flat, group=_group)
-    return out.view(ws, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], ws * t.shape[-1])
+    return out.view(world_size, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], world_size * t.shape[-1])
 
 
 # ---- how the model splits --------------------------------------------------------------------
@@ -156,49 +187,48 @@ class AttentionShard:
 def attention_shard(num_heads: int, num_kv_heads: int, shard: TPShard) -> AttentionShard:
     """This rank's query heads and KV heads.
 
-    tp <= num_kv_heads: KV heads are dealt out in contiguous runs as evenly as they go (rank r
-    holds [r*K//tp, (r+1)*K//tp)), and each rank holds the query heads of its KV groups, so a
+    W = world_size <= num_kv_heads: KV heads are dealt out in contiguous runs as evenly as they go
+    (rank r holds [r*K//W, (r+1)*K//W)), and each rank holds the query heads of its KV groups, so a
     degree need not divide the heads (SmolLM2's 9 heads / 3 KV heads split 3+6 over 2 ranks).
-    tp > num_kv_heads: one replicated KV head per rank, the query heads split evenly.
+    W > num_kv_heads: one replicated KV head per rank, the query heads split evenly.
     """
-    tp, r = shard.world_size, shard.rank
-    _check_heads(num_heads, num_kv_heads, tp)
-    if tp <= num_kv_heads:
+    world_size, r = shard.world_size, shard.rank
+    _check_heads(num_heads, num_kv_heads, world_size)
+    if world_size <= num_kv_heads:
         group = num_heads // num_kv_heads
-        kv_start, kv_end = r * num_kv_heads // tp, (r + 1) * num_kv_heads // tp
+        kv_start, kv_end = r * num_kv_heads // world_size, (r + 1) * num_kv_heads // world_size
         return AttentionShard((kv_end - kv_start) * group, kv_end - kv_start, kv_start * group, kv_start)
-    return AttentionShard(num_heads // tp, 1, r * (num_heads // tp), r * num_kv_heads // tp)
+    return AttentionShard(num_heads // world_size, 1, r * (num_heads // world_size), r * num_kv_heads // world_size)
 
 
-def kv_heads_per_rank(args: ModelArgs, tp: int, rank: int = 0) -> int:
+def kv_heads_per_rank(args: ModelArgs, world_size: int, rank: int = 0) -> int:
     """KV heads in rank `rank`'s cache: `[.., num_blocks, block_size, kv_heads, head_dim]`."""
-    return attention_shard(args.num_attention_heads, args.num_key_value_heads, TPShard(rank, tp)).num_kv_heads
+    return attention_shard(args.num_attention_heads, args.num_key_value_heads, TPShard(rank, world_size)).num_kv_heads
 
 
-def vocab_per_rank(vocab_size: int, tp: int) -> int:
-    """Embedding / LM-head rows on each rank: ceil(vocab / tp), the last rank zero-padded."""
-    return -(-vocab_size // tp)
+def vocab_per_rank(vocab_size: int, world_size: int) -> int:
+    """Embedding / LM-head rows on each rank: ceil(vocab / world_size), the last rank zero-padded."""
+    return -(-vocab_size // world_size)
 
 
-def validate_tensor_parallel(args: ModelArgs, tp: int) -> None:
-    """Raise ValueError, naming the numbers, unless the model splits over `tp` ranks."""
-    if tp < 1:
-        raise ValueError(f"tensor parallel degree must be >= 1, got {tp}")
-    _check_heads(args.num_attention_heads, args.num_key_value_heads, tp)
+def validate_tensor_parallel(args: ModelArgs, world_size: int) -> None:
+    """Raise ValueError, naming the numbers, unless the model splits over `world_size` ranks."""
+    assert world_size >= 1, world_size  # EngineConfig validated the degree
+    _check_heads(args.num_attention_heads, args.num_key_value_heads, world_size)
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        if getattr(args, name) % tp:
-            raise ValueError(f"tensor parallel degree {tp} does not divide {name} ({getattr(args, name)})")
+        if getattr(args, name) % world_size:
+            raise ValueError(f"tensor parallel degree {world_size} does not divide {name} ({getattr(args, name)})")
 
 
-def _check_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
+def _check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})")
-    if tp > num_kv_heads:
-        if tp % num_kv_heads:
-            raise ValueError(f"tensor parallel degree {tp} is larger than num_key_value_heads ({num_kv_heads}) but "
-                             "not a multiple of it, so KV heads cannot be replicated evenly")
-        if num_heads % tp:
-            raise ValueError(f"tensor parallel degree {tp} does not divide num_attention_heads ({num_heads}): "
+    if world_size > num_kv_heads:
+        if world_size % num_kv_heads:
+            raise ValueError(f"tensor parallel degree {world_size} is larger than num_key_value_heads "
+                             f"({num_kv_heads}) but not a multiple of it, so KV heads cannot be replicated evenly")
+        if num_heads % world_size:
+            raise ValueError(f"tensor parallel degree {world_size} does not divide num_attention_heads ({num_heads}): "
                              "with replicated KV heads each rank must hold the same number of attention heads")
 
 

@@ -83,6 +83,9 @@ class StepPlan:
     # Speculative decoding: chunk index -> how many of its last tokens are drafts to verify. Such a
     # chunk samples from every draft position too (rank 0 accepts or rejects each, exactly).
     num_drafts: dict[int, int] = field(default_factory=dict)
+    # ... and, for a sampled row's drafts drawn from a draft model, the distributions they were drawn
+    # from (chunk index -> `[k, V]` tensor): rejection sampling needs them (absent: point masses).
+    draft_probs: dict[int, Any] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -159,7 +162,3 @@ class ExecutorInfo:
     # Token counts a step with prompt tokens runs at (its graphs' buckets; empty: any count). The
     # scheduler fills a step's padding up to the next one with prompt tokens.
     step_sizes: tuple[int, ...] = ()
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return max(1, len(self.devices))

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from serving.executor.finite_weights import check_finite
-from serving.executor.models.layers import TensorSlice
+from serving.executor.models.params import TensorSlice
 from serving.executor.quant import process_weights_after_loading
 
 logger = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ def worker_main(config, model_dir, rank, world_size, device, init_method, conn, 
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         parallel.init_tensor_parallel(rank, world_size, init_method, "nccl" if dev.type == "cuda" else "gloo",
-                                      device=dev)
+                                      device=dev, custom_all_reduce=not config.disable_custom_all_reduce)
         runner = ModelRunner(config, model_dir, device=dev, rank=rank, world_size=world_size)
         conn.send(("ready", runner.info()))
     except BaseException:  # noqa: BLE001 - reported to the executor, which names the rank

@@ -4,7 +4,7 @@
 one writer of adapters: at start (`<model dir>/adapters/<name>/`, before /ping turns 200) and
 through DJL's management API (`POST|GET /models/{model}/adapters`, `GET|DELETE
 /models/{model}/adapters/{name}`; `management_*` below build its answers), which is off unless the
-operator allows sources (`serving/adapter_allowlist.py`); API registrations are journaled so a
+operator allows sources (`serving/server/settings/adapter_allowlist.py`); API registrations are journaled so a
 replaced worker registers them again (`serving/server/adapter_journal.py`). `select_adapters`
 merges the three ways a request names an adapter: the `adapter` custom attribute (SageMaker's
 way), LMI's body field `adapters`, and on `/v1/*` the `model` field (vLLM's way).
@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from serving.adapter_allowlist import SourceNotAllowed, check_allowed
-from serving.adapter_source import check_adapter_name, fetch_adapter, find_adapters
-from serving.config import ServingConfig
+from serving.server.settings.adapter_allowlist import SourceNotAllowed, check_allowed
+from serving.server.settings.adapter_source import check_adapter_name, fetch_adapter, find_adapters
+from serving.server.settings.config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.lora_request import LoRARequest
 from serving.server.adapter_journal import AdapterJournal
@@ -62,18 +63,51 @@ class AdapterRegistry:
         self.config = config
         self.journal = journal  # API registrations, for a worker that replaces this one
         self._adapters: dict[str, Adapter] = {}
-        self._write = threading.Lock()
+        self._write = threading.RLock()
         self._next_id = 1
+        self._shared_ids: Callable[[], int] | None = None  # several frontends: ids from the arbiter
+
+    def share(self, next_id: Callable[[], int]) -> None:
+        """This is one of several frontends over shared engine cores (serving/server/cores.py): take
+        adapter ids from the server-wide `next_id`, and agree with the cores on what is registered
+        (an adapter registered or removed through another frontend; see `_sync`)."""
+        self._shared_ids = next_id
+
+    def _sync(self) -> None:
+        """Several frontends: the cores hold the adapters. Adopt those another frontend registered
+        (its `src` from the shared journal), forget those another removed. One round trip to a core;
+        done when a name is not found here and before a listing, a registration or a removal."""
+        if self._shared_ids is None:
+            return
+        try:
+            held = self.engine.held_loras()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - the cores are loading or gone: what this frontend knows stands
+            return
+        if held is None:
+            return
+        sources = dict(self.journal.entries()) if self.journal is not None else {}
+        with self._write:
+            current = {r.lora_name: r for r in held}
+            adapters = {name: a for name, a in self._adapters.items() if name in current}
+            for name, r in current.items():
+                if name not in adapters:
+                    adapters[name] = Adapter(name, sources.get(name, r.lora_path), r.lora_path, r.lora_int_id)
+            self._adapters = adapters
 
     @property
     def enabled(self) -> bool:
         return self.config.engine.enable_lora
 
     def names(self) -> list[str]:
+        self._sync()
         return sorted(self._adapters)
 
     def get(self, name: str) -> Adapter | None:
-        return self._adapters.get(name)
+        adapter = self._adapters.get(name)
+        if adapter is None and self._shared_ids is not None:
+            self._sync()
+            adapter = self._adapters.get(name)
+        return adapter
 
     def adapters(self) -> list[Adapter]:
         return [self._adapters[n] for n in self.names() if n in self._adapters]
@@ -103,15 +137,18 @@ class AdapterRegistry:
         engine's own message for weights that do not fit the base model)."""
         self._check_new_name(name)
         with self._write:
+            self._sync()
             if name in self._adapters:
                 raise AdapterConflict(f"adapter {name!r} is already registered (from {self._adapters[name].src}); "
                                       "DELETE it first to replace it")
             path = fetch_adapter(name, src, self.config.download_dir, self.config.s3_endpoint_url)
-            adapter = Adapter(name, src, str(path), self._next_id)
+            adapter = Adapter(name, src, str(path), self._shared_ids() if self._shared_ids else self._next_id)
             try:
-                self.engine.add_lora(LoRARequest(name, adapter.lora_int_id, adapter.path))
+                held = self.engine.add_lora(LoRARequest(name, adapter.lora_int_id, adapter.path))
             except ValueError as exc:
                 raise ValueError(f"adapter {name!r} from {src}: {exc}") from None
+            if isinstance(held, LoRARequest):  # shared cores: the one they hold (registered by another frontend)
+                adapter = replace(adapter, path=held.lora_path, lora_int_id=held.lora_int_id)
             self._next_id += 1
             self._adapters = {**self._adapters, name: adapter}
         logger.info("adapter %s registered from %s", name, src)
@@ -140,6 +177,7 @@ class AdapterRegistry:
     def unregister(self, name: str) -> Adapter:
         """Remove `name`: new requests on it get 404; requests already running on it finish on it."""
         with self._write:
+            self._sync()
             adapter = self._adapters.get(name)
             if adapter is None:
                 raise AdapterNotFound(f"The adapter {name} was not found")
@@ -160,9 +198,16 @@ class AdapterRegistry:
             logger.warning("%d adapter(s) under %s/adapters are ignored because LoRA is off (%s): set "
                            "OPTION_ENABLE_LORA=true to serve them", len(found), model_dir, ", ".join(found))
             return []
+        self._sync()
         for name, path in found.items():
+            if self._shared_ids is not None and name in self._adapters:
+                continue  # another frontend registered it on the shared cores
             try:
                 self.register(name, str(path))
+            except AdapterConflict:
+                if self._shared_ids is None:
+                    raise
+                continue  # another frontend registered it meanwhile
             except ValueError as exc:  # AdapterSourceError, AdapterConflict, the engine's refusal
                 raise StartupAdapterError(f"cannot register adapter {name!r} found at start in {path}: {exc}") from None
         if found:
@@ -178,6 +223,8 @@ class AdapterRegistry:
     def _restore(self, name: str, src: str) -> bool:
         """Register again an adapter the journal lists (False: already registered, as a start-up one)."""
         if name in self._adapters:
+            if self._shared_ids is not None and self._adapters[name].src == src:
+                return False  # the shared cores hold it still (this frontend adopted it)
             logger.warning("adapter %s from %s, registered through the API earlier, is now a start-up adapter: "
                            "kept as that", name, src)
             return False

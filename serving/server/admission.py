@@ -18,6 +18,10 @@ and asks `Admission.decide` what to do with it before it is handed to the pool:
 duration divided by the requests in flight (a full queue frees a slot that often), rounded up
 to whole seconds (the header's unit), so 1 s on a busy server and more only when few long
 requests fill a small queue.
+
+With several frontends (gunicorn workers over shared engine cores, serving/server/cores.py) the bound
+is the server's: `share(queue)` makes every decision count the requests all frontends admitted
+(`serving/server/shared_queue.py`, shared memory created by the arbiter before it forks them).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
+
+from serving.server.shared_queue import SharedQueue
 
 _PING_PATHS = (b"/ping",)
 _HEALTH_PATHS = (b"/health",)  # vLLM's and TGI's: 200 and an empty body when healthy
@@ -77,8 +83,19 @@ class Admission:
         self._health = health
         self._reject_body = reject_body
         self._on_reject = on_reject
-        self.in_flight = 0  # admitted and not finished (touched on the poller thread only)
+        self.in_flight = 0  # admitted by this process and not finished (touched on the poller thread only)
         self._mean_s = 1.0  # recent mean duration of an admitted request
+        self._shared: SharedQueue | None = None  # every frontend's admitted requests (several frontends)
+
+    def share(self, shared: SharedQueue) -> None:
+        """Count the bound over every frontend from now on (`shared` has this process's slot)."""
+        assert self.in_flight == 0, "share the queue before admitting requests"
+        self._shared = shared
+
+    @property
+    def total_in_flight(self) -> int:
+        """Requests admitted and not finished: by every frontend when the queue is shared."""
+        return self._shared.total() if self._shared is not None else self.in_flight
 
     def decide(self, head: bytes) -> Decision:
         """The decision for a request whose head (request line and headers) is `head`."""
@@ -92,7 +109,7 @@ class Admission:
                             close=not keep)
         if method != b"POST":
             return Decision()
-        if self.in_flight >= self.limit:
+        if not self._admit():
             text_path = path.decode("latin-1")
             if self._on_reject is not None:
                 self._on_reject(method.decode("latin-1"), text_path)
@@ -102,15 +119,22 @@ class Admission:
         self.in_flight += 1
         return Decision(admitted=True)
 
+    def _admit(self) -> bool:
+        if self._shared is not None:
+            return self._shared.try_acquire(self.limit)
+        return self.in_flight < self.limit
+
     def release(self, duration_s: float) -> None:
         """An admitted request's response is finished (or failed) after `duration_s`."""
         assert self.in_flight > 0, "released more requests than were admitted"
         self.in_flight -= 1
+        if self._shared is not None:
+            self._shared.release()
         self._mean_s += _EWMA * (max(duration_s, 0.0) - self._mean_s)
 
     def retry_after(self) -> int:
         """Whole seconds until one admitted request is expected to finish (at least 1)."""
-        return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(self._mean_s / max(self.in_flight, 1))))
+        return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(self._mean_s / max(self.total_in_flight, 1))))
 
 
 def _request_line(head: bytes) -> tuple[bytes, bytes, bytes]:

@@ -9,7 +9,8 @@ STALE_S (or none is left), accepts the connections waiting on the
 listening sockets itself and answers each `503 {"error", "code"}` with `Connection: close`:
 /ping says "unhealthy" within STALE_S + POLL_S (about 1.6 s) instead of hanging, and other requests
 get a retryable 503 instead of a timeout. The arbiter's own `timeout` (gunicorn.conf.py) then
-replaces the worker. While a worker beats, this never touches a socket.
+replaces the worker. While a worker beats, this never touches a socket (with several frontends,
+while any of them beats: the others accept the connections a stopped one would have taken).
 
 It imports nothing of the app: the arbiter must stay free of torch and the engine.
 """

@@ -2,11 +2,19 @@
 
 Counters and histograms are fed by the request path (`serving/server/request_runner.py`); queue depth,
 running sequences and KV block usage are read from the engine loop's stats at scrape time.
+
+Several HTTP frontends (serving/server/cores.py): the arbiter sets PROMETHEUS_MULTIPROC_DIR before it
+forks them, so prometheus_client keeps each frontend's counters and histograms in its own file there,
+and `share` makes a scrape of any frontend render the sum over every frontend (those that exited
+included: counters do not go back), with the engine gauges read from the cores (every frontend's
+requests) and `lmi_requests_in_flight` from the shared admission count. The files cannot drop a
+series: an adapter's counts are left out of the rendering while it is not registered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -86,6 +94,22 @@ def _speculation(stats: dict):  # noqa: ANN202 - a generator of metric families
     yield c
 
 
+class _Registered:
+    """Every frontend's counters, less the series of adapters that are no longer registered."""
+
+    def __init__(self, collector: object, adapters: Callable[[], Iterable[str]]) -> None:
+        self._collector = collector
+        self._adapters = adapters
+
+    def collect(self):  # noqa: ANN201 - prometheus collector protocol
+        live = None
+        for family in self._collector.collect():  # type: ignore[attr-defined]
+            if family.name == "lmi_adapter_requests":
+                live = set(self._adapters()) if live is None else live
+                family.samples = [s for s in family.samples if s.labels.get("adapter") in live]
+            yield family
+
+
 class Metrics:
     """The counters/histograms of one app and the text exposition."""
 
@@ -100,7 +124,19 @@ class Metrics:
         self.generated = Counter("lmi_generated_tokens", "output tokens generated", registry=self.registry)
         self.adapter_requests = Counter("lmi_adapter_requests", "prompts submitted on a LoRA adapter", ["adapter"],
                                         registry=self.registry)
-        self.registry.register(_EngineCollector(stats, inflight))
+        self._engine = _EngineCollector(stats, inflight)
+        self.registry.register(self._engine)
+        self._multiprocess_dir: str | None = None
+
+    def share(self, inflight: Callable[[], int], adapters: Callable[[], Iterable[str]]) -> None:
+        """Render every frontend's counters (prometheus_client's multiprocess files) and the server's
+        in-flight count from now on (see the module docstring); `adapters`: the names registered now
+        (a series in the files cannot be removed: those of other adapters are left out instead)."""
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        assert path, "PROMETHEUS_MULTIPROC_DIR is set by the arbiter before the frontends start"
+        self._multiprocess_dir = path
+        self._adapters = adapters
+        self._engine._inflight = inflight
 
     def forget_adapter(self, name: str) -> None:
         """Drop the series of an adapter that was unregistered (no-op when it never served)."""
@@ -113,4 +149,11 @@ class Metrics:
         self.requests.labels(route=route, status=str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        registry.register(_Registered(MultiProcessCollector(None, path=self._multiprocess_dir), self._adapters))
+        registry.register(self._engine)
+        return generate_latest(registry)

@@ -1,11 +1,11 @@
 """Runs one parsed HTTP request on the engine loop: tokenize, admit, collect deltas, format.
 
-In: a `GenerateRequest` (serving/server/protocol.py). Out: either whole response bytes, or an iterator
-of byte records for a stream. It owns admission (the job queue bound -> 503), the per-request
-deadline (`predict_timeout`), the SIGTERM drain deadline (`begin_drain`: new work 503, what still
-runs then ends with an error record), aborting on client disconnect (a failed write closes the
-generator; while waiting, the `gone` probe is polled; either way the engine stream is closed, which
-frees its KV blocks), and the latency metrics.
+In: a `GenerateRequest` (serving/server/protocol.py; each API in serving/server/api/ parses its own).
+Out: either whole response bytes, or an iterator of byte records for a stream. It owns admission
+(the job queue bound -> 503), the per-request deadline (`predict_timeout`), the SIGTERM drain
+deadline (`begin_drain`: new work 503, what still runs then ends with an error record), aborting
+on client disconnect (a failed write closes the generator; while waiting, the `gone` probe is
+polled; either way the engine stream is closed, which frees its KV blocks), and the latency metrics.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from serving.config import ServingConfig
+from serving.server.settings.config import ServingConfig
 from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineState, RequestStream
 from serving.engine.schema_validator import OUTPUT_INVALID, output_problem
 from serving.lora_request import UnknownAdapterError
 from serving.server.access_log import RequestRecord
+from serving.server.errors import lmi_error
 from serving.server.formatters import Formatter, Result
 from serving.server.metrics import Metrics
 from serving.outputs import StreamDelta
@@ -46,7 +47,7 @@ class HTTPError(Exception):
         self.message = message
 
     def body(self) -> bytes:
-        return json.dumps({"error": self.message, "code": self.status}).encode()
+        return json.dumps(lmi_error(self.status, self.message)).encode()
 
 
 class ServerDraining(RuntimeError):

@@ -5,7 +5,9 @@ Importing this module builds the app but starts nothing: `start()` (called from 
 hub / local / default) and loads it while `/ping` answers 503; then the LoRA adapters under the
 model's `adapters/` are registered, still behind the 503 (one that fails is a failed start).
 `stop()` closes the engine on worker exit. The configuration comes resolved from
-`container/serve` (`config_from_env`).
+`container/serve` (`config_from_env`). With `option.engine_process` this worker is one of
+`option.frontends` HTTP frontends: `start()` connects it to the engine cores the arbiter started
+(serving/server/cores.py) and shares the queue bound, adapter ids and metrics with the others.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import threading
 import time
 
 from serving.server.app import create_app
-from serving.config import ServingConfig, config_from_env
+from serving.server.settings.config import ServingConfig, config_from_env
 from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
 from serving.engine.client import EngineClient
@@ -91,6 +93,11 @@ class ServedEngine:
     def list_loras(self) -> list[str]:
         return self.loop.list_loras()
 
+    def held_loras(self) -> list[LoRARequest] | None:
+        """What the engine cores hold (None: this process's engine, which no one else registers on)."""
+        held = getattr(self.loop, "held_loras", None)
+        return None if held is None else held()
+
     def stats(self) -> dict:
         return self.loop.stats()
 
@@ -126,7 +133,7 @@ _resolved: list = []
 
 def _resolved_model():  # noqa: ANN202 - Path | None
     """Fetch the model (S3 / hub / local / default) once for every copy."""
-    from serving.model_source import resolve_model
+    from serving.server.settings.model_source import resolve_model
 
     with _resolve_lock:
         if not _resolved:
@@ -135,13 +142,16 @@ def _resolved_model():  # noqa: ANN202 - Path | None
 
 
 def _engine_client(config: ServingConfig) -> EngineClient:
-    """One engine per model copy (max_workers, else GPUs / tensor-parallel degree): each in a process
-    of its own (`option.engine_process`, the default for several copies) or an EngineLoop thread in
-    this one; several copies behind a ReplicaSet."""
+    """One engine per model copy (max_workers, else GPUs / tensor-parallel degree): each in an engine
+    core process that gunicorn's arbiter started and this frontend connects to (`option.engine_process`,
+    the default for several copies: serving/server/cores.py), or an EngineLoop thread in this process;
+    several copies behind a ReplicaSet."""
     if config.engine_process:
-        loops = [EngineProcess(config.engine, resolve=_resolved_model, devices=devices,
-                               max_queue_size=config.job_queue_size)
-                 for devices in config.copy_devices()]
+        from serving.server import cores
+
+        assert cores.CURRENT is not None, \
+            "option.engine_process: the engine cores are started by gunicorn's arbiter (container/gunicorn.conf.py)"
+        loops = [EngineProcess(config.engine, address) for address in cores.CURRENT.addresses]
     else:
         loops = [EngineLoop(config.engine, engine_factory=_engine_factory(config, devices, c),
                             max_queue_size=config.job_queue_size)
@@ -167,6 +177,8 @@ def _watch(served: ServedEngine) -> None:
     if served.loop.closing:
         return
     if not served.loop.was_ready or served.startup_error is not None:
+        if config.engine_process and not _first_to_report_failed_start():
+            return  # another frontend reported it: the arbiter halts and stops this one
         logger.critical("the model failed to load: %s", _one_line(served.error))
         _exit_worker(WORKER_BOOT_ERROR, linger=0.0)
     if config.fail_fast:
@@ -176,6 +188,12 @@ def _watch(served: ServedEngine) -> None:
     logger.error("engine died while serving (%s); this worker exits so gunicorn starts a new one",
                  _one_line(served.error))
     _exit_worker(1, linger=1.0)  # let open streams write their final error records
+
+
+def _first_to_report_failed_start() -> bool:
+    from serving.server import cores
+
+    return cores.CURRENT is None or cores.CURRENT.claim_failed_start()
 
 
 def _one_line(error: BaseException | None) -> str:
@@ -200,17 +218,20 @@ def _setup_logging() -> None:
 
 
 _setup_logging()
-config = config_from_env(os.environ)  # resolved once, by container/serve (else here)
+config = config_from_env(os.environ)  # resolved by container/serve; parsed in the arbiter before fork (else here)
 engine_loop = ServedEngine(_engine_client(config), config)
 app = create_app(engine_loop, config)
 _started = threading.Lock()
 
 
-def start() -> None:
-    """Start the engine thread (idempotent); call after fork."""
+def start(frontend_slot: int | None = None) -> None:
+    """Start the engine thread, or connect to the engine cores (idempotent); call after fork.
+    `frontend_slot`: this worker's share of the server's admission count (several frontends)."""
     if not _started.acquire(blocking=False):
         return
     engine_loop.started_at = time.monotonic()
+    if config.engine_process:
+        _share_with_other_frontends(frontend_slot)
     if config.model_copies > 1 and not config.engine_process:
         import transformers  # noqa: F401 - its lazy module is not safe to import from the copies' threads at once
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401
@@ -220,13 +241,33 @@ def start() -> None:
     threading.Thread(target=_watch, args=(engine_loop,), name="engine-watch", daemon=True).start()
 
 
+def _share_with_other_frontends(slot: int | None) -> None:
+    """This worker is one of the frontends over the arbiter's engine cores: the queue bound, the
+    adapter ids and the request counters are the server's (serving/server/cores.py)."""
+    from serving.server import cores
+
+    shared = cores.CURRENT
+    assert shared is not None and slot is not None, "a frontend needs the arbiter's cores and its slot"
+    app.extensions["admission"].share(shared.queue.attach(slot))
+    app.extensions["adapters"].share(shared.next_adapter_id)
+    app.extensions["metrics"].share(shared.queue.total, adapters=app.extensions["adapters"].names)
+
+
+def _model_dir():  # noqa: ANN202 - Path | str | None
+    """The resolved model dir (its `adapters/` are registered at start)."""
+    if config.engine_process:
+        loops = getattr(engine_loop.loop, "loops", [engine_loop.loop])
+        return loops[0].model_dir
+    return _resolved[0] if _resolved else None
+
+
 def _register_startup_adapters(served: ServedEngine) -> None:
     """Once the model is loaded: register `<model dir>/adapters/<name>/` (LMI's start-up adapters),
     then let /ping answer 200. A failure is the start's failure (/ping 500 naming the adapter)."""
     try:
         if not served.loop.wait_ready(None):
             return
-        app.extensions["adapters"].register_startup(_resolved[0] if _resolved else None)
+        app.extensions["adapters"].register_startup(_model_dir())
         _freeze_startup_objects()
     except BaseException as exc:  # noqa: BLE001 - the engine died while loading, or an adapter is bad
         if served.loop.state is not EngineState.DEAD:

@@ -1,27 +1,36 @@
-"""Model copies and overload through the real server on the CPU (issue 24).
+"""Model copies, several HTTP frontends and overload through the real server on the CPU (issue 24).
 
-Two real engine copies (`SERVING_MAX_WORKERS=2`: each copy's engine in a process of its own, the
-embedded model) start every time, serve, and share the load; a model that fails to load stops the
-whole server with the reason on one line and exit status 3; a flood far above a small queue gets
-LMI's 503 (with Retry-After) for the excess at once while `/ping` keeps answering fast and every
-accepted request ends whole.
+Two real engine copies (`SERVING_MAX_WORKERS=2`: each copy's engine in a core process that gunicorn's
+arbiter starts, the embedded model) behind two HTTP frontends (`SERVING_FRONTENDS=2`: gunicorn
+workers, each a client of both cores) start every time, serve, and share the load; a model that fails
+to load stops the whole server with the reason on one line and exit status 3; a flood far above a
+small queue gets LMI's 503 (with Retry-After) at the configured bound, counted over both frontends,
+while `/ping` keeps answering fast and every accepted request ends whole; a killed frontend is
+replaced and reconnects while the other's streams run on; an adapter registered through one
+frontend serves through the other. Which frontend a connection reached is read from /proc
+(`lmi_server.frontend_of`).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import signal
 import statistics
 import threading
 import time
-
 import pytest
 import requests
-from lmi_server import LMIServer
+from lmi_server import LMIServer, check_jsonlines, engine_cores, frontend_of, frontends
+from processes import alive
 
 pytestmark = pytest.mark.slow
 QUEUE = 6  # job_queue_size of the copies server
 STARTS = 3  # the copies server is started this many times; the last one stays up for the module's tests
-COPIES_ENV = {"SERVING_MAX_WORKERS": "2", "SERVING_JOB_QUEUE_SIZE": str(QUEUE), "OPTION_MAX_MODEL_LEN": "256"}
+SERVED = "smol"
+COPIES_ENV = {"SERVING_MAX_WORKERS": "2", "SERVING_FRONTENDS": "2", "SERVING_JOB_QUEUE_SIZE": str(QUEUE),
+              "OPTION_MAX_MODEL_LEN": "256", "OPTION_ENABLE_LORA": "true", "OPTION_SERVED_MODEL_NAME": SERVED}
 
 
 def _generate(url: str, prompt: str, max_new_tokens: int = 8, timeout: float = 120) -> requests.Response:
@@ -29,42 +38,176 @@ def _generate(url: str, prompt: str, max_new_tokens: int = 8, timeout: float = 1
         "max_new_tokens": max_new_tokens, "ignore_eos_token": True, "details": True}}, timeout=timeout)
 
 
+class Frontend:
+    """A kept-alive HTTP connection known to have reached one particular frontend (worker pid)."""
+
+    def __init__(self, srv: LMIServer, conn: http.client.HTTPConnection, pid: int) -> None:
+        self.srv, self.conn, self.pid = srv, conn, pid
+
+    def request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+                stream: bool = False) -> http.client.HTTPResponse:
+        self.conn.request(method, path, body=None if body is None else json.dumps(body),
+                          headers={"Content-Type": "application/json", **(headers or {})})
+        r = self.conn.getresponse()
+        if not stream:
+            r.body = r.read()
+        return r
+
+    def generate(self, prompt: str, max_new_tokens: int = 8, adapter: str | None = None) -> tuple[int, dict]:
+        r = self.request("POST", "/invocations", {"inputs": prompt, "parameters": {
+            "max_new_tokens": max_new_tokens, "ignore_eos_token": True, "details": True}},
+            headers={"X-Amzn-SageMaker-Custom-Attributes": f"adapter={adapter}"} if adapter else None)
+        return r.status, json.loads(r.body)
+
+
+def one_per_frontend(srv: LMIServer, want: int = 2, tries: int = 40) -> dict[int, Frontend]:
+    """A connection to each of `want` frontends (fresh connections until each worker took one)."""
+    found: dict[int, Frontend] = {}
+    for _ in range(tries):
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+        conn.connect()
+        pid = frontend_of(srv, conn.sock)
+        if pid in found:
+            conn.close()
+        else:
+            found[pid] = Frontend(srv, conn, pid)
+        if len(found) == want:
+            return found
+    raise AssertionError(f"connections reached only {sorted(found)} of {frontends(srv)}")
+
+
 @pytest.fixture(scope="module")
-def copies(tmp_path_factory):
-    """The copies server, started STARTS times (each start must come up and answer); the last stays."""
+def lora(lora_adapters):
+    return lora_adapters("default")
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory, lora):
+    """The copies server, started STARTS times (each start must come up with two cores and two
+    frontends, and answer; each stop must leave no process and no socket); the last stays."""
+    base, adapters = lora
+    model = tmp_path_factory.mktemp("model")
+    (model / "adapters").mkdir()
+    for f in base.iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "adapters" / "r16").symlink_to(adapters["r16"], target_is_directory=True)  # every frontend registers it
     srv = None
     try:
         for attempt in range(STARTS):
             cwd = tmp_path_factory.mktemp(f"copies{attempt}")
-            srv = LMIServer(COPIES_ENV, cwd, cwd / "serve.log")
+            env = {**COPIES_ENV, "HF_MODEL_ID": str(model), "TMPDIR": str(cwd),
+                   "OPTION_RUNTIME_ADAPTER_SOURCES": str(adapters["r8"])}
+            srv = LMIServer(env, cwd, cwd / "serve.log")
             srv.wait(200)
             r = _generate(srv.url, "The capital of France is")
             assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 8, (attempt, r.text)
             assert "cannot import name" not in srv.log()
+            cores, workers = engine_cores(srv), frontends(srv)
+            assert len(cores) == 2 and len(workers) == 2, (cores, workers)
+            assert sorted(p.name for p in cwd.glob("open-lmi-cores-*/*.sock")) == ["core0.sock", "core1.sock"]
             if attempt < STARTS - 1:
                 srv.stop()
+                assert srv.proc.returncode == 0, srv.log()[-3000:]
+                time.sleep(0.5)
+                assert not [p for p in cores + workers if alive(p)]
+                assert not list(cwd.glob("open-lmi-cores-*")), "the cores' sockets and files are removed"
         yield srv
     finally:
         if srv is not None:
             srv.stop()
 
 
-def test_two_copies_start_each_in_its_own_process_and_share_the_load(copies):
-    results: list[requests.Response] = []
-    threads = [threading.Thread(target=lambda i=i: results.append(_generate(copies.url, f"Question {i}: why is the sky"
-                                                                                          " blue? Answer:")))
-               for i in range(4)]
+def test_two_copies_two_frontends_share_the_load_and_the_metrics(copies):
+    ends = one_per_frontend(copies)
+    a, b = ends.values()
+    before = copies.metrics()
+    key = 'lmi_requests_total{route="/invocations",status="200"}'
+    results: list[tuple[int, dict]] = []
+    lock = threading.Lock()
+
+    def run(end: Frontend, i: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", copies.port, timeout=120)
+        conn.connect()
+        out = Frontend(copies, conn, end.pid).generate(f"Question {i}: why is the sky blue? Answer:")
+        with lock:
+            results.append(out)
+        conn.close()
+
+    # Three requests at once through each frontend (its own connection each): the queue's bound in all.
+    threads = [threading.Thread(target=run, args=(end, i)) for i, end in enumerate([a, b] * (QUEUE // 2))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert [r.status_code for r in results] == [200] * 4
-    m = copies.metrics()
-    routed = [m.get(f'lmi_copy_routed_requests_total{{copy="{i}"}}', 0) for i in range(2)]
-    assert all(n >= 2 for n in routed), routed  # least-loaded routing used both copies
-    # Same greedy answer from either copy: the copies hold the same model.
-    answers = {_generate(copies.url, "The capital of France is").json()["generated_text"] for _ in range(4)}
+    assert [status for status, _ in results] == [200] * QUEUE
+    for end in (a, b):  # each frontend served: a request on its own connection
+        assert end.generate("Hello there")[0] == 200
+    # A scrape of either frontend shows the whole server: both frontends' requests, both cores' load.
+    for end in (a, b):
+        r = end.request("GET", "/metrics")
+        m = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in r.body.decode().splitlines()
+             if line and not line.startswith("#")}
+        assert m[key] - before.get(key, 0) >= QUEUE + 2, (m[key], before.get(key))
+        routed = [m.get(f'lmi_copy_routed_requests_total{{copy="{i}"}}', 0) - before.get(
+            f'lmi_copy_routed_requests_total{{copy="{i}"}}', 0) for i in range(2)]
+        assert sum(routed) >= QUEUE + 2 and all(n >= 2 for n in routed), routed  # least-loaded over both cores
+    # Same greedy answer from either copy and either frontend: the copies hold the same model.
+    answers = {end.generate("The capital of France is")[1]["generated_text"] for end in (a, b, a, b)}
     assert len(answers) == 1
+
+
+def test_an_adapter_registered_through_one_frontend_serves_through_the_other(copies, lora):
+    _, adapters = lora
+    a, b = one_per_frontend(copies).values()
+    listed = lambda end: [x["name"] for x in json.loads(end.request("GET", f"/models/{SERVED}/adapters").body)["adapters"]]  # noqa: E731
+    assert listed(a) == listed(b) == ["r16"]  # the start-up adapter, registered by both frontends at once
+    r = a.request("POST", f"/models/{SERVED}/adapters?name=r8&src={adapters['r8']}")
+    assert r.status == 200, r.body
+    base = a.generate("The capital of France is", 8)[1]["generated_text"]
+    via_b = b.generate("The capital of France is", 8, adapter="r8")
+    via_a = a.generate("The capital of France is", 8, adapter="r8")
+    assert via_b[0] == via_a[0] == 200, (via_a, via_b)
+    assert via_b[1]["generated_text"] == via_a[1]["generated_text"] != base
+    assert listed(b) == ["r16", "r8"]
+    again = b.request("POST", f"/models/{SERVED}/adapters?name=r8&src={adapters['r8']}")
+    assert again.status == 409, again.body  # the name is taken, whichever frontend registered it
+    assert b.request("DELETE", f"/models/{SERVED}/adapters/r8").status == 200
+    status, body = a.generate("The capital of France is", 8, adapter="r8")
+    assert status == 404 and "r8" in body["error"], body
+    assert listed(a) == ["r16"]
+
+
+def test_a_killed_frontend_is_replaced_and_reconnects_while_the_other_serves_on(copies):
+    cores = engine_cores(copies)
+    ends = one_per_frontend(copies)
+    a, b = ends.values()
+    streams = {}
+    for end in (a, b):
+        r = end.request("POST", "/invocations", {"inputs": "Tell me a long story about a ship:", "stream": True,
+                                                 "parameters": {"max_new_tokens": 96, "ignore_eos": True}},
+                        stream=True)
+        assert r.status == 200
+        streams[end.pid] = (r, [r.readline()])  # a first token: both requests run in the cores
+    os.kill(a.pid, signal.SIGKILL)
+    r, lines = streams[b.pid]
+    lines = [ln.decode() for ln in lines + r.read().splitlines() if ln.strip()]
+    check_jsonlines(lines)
+    assert len(lines) == 96  # the other frontend's stream ran to its end
+    cut, _ = streams[a.pid]
+    with pytest.raises((http.client.HTTPException, OSError)):  # the killed worker's response never ends
+        cut.read()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (len(frontends(copies)) == 2 and a.pid not in frontends(copies)):
+        time.sleep(0.2)
+    new = [p for p in frontends(copies) if p != b.pid]
+    assert len(new) == 1 and new[0] != a.pid, frontends(copies)
+    copies.wait(200, timeout=60)
+    ends = one_per_frontend(copies)
+    assert set(ends) == {b.pid, new[0]}
+    for end in ends.values():
+        assert end.generate("The capital of France is")[0] == 200
+    assert engine_cores(copies) == cores  # the cores served on throughout
+    copies.wait_idle(timeout=60)  # the killed frontend's request was aborted in its core: no KV held
 
 
 def test_a_flood_past_the_queue_gets_503_at_once_while_ping_stays_fast(copies):

@@ -405,7 +405,7 @@ def _token_id(text: str) -> int:
     """The id of a one-token text in the default model's vocabulary."""
     from transformers import AutoTokenizer
 
-    from serving.default_model import default_model_path
+    from serving.checkpoint.default_model import default_model_path
 
     [tid] = AutoTokenizer.from_pretrained(default_model_path()).encode(text, add_special_tokens=False)
     return tid

@@ -1,5 +1,5 @@
 """Multi-LoRA through the real server (`container/serve`, SmolLM2 on the CPU): every way of naming
-an adapter gives PEFT's greedy tokens for that adapter (oracle: `tests/lora_fixtures.py`), an
+an adapter gives PEFT's greedy tokens for that adapter (oracle: `tests/support/lora_fixtures.py`), an
 unknown adapter is a 404 naming no other adapter, and an adapter registered through DJL's management
 API (on here: OPTION_RUNTIME_ADAPTER_SOURCES names its directory) serves at once and, removed while a stream runs on it, lets that stream finish on it.
 

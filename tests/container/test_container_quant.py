@@ -1,6 +1,6 @@
 """Quantized checkpoints through the real server (issue 12): GPTQ, AWQ and FP8 tiny models on the CPU.
 
-Each checkpoint is a tiny random Llama quantized in `tests/quant_fixtures.py`; greedy tokens from
+Each checkpoint is a tiny random Llama quantized in `tests/support/quant_fixtures.py`; greedy tokens from
 /invocations must be transformers' greedy tokens on the same model with the dequantised weights
 in fp32, and the start-up log names the format. A malformed `quantization_config` stops the
 start: `serve` exits 3 with the message naming the field on one line. The four servers start together.

@@ -45,7 +45,7 @@ class EvilTokenizer(PreTrainedTokenizerFast):
 def remote_code_model(root: Path, tokenizer_class: str) -> tuple[Path, Path]:
     """The default model (files linked) whose tokenizer_config.json auto_map names `evil.EvilTokenizer`,
     a local .py that writes a marker file when imported; returns (model dir, marker path)."""
-    from serving.default_model import default_model_path
+    from serving.checkpoint.default_model import default_model_path
 
     src, model, marker = default_model_path(), root / "remote-code-model", root / "EXECUTED"
     model.mkdir()

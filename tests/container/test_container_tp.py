@@ -15,6 +15,7 @@ import time
 import pytest
 import requests
 from lmi_server import check_jsonlines, running_server, stream_lines
+from processes import alive
 
 pytestmark = pytest.mark.slow
 
@@ -41,15 +42,6 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (an orphan would be re-parented, still alive)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _rank_processes(worker: int) -> list[int]:
@@ -108,9 +100,9 @@ def test_killed_rank_turns_ping_non_200_within_5s_and_leaves_no_orphans(server):
         time.sleep(0.05)
     assert status != 200, "/ping still 200 five seconds after a rank died"
     deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline and any(_alive(p) for p in ranks + [worker]):
+    while time.monotonic() < deadline and any(alive(p) for p in ranks + [worker]):
         time.sleep(0.1)
-    left = [p for p in ranks + [worker] if _alive(p)]
+    left = [p for p in ranks + [worker] if alive(p)]
     assert not left, f"processes left behind: {[(p, _cmdline(p)) for p in left]}"
     server.wait(200, timeout=240)  # gunicorn's new worker loads the model again
     (new_worker,) = _children(server.proc.pid)
@@ -132,9 +124,9 @@ def test_sigterm_leaves_no_rank_process_and_no_shared_memory(server):
     srv.stop()
     assert srv.proc.returncode is not None
     deadline = time.monotonic() + 5.0
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
     # the engine shut down, not killed with its parent
     assert srv.log().count("executor: 2 worker processes stopped") == stopped_before + 1
     shm_after = _shm()

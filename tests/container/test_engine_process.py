@@ -1,7 +1,7 @@
 """The engine in a process of its own (`option.engine_process=true`, the GPU default) behind the real
-server (`container/serve`, SmolLM2 on the CPU): requests, streams, aborts and metrics cross its pipe;
-a killed engine process fails the open streams with an error record and gunicorn's new worker serves
-again; SIGTERM leaves no process behind. (The LoRA module's server also runs this way.)
+server (`container/serve`, SmolLM2 on the CPU): requests, streams, aborts and metrics cross its socket;
+a killed engine core fails the open streams with an error record, gunicorn's arbiter starts a fresh
+core and the new worker serves again; SIGTERM leaves no process behind. (The LoRA module's server also runs this way.)
 """
 
 from __future__ import annotations
@@ -14,33 +14,16 @@ from pathlib import Path
 
 import pytest
 import requests
-from lmi_server import LMIServer, check_jsonlines, stream_lines
+from lmi_server import LMIServer, check_jsonlines, engine_cores, stream_lines
 
 pytestmark = pytest.mark.slow
 
 
-def children(pid: int) -> list[int]:
-    """Direct child pids of `pid` (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
 def engine_pid(srv: LMIServer) -> int:
-    """The engine process: the spawned child of gunicorn's worker (itself the child of `serve`)."""
-    workers = children(srv.proc.pid)
-    assert len(workers) == 1, workers
-    spawned = [p for p in children(workers[0])
-               if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]  # not the resource tracker
-    assert len(spawned) == 1, spawned
-    return spawned[0]
+    """The engine core: the spawned child of gunicorn's arbiter (`serve` exec'd it), not a worker's."""
+    cores = engine_cores(srv)
+    assert len(cores) == 1, cores
+    return cores[0]
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,7 @@ def test_bf16_prompt_logprobs_close_to_transformers_fp32(tmp_path):
 # capped scores and sliding layers in every attention kernel (Gemma 2, Mistral), Gemma norms in the
 # Triton RMSNorm and 256-wide heads (Gemma 3), MoE blocks grouped in eager steps and dense in the captured
 # graphs (Mixtral, Qwen2-MoE), Gemma 1, LayerNorm and plain MLPs (StarCoder2, Phi). The tiny models of
-# tests/model_fixtures.py, no tokenizer.
+# tests/support/model_fixtures.py, no tokenizer.
 OTHER_ARCHS = {
     "qwen3": {}, "smollm3": {}, "granite": {}, "gemma2": {}, "gemma3-256": {"head_dim": 256},
     "mistral-sliding": {"sliding_window": 8}, "mixtral": {}, "qwen2_moe": {}, "gemma": {}, "starcoder2": {}, "phi": {},

@@ -138,7 +138,7 @@ def test_engine_on_cuda_with_graphs_matches_the_cpu_reference_path(tmp_path, dev
     import json
     from pathlib import Path
 
-    from bench.lora import write_random_adapter
+    from random_adapter import write_random_adapter
     from model_fixtures import build_tiny_model
     from serving.llm import LLM
     from serving.lora_request import LoRARequest

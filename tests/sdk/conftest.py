@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")
-sys.path.insert(0, str(Path(__file__).parent))
-
 from fake_lmi import FakeLMI, runtime_client  # noqa: E402
 
 from sdk.gateway import Gateway  # noqa: E402

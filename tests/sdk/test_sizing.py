@@ -118,6 +118,9 @@ def test_cli_quantized(tmp_path) -> None:
     # GPT-2 (124M) in its own config names, tied, n_inner null (4 x n_embd), biases left out of the count
     (dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_inner=None, vocab_size=50257,
           tie_word_embeddings=True), 124.4e6 - 1024 * 768),
-], ids=["mixtral_8x7b", "qwen3_30b_a3b", "qwen1.5_moe_a2.7b", "starcoder2_15b", "gpt2"])
+    # Nemotron-Mini-4B (Minitron): a plain squared-ReLU MLP (up, down), 2 matrices (3 would give 5.1B), untied
+    (dict(model_type="nemotron", hidden_size=3072, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+          intermediate_size=9216, num_hidden_layers=32, vocab_size=256000, tie_word_embeddings=False), 4.19e9),
+], ids=["mixtral_8x7b", "qwen3_30b_a3b", "qwen1.5_moe_a2.7b", "starcoder2_15b", "gpt2", "nemotron_mini_4b"])
 def test_parameter_counts_of_other_layouts(cfg, published) -> None:
     assert ModelShape.from_config(cfg).num_params() == pytest.approx(published, rel=0.01)

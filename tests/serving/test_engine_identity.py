@@ -28,7 +28,7 @@ BOTH_LOOPS = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 
 @pytest.fixture(scope="module")
 def smol_dir() -> str:
-    from serving.default_model import default_model_path
+    from serving.checkpoint.default_model import default_model_path
 
     return str(default_model_path())
 
@@ -42,7 +42,7 @@ def runner(smol_dir: str):  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 def tokenizer(smol_dir: str):  # noqa: ANN201
-    from serving.tokenizer import load_tokenizer
+    from serving.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(smol_dir)
 

@@ -37,7 +37,7 @@ def _assert_all_free(llm: LLM) -> None:
 
 
 # Through the engine: the four Llama-family originals and the other model class (Gemma). The rest of
-# TINY_ARCHS differ only inside the model, which tests/serving/test_models.py checks logit by logit.
+# TINY_ARCHS differ only inside the model, which tests/serving/executor/test_models.py checks logit by logit.
 ENGINE_ARCHS = ("llama", "mistral", "qwen2", "phi3", "gemma3", "qwen3_moe", "gpt2")
 assert set(ENGINE_ARCHS) <= set(TINY_ARCHS)
 

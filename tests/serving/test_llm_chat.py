@@ -1,6 +1,6 @@
 """Offline `LLM.chat` (vLLM's API) against `apply_chat_template` + `generate`: identical tokens.
 
-A tiny random Llama carrying SmolLM2's tokenizer and chat template (tests/model_fixtures.py);
+A tiny random Llama carrying SmolLM2's tokenizer and chat template (tests/support/model_fixtures.py);
 one conversation and a batch of conversations, greedy and seeded sampling, the template options.
 """
 

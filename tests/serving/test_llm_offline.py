@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_engine_loop import CONFIG, FakeRunner
+from fake_runner import CONFIG, FakeRunner
 
 from serving.engine.llm_engine import LLMEngine
 from serving.llm import LLM

@@ -1,6 +1,6 @@
 """Multi-LoRA through the engine and the offline API, against PEFT on transformers (fp32, CPU).
 
-Oracle: PEFT's greedy tokens (`tests/lora_fixtures.py`) for each adapter alone (ranks 8 and 16)
+Oracle: PEFT's greedy tokens (`tests/support/lora_fixtures.py`) for each adapter alone (ranks 8 and 16)
 and for one batch mixing three adapters and the base model, on the default model and on a tiny
 random Llama. With `max_loras=2` the three-adapter batch also exercises the slot limit (a
 request waits for a slot) and slot reuse. Also: prefix-cache blocks are never shared between

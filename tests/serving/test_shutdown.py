@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
-from test_tp_engine import _alive
+from processes import alive
 
 from serving.engine.engine_loop import EngineDeadError, EngineLoop
 from serving.engine.replicas import ReplicaSet
@@ -62,9 +62,9 @@ def _model_refs(engine) -> tuple[weakref.ref, weakref.ref]:  # noqa: ANN001 - LL
 
 def _wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def test_shutdown_frees_the_model_and_refuses_more_work(model_dir):
@@ -123,7 +123,7 @@ def test_tensor_parallel_shutdown_ends_the_rank_processes_and_the_watchdog(model
     llm = LLM(model_dir, tensor_parallel_size=2, **OPTIONS)
     executor = llm.llm_engine.executor
     pids = [p.pid for p in executor._procs]  # noqa: SLF001 - the test checks the process table
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert len(pids) == 2 and all(alive(p) for p in pids)
     expected = _tokens(llm)
     del executor
     handle = weakref.ref(llm)

@@ -1,8 +1,12 @@
 """Architecture registry: HF `architectures[0]` -> our model class, and `build_model`.
 
 Every supported architecture is a Llama-family decoder (some with mixture-of-experts MLPs, some
-with LayerNorm and a plain MLP); the differences are options in `ModelArgs`. An unknown architecture, or a config that points at remote code (`auto_map`),
-raises `UnsupportedModelError` naming what was found and what is supported.
+with LayerNorm and a plain MLP); the differences are options in `ModelArgs`. What each model type
+means in config.json is declared torch-free in `serving/checkpoint/architectures/` (the checkpoint
+package may not import the executor); each model class here points at the declarations it runs
+(`serves`), and the registry is assembled from those. An unknown architecture, or a config that
+points at remote code (`auto_map`), raises `UnsupportedModelError` naming what was found and what
+is supported.
 
 Tensor parallel: `build_model` builds this process's slice of the model. The shard is the
 explicit `shard` argument, else the process state set by `parallel.init_tensor_parallel`
@@ -36,46 +40,36 @@ from serving.executor.models.llama import LlamaForCausalLM, MixtralForCausalLM
 from serving.executor.models.multimodal_text import LlamaTextOfMultimodal
 from serving.executor.models.olmo import OlmoForCausalLM
 from serving.executor.parallel import TPShard
-from serving.model_config import (
+from serving.checkpoint.model_config import (
     SUPPORTED_ARCHITECTURES,
     ModelArgs,
     UnsupportedModelError,
 )
-from serving.quantization import QuantConfig
+from serving.checkpoint.quantization import QuantConfig
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "SmolLM3ForCausalLM": LlamaForCausalLM,
-    "GraniteForCausalLM": LlamaForCausalLM,
-    "GemmaForCausalLM": Gemma1ForCausalLM,
-    "Gemma2ForCausalLM": GemmaForCausalLM,
-    "Gemma3ForCausalLM": GemmaForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,
-    "Mistral3ForConditionalGeneration": LlamaTextOfMultimodal,
-    "Qwen2VLForConditionalGeneration": LlamaTextOfMultimodal,
-    "Qwen2_5_VLForConditionalGeneration": LlamaTextOfMultimodal,
-    "Qwen3VLForConditionalGeneration": LlamaTextOfMultimodal,
-    "Phi3ForCausalLM": LlamaForCausalLM,
-    "Starcoder2ForCausalLM": LayerNormForCausalLM,
-    "PhiForCausalLM": LayerNormForCausalLM,
-    "GPT2LMHeadModel": GPT2ForCausalLM,
-    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
-    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
-    "FalconForCausalLM": FalconForCausalLM,
-    "OPTForCausalLM": OPTForCausalLM,
-    "CohereForCausalLM": CohereForCausalLM,
-    "Olmo2ForCausalLM": OlmoForCausalLM,
-    "Olmo3ForCausalLM": OlmoForCausalLM,
-    "StableLmForCausalLM": LayerNormForCausalLM,
-    "NemotronForCausalLM": NemotronForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "Qwen2MoeForCausalLM": LlamaForCausalLM,
-    "Qwen3MoeForCausalLM": LlamaForCausalLM,
-}
-assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES), "serving/model_config.py lists what we run"
+# Every class that runs a model; each says which declarations it serves (`serves`).
+_MODEL_CLASSES: tuple[type[nn.Module], ...] = (
+    LlamaForCausalLM, MixtralForCausalLM, Gemma1ForCausalLM, GemmaForCausalLM, Gemma3TextOfMultimodal,
+    LlamaTextOfMultimodal, CohereForCausalLM, OlmoForCausalLM, LayerNormForCausalLM, GPT2ForCausalLM,
+    GPTNeoXForCausalLM, GPTBigCodeForCausalLM, FalconForCausalLM, OPTForCausalLM, NemotronForCausalLM,
+)
+
+
+def _registry(classes: tuple[type[nn.Module], ...]) -> dict[str, type[nn.Module]]:
+    """HF architecture -> the class whose own `serves` names it (an inherited `serves` counts for
+    nothing, so a subclass never serves its base's architectures twice)."""
+    registry: dict[str, type[nn.Module]] = {}
+    for cls in classes:
+        assert "serves" in vars(cls), f"{cls.__name__} must say which model types it serves"
+        for served in vars(cls)["serves"]:
+            assert served.architecture not in registry, f"{served.architecture} served by two classes"
+            registry[served.architecture] = cls
+    return registry
+
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = _registry(_MODEL_CLASSES)
+assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES), \
+    "every architecture serving/checkpoint/architectures/ declares is run by exactly one class here"
 
 
 def get_model_class(args: ModelArgs) -> type[nn.Module]:

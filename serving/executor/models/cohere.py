@@ -16,18 +16,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from serving.executor.models.layernorm_decoder import LayerNorm
-from serving.executor.models.layers import (
-    GatedMLP,
-    Loaded,
-    PagedAttention,
-    read_checkpoint,
-)
+from serving.executor.models.attention import PagedAttention
 from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.mlp import GatedMLP
+from serving.executor.models.norm import LayerNorm
+from serving.executor.models.params import Loaded, read_checkpoint
 from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.architectures import cohere as cohere_types
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 class CohereDecoderLayer(nn.Module):
@@ -59,6 +57,8 @@ class CohereModel(ResidualStack):
 class CohereForCausalLM(LlamaForCausalLM):
     """`CohereForCausalLM` (Command-R, Aya 23 / Expanse): logits times `logit_scale`; q / k rows
     permuted for the half-split RoPE as they load."""
+
+    serves = (cohere_types.COHERE,)
 
     model_class = CohereModel
 

@@ -20,18 +20,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from serving.executor.models.layers import (
-    GatedMLP,
-    PagedAttention,
-    RMSNorm,
-    VocabParallelEmbedding,
-)
+from serving.executor.models.attention import PagedAttention
+from serving.executor.models.embedding import VocabParallelEmbedding
 from serving.executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from serving.executor.models.mlp import GatedMLP
 from serving.executor.models.multimodal_text import text_checkpoint_name
+from serving.executor.models.norm import RMSNorm
 from serving.executor.models.stack import bind_rope_caches
 from serving.executor.parallel import TPShard
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.architectures import gemma as gemma_types
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -108,6 +107,8 @@ class GemmaModel(nn.Module):
 class GemmaForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` with `GemmaModel` inside and the logits' optional tanh cap (Gemma 2 and 3)."""
 
+    serves = (gemma_types.GEMMA2, gemma_types.GEMMA3_TEXT)
+
     model_class = GemmaModel
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,6 +126,8 @@ class Gemma1Model(GemmaModel):
 class Gemma1ForCausalLM(GemmaForCausalLM):
     """`GemmaForCausalLM` (gemma-2b / 7b, CodeGemma): Gemma's scaled embedding and norms, Llama's block."""
 
+    serves = (gemma_types.GEMMA,)
+
     model_class = Gemma1Model
 
 
@@ -133,6 +136,8 @@ class Gemma3TextOfMultimodal(GemmaForCausalLM):
     weights, the vision tower's skipped (requests with images are refused where they are read).
     Its logits are uncapped: transformers applies `final_logit_softcapping` in Gemma3ForCausalLM
     only, not here (Gemma 3's released configs set none)."""
+
+    serves = (gemma_types.GEMMA3_MULTIMODAL,)
 
     compute_logits = LlamaForCausalLM.compute_logits
     checkpoint_name = staticmethod(text_checkpoint_name)

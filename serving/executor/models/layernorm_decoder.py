@@ -35,29 +35,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.executor.models.layers import (
-    ColumnParallelLinear,
-    GatedMLP,
-    Loaded,
-    PagedAttention,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    _param,
-    default_weight_loader,
-    read_checkpoint,
-)
+from serving.executor.models.attention import PagedAttention
+from serving.executor.models.embedding import VocabParallelEmbedding
 from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.mlp import GatedMLP, PlainMLP
+from serving.executor.models.norm import LayerNorm
+from serving.executor.models.params import Loaded, read_checkpoint
 from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard
-from serving.executor.quant import linear_method
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.architectures import layernorm_decoder as ln_types
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
-# activation name in HF configs -> the function (gelu_new / gelu_fast: the tanh approximation, as gelu_pytorch_tanh)
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_fast": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu,
-                "relu2": lambda x: F.relu(x).square()}
 _RENAMES = ((".mlp.c_fc.", ".mlp.fc_in."), (".mlp.c_proj.", ".mlp.fc_out."), (".mlp.fc1.", ".mlp.fc_in."),
             (".mlp.fc2.", ".mlp.fc_out."), (".self_attn.dense.", ".self_attn.o_proj."),
             ("model.final_layernorm.", "model.norm."))
@@ -105,44 +94,6 @@ gpt2_checkpoint_name = CheckpointNames(
     frozenset({"attn.bias", "attn.masked_bias"}))
 _FUSED_QKV = (".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")
 _GPT2_CONV1D = (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight", ".mlp.fc_in.weight", ".mlp.fc_out.weight")
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm over the last dim with weight and bias (`nn.LayerNorm`'s arithmetic); replicated on
-    every rank. `bias=False`: Cohere's, computed in float32 and cast back, as transformers does;
-    `unit_offset`: Nemotron's LayerNorm1P, scaled by 1 + weight."""
-
-    def __init__(self, hidden_size: int, eps: float, bias: bool = True, unit_offset: bool = False) -> None:
-        super().__init__()
-        self.weight = _param(hidden_size)
-        self.weight.weight_loader = default_weight_loader
-        self.bias = _param(hidden_size) if bias else None
-        if self.bias is not None:
-            self.bias.weight_loader = default_weight_loader
-        self.eps = eps
-        self.unit_offset = unit_offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
-        weight = self.weight + 1.0 if self.unit_offset else self.weight
-        return F.layer_norm(x, self.weight.shape, weight, self.bias, self.eps)
-
-
-class PlainMLP(nn.Module):
-    """fc_out(act(fc_in(x))) (gelu, relu, relu^2): fc_in holds this rank's columns, fc_out sums over the ranks."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard,
-                 quant: QuantConfig | None, prefix: str, activation: str) -> None:
-        super().__init__()
-        self.act = _ACTIVATIONS[activation]
-        self.fc_in = ColumnParallelLinear(hidden_size, intermediate_size, bias, shard,
-                                          quant_method=linear_method(quant, f"{prefix}.fc_in"), name=f"{prefix}.fc_in")
-        self.fc_out = RowParallelLinear(intermediate_size, hidden_size, bias, shard,
-                                        quant_method=linear_method(quant, f"{prefix}.fc_out"), name=f"{prefix}.fc_out")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self.act(self.fc_in(x)))
 
 
 class LayerNormDecoderLayer(nn.Module):
@@ -198,12 +149,16 @@ class LayerNormModel(ResidualStack):
 class LayerNormForCausalLM(LlamaForCausalLM):
     """`Starcoder2ForCausalLM`, `PhiForCausalLM`: `LlamaForCausalLM`'s head and loading around `LayerNormModel`."""
 
+    serves = (ln_types.STARCODER2, ln_types.PHI, ln_types.STABLELM)
+
     model_class = LayerNormModel
     checkpoint_name = staticmethod(layernorm_checkpoint_name)
 
 
 class GPT2ForCausalLM(LayerNormForCausalLM):
     """`GPT2LMHeadModel`: learned positions, GPT-2's names, Conv1D weights transposed as they load."""
+
+    serves = (ln_types.GPT2,)
 
     checkpoint_name = gpt2_checkpoint_name
 
@@ -228,6 +183,8 @@ class FusedQKVForCausalLM(LayerNormForCausalLM):
     (with as many KV heads as heads: head by head, [heads, 3, head_dim]; with one: q | k | v already),
     reordered to our q | k | v as they load (GPT-NeoX, GPT-BigCode, Falcon)."""
 
+    serves = ()  # a base: its subclasses serve
+
     def checkpoint_tensor(self, name: str, loaded: Loaded) -> Loaded:
         a = self.args
         if a.num_key_value_heads == 1 or not name.endswith(_FUSED_QKV):
@@ -246,12 +203,16 @@ def qkv_by_group(t: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> t
 class GPTNeoXForCausalLM(FusedQKVForCausalLM):
     """`GPTNeoXForCausalLM` (Pythia, GPT-NeoX-20B): its names; q/k/v fused head by head."""
 
+    serves = (ln_types.GPT_NEOX,)
+
     checkpoint_name = gpt_neox_checkpoint_name
 
 
 class GPTBigCodeForCausalLM(FusedQKVForCausalLM):
     """`GPTBigCodeForCausalLM` (StarCoder 1, SantaCoder, WizardCoder): GPT-2's names with Linear weights;
     one KV head (multi_query) or q/k/v fused head by head."""
+
+    serves = (ln_types.GPT_BIGCODE,)
 
     checkpoint_name = gpt2_checkpoint_name
 
@@ -267,6 +228,8 @@ falcon_checkpoint_name = CheckpointNames(
 
 class FalconForCausalLM(FusedQKVForCausalLM):
     """`FalconForCausalLM` (Falcon 7B / 40B / 180B, Falcon 2): its names; q/k/v fused by KV group."""
+
+    serves = (ln_types.FALCON,)
 
     checkpoint_name = falcon_checkpoint_name
 
@@ -291,6 +254,8 @@ def opt_checkpoint_name(name: str) -> str:
 class OPTForCausalLM(LayerNormForCausalLM):
     """`OPTForCausalLM` (OPT 125M, 1.3B and up; not 350M's post-norm layout)."""
 
+    serves = (ln_types.OPT,)
+
     checkpoint_name = staticmethod(opt_checkpoint_name)
 
 
@@ -301,5 +266,7 @@ def nemotron_checkpoint_name(name: str) -> str:
 
 class NemotronForCausalLM(LayerNormForCausalLM):
     """`NemotronForCausalLM` (Nemotron-4, Minitron): LayerNorm1P, squared-ReLU MLP, partial rotary."""
+
+    serves = (ln_types.NEMOTRON,)
 
     checkpoint_name = staticmethod(nemotron_checkpoint_name)

@@ -20,14 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from serving.executor.models.layers import (
-    GatedMLP,
-    PagedAttention,
-    ParallelLMHead,
-    RMSNorm,
-    VocabParallelEmbedding,
-)
+from serving.executor.models.attention import PagedAttention
+from serving.executor.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from serving.executor.models.mlp import GatedMLP
 from serving.executor.models.moe import SparseMoeBlock, mixtral_checkpoint_name
+from serving.executor.models.norm import RMSNorm
 from serving.executor.models.stack import bind_rope_caches
 from serving.executor.parallel import (
     TPShard,
@@ -35,8 +32,9 @@ from serving.executor.parallel import (
     tp_shard,
     validate_tensor_parallel,
 )
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.architectures import llama as llama_types, moe as moe_types
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,6 +106,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The causal LM: `forward(input_ids, positions) -> hidden`, `compute_logits(hidden) -> fp32`."""
 
+    # the model types (their declarations: serving/checkpoint/architectures/) this class runs; each
+    # subclass names its own, and the registry (models/__init__.py) maps their architectures to it
+    serves = (llama_types.LLAMA, llama_types.MISTRAL, llama_types.QWEN2, llama_types.QWEN3, llama_types.PHI3,
+              llama_types.SMOLLM3, llama_types.GRANITE, moe_types.QWEN2_MOE, moe_types.QWEN3_MOE)
+
     model_class: type[nn.Module] = LlamaModel  # the decoder inside (`model.*`); Gemma swaps in its own
 
     # HF checkpoint name piece -> (our packed param piece, shard id)
@@ -155,5 +158,7 @@ class LlamaForCausalLM(nn.Module):
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Mistral's attention and an MoE block in every layer, under its own checkpoint names
     (`block_sparse_moe`, experts' w1 / w3 / w2)."""
+
+    serves = (moe_types.MIXTRAL,)
 
     checkpoint_name = staticmethod(mixtral_checkpoint_name)

@@ -30,10 +30,11 @@ from torch import nn
 
 import kernels
 from serving.executor import parallel
-from serving.executor.models.layers import GatedMLP, Linear
+from serving.executor.models.linear import Linear
+from serving.executor.models.mlp import GatedMLP
 from serving.executor.parallel import TPShard
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 class SparseMoeBlock(nn.Module):

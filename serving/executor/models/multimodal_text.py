@@ -11,6 +11,7 @@ refused where requests are read (only text content parts are accepted).
 from __future__ import annotations
 
 from serving.executor.models.llama import LlamaForCausalLM
+from serving.checkpoint.architectures import multimodal_text as multimodal_types
 
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
@@ -32,5 +33,8 @@ class LlamaTextOfMultimodal(LlamaForCausalLM):
     """`Mistral3ForConditionalGeneration` (Mistral Small 3.1 / 3.2) served as its Mistral text decoder,
     `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration` as Qwen2 and
     `Qwen3VLForConditionalGeneration` as Qwen3 (text only: no image reaches DeepStack's layers)."""
+
+    serves = (multimodal_types.MISTRAL3, multimodal_types.QWEN2_VL, multimodal_types.QWEN2_5_VL,
+              multimodal_types.QWEN3_VL)
 
     checkpoint_name = staticmethod(text_checkpoint_name)

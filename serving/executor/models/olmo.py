@@ -16,20 +16,15 @@ import torch
 from torch import nn
 
 from serving.executor import parallel
-from serving.executor.models.layers import (
-    GatedMLP,
-    Loaded,
-    PagedAttention,
-    _check_shape,
-    _param,
-    default_weight_loader,
-    read_checkpoint,
-)
+from serving.executor.models.attention import PagedAttention
 from serving.executor.models.llama import LlamaForCausalLM
+from serving.executor.models.mlp import GatedMLP
+from serving.executor.models.params import Loaded, check_shape, default_weight_loader, new_param, read_checkpoint
 from serving.executor.models.stack import ResidualStack
 from serving.executor.parallel import TPShard, attention_shard
-from serving.model_config import ModelArgs
-from serving.quantization import QuantConfig
+from serving.checkpoint.architectures import olmo as olmo_types
+from serving.checkpoint.model_config import ModelArgs
+from serving.checkpoint.quantization import QuantConfig
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, full: int, reduce: bool) -> torch.Tensor:
@@ -46,7 +41,7 @@ class OlmoRMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.weight = _param(hidden_size)
+        self.weight = new_param(hidden_size)
         self.weight.weight_loader = default_weight_loader
         self.eps = eps
 
@@ -61,13 +56,13 @@ class FullWidthRMSNorm(nn.Module):
     def __init__(self, full: int, start: int, size: int, eps: float, reduce: bool) -> None:
         super().__init__()
         self.full, self.start, self.eps, self.reduce = full, start, eps, reduce
-        self.weight = _param(size)
+        self.weight = new_param(size)
         self.weight.weight_loader = self.weight_loader
         self.weight.tp_sharded = size != full
 
     def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
         assert shard_id is None, shard_id
-        _check_shape(loaded, (self.full,))
+        check_shape(loaded, (self.full,))
         param.data.copy_(read_checkpoint(loaded, 0, self.start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,5 +106,7 @@ class OlmoModel(ResidualStack):
 
 class OlmoForCausalLM(LlamaForCausalLM):
     """`Olmo2ForCausalLM`, `Olmo3ForCausalLM`: `LlamaForCausalLM`'s head and loading around `OlmoModel`."""
+
+    serves = (olmo_types.OLMO2, olmo_types.OLMO3)
 
     model_class = OlmoModel

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from serving.model_config import RopeArgs
+from serving.checkpoint.model_config import RopeArgs
 
 logger = logging.getLogger(__name__)
 

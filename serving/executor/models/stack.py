@@ -15,10 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from serving.executor.models.layers import VocabParallelEmbedding
+from serving.executor.models.embedding import VocabParallelEmbedding
 from serving.executor.models.rotary import build_cos_sin_cache
 from serving.executor.parallel import TPShard
-from serving.model_config import ModelArgs
+from serving.checkpoint.model_config import ModelArgs
 
 
 def bind_rope_caches(model: nn.Module, args: ModelArgs, max_position: int, context_len: int | None) -> None:

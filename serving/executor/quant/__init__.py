@@ -19,7 +19,7 @@ from serving.executor.quant.compressed import CompressedIntLinearMethod
 from serving.executor.quant.fp8 import FP8LinearMethod, check_fp8_device
 from serving.executor.quant.gptq import GPTQLinearMethod
 from serving.executor.quant.loading import LinearSpec
-from serving.quantization import QuantConfig, QuantizationError
+from serving.checkpoint.quantization import QuantConfig, QuantizationError
 
 
 class LinearMethod(Protocol):

@@ -17,7 +17,7 @@ from torch import nn
 
 import kernels
 from serving.executor.quant.loading import LinearSpec, QuantAxes, load_sharded, make_loader
-from serving.quantization import QuantConfig, QuantizationError
+from serving.checkpoint.quantization import QuantConfig, QuantizationError
 
 
 def check_fp8_device(device: torch.device) -> None:

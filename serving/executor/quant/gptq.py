@@ -26,7 +26,7 @@ from torch import nn
 import kernels
 from serving.executor.quant.loading import LinearSpec, QuantAxes, make_loader
 from serving.executor.quant.packing import pack_int32, unpack_int32
-from serving.quantization import QuantConfig
+from serving.checkpoint.quantization import QuantConfig
 
 
 def _param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, spec: LinearSpec,

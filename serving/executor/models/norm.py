@@ -1,0 +1,56 @@
+"""The norms every decoder shares, replicated on every rank: `RMSNorm` (with the residual add fused,
+Llama's and Gemma's) and `LayerNorm` (with bias: the LayerNorm decoders; without: Cohere's)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from serving.executor.models.params import default_weight_loader, new_param
+
+class RMSNorm(nn.Module):
+    """RMSNorm with optional fused residual add (kernels.rms_norm); replicated. `unit_offset`:
+    Gemma's norm (the weight stored as w - 1, applied in float32 before the cast)."""
+
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = new_param(hidden_size)
+        self.weight.weight_loader = default_weight_loader
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return kernels.rms_norm(x, self.weight, self.eps, residual, self.unit_offset)
+
+    def add_and_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's input norm with the residual stream carried fused: (normed, residual). The first
+        block has no residual yet: its input becomes it."""
+        if residual is None:
+            return self(hidden), hidden
+        return self(hidden, residual)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim with weight and bias (`nn.LayerNorm`'s arithmetic); replicated on
+    every rank. `bias=False`: Cohere's, computed in float32 and cast back, as transformers does;
+    `unit_offset`: Nemotron's LayerNorm1P, scaled by 1 + weight."""
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = new_param(hidden_size)
+        self.weight.weight_loader = default_weight_loader
+        self.bias = new_param(hidden_size) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
+        weight = self.weight + 1.0 if self.unit_offset else self.weight
+        return F.layer_norm(x, self.weight.shape, weight, self.bias, self.eps)
