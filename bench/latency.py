@@ -67,7 +67,7 @@ def main() -> None:
         model_dir = make_dummy_model_dir(shape, dummy_dir(args.model_root, shape, variant), tok_dir, variant)
         llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
                   gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager,
-                  quantization=QUANT_VARIANTS[variant][1])
+                  quantization=QUANT_VARIANTS[variant][1], skip_tokenizer_init=tok_dir is None)
         _time_request(llm, prompt, 8, reps=1)  # warm-up
         t1 = _time_request(llm, prompt, 1)
         tn = _time_request(llm, prompt, 1 + args.new_tokens)

@@ -41,6 +41,9 @@ from bench.workload import reference_workload, workload_floor_s  # noqa: E402
 def build_llm(model_dir: Path, args: argparse.Namespace, quantization: str | None = None):
     from serving import LLM
 
+    # the workload's prompts are token ids and nothing is detokenized: no tokenizer files needed
+    has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
     return LLM(
         str(model_dir),
         load_format="dummy",
@@ -51,6 +54,7 @@ def build_llm(model_dir: Path, args: argparse.Namespace, quantization: str | Non
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        skip_tokenizer_init=not has_tokenizer,
     )
 
 

@@ -218,6 +218,24 @@ def quant_linear(
     return impl(x, qweight, scales, zeros, g_idx, bits, group_size, bias)
 
 
+def repack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """Load time: GPTQ-order int4 [K // 8, N] -> `int4_linear`'s [K, N // 8] (packed along N)."""
+    return quant_reference.repack_int4(qweight)
+
+
+def int4_linear(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 (fp32 on CPU)
+    packed: torch.Tensor,  # [K, N // 8] int32 from repack_int4: nibble j of word [k, c] = column 8c + j
+    scales: torch.Tensor,  # [num_groups, N], x's dtype
+    zeros: torch.Tensor,  # [num_groups, N], x's dtype (float zero points)
+    group_size: int,  # rows k of group k // group_size; >= K means per channel
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x @ ((q - zeros[g]) * scales[g]) + bias -> [M, N] in x's dtype; no dense copy of W on the GPU."""
+    impl = _mod("int4_repacked").int4_linear if use_triton(x) else quant_reference.int4_linear
+    return impl(x, packed, scales, zeros, group_size, bias)
+
+
 def fp8_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] float8_e4m3fn (torch Linear orientation)
@@ -235,7 +253,7 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _OPS = frozenset(
-    ("fp8_linear", "gumbel_sample", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear",
+    ("fp8_linear", "gumbel_sample", "int4_linear", "repack_int4", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear",
      "quantize_fp8", "rms_norm", "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "write_kv_cache")
 )
 
@@ -259,6 +277,7 @@ sys.modules[__name__].__class__ = _KernelsPackage
 __all__ = [
     "fp8_linear",
     "gumbel_sample",
+    "int4_linear",
     "lora_expand",
     "lora_num_blocks",
     "lora_segments",
@@ -269,6 +288,7 @@ __all__ = [
     "prefill_attention",
     "quant_linear",
     "quantize_fp8",
+    "repack_int4",
     "rms_norm",
     "rotary_and_write_kv",
     "rotary_embedding",

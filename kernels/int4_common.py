@@ -1,6 +1,8 @@
 """Device helpers shared by the quantized-linear kernels: code-to-float and the split-K epilogue.
 
-`unit_float` turns one packed field into the exact fp32 1 + q / 2**bits with integer ops only;
+`unit_float` turns one packed field into the exact fp32 1 + q / 2**bits with integer ops only
+(`nibble_float` the same for the repacked int4 words, with an optional one-lop3 form; `unpack_nibbles`
+a word tile into its 8 columns per word, `join8` the same column order for any 8 tensors);
 `finish_tile` writes an fp32 accumulator tile to the output, or meets the other split-K programs
 of its tile through an fp32 workspace and a self-resetting counter (the last one sums in order).
 """
@@ -22,6 +24,39 @@ def unit_float(words, J: tl.constexpr, BITS: tl.constexpr):
     else:
         moved = words >> (-SHIFT)
     return ((moved & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nibble_float(words, J: tl.constexpr, ASM: tl.constexpr):
+    # Nibble J of each uint32 word as the fp32 1 + q / 16 (exact): move it to the top of the
+    # mantissa (bits 19-22) and or in 1.0's exponent; no int-to-float conversion. With ASM the
+    # and + or is one lop3 (ptxas emits two LOP3s for the plain form: both constants are immediates).
+    SHIFT: tl.constexpr = 19 - 4 * J
+    if SHIFT >= 0:
+        moved = words << SHIFT
+    else:
+        moved = words >> (-SHIFT)  # logical: the words are unsigned
+    if ASM:
+        # lop3 LUT 0xEA = (a & b) | c, b = 0x780000 (mantissa bits 19-22), c = 0x3F800000 (1.0)
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 7864320, 1065353216, 234;", "=r,r", [moved],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return ((moved & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def join8(f0, f1, f2, f3, f4, f5, f6, f7):
+    # [R, C] x 8 -> [R, 8 C] with element (r, 8 c + j) = f_j[r, c]. tl.join appends a size-2 axis
+    # whose index is the less significant one after the final reshape than every later join's.
+    t = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
+    return tl.reshape(t, [f0.shape[0], f0.shape[1] * 8])
+
+
+@triton.jit
+def unpack_nibbles(words, ASM: tl.constexpr):
+    # [R, C] uint32 words -> [R, 8 C] fp32 1 + q / 16, columns in natural order.
+    return join8(nibble_float(words, 0, ASM), nibble_float(words, 1, ASM), nibble_float(words, 2, ASM),
+                 nibble_float(words, 3, ASM), nibble_float(words, 4, ASM), nibble_float(words, 5, ASM),
+                 nibble_float(words, 6, ASM), nibble_float(words, 7, ASM))
 
 
 @triton.jit

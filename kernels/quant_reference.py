@@ -6,6 +6,10 @@ Each function has exactly the signature of its public op in `kernels/__init__.py
   with `j = k % (32 // bits)`; `scales`, `zeros` `[num_groups, N]` in x's dtype (float zero
   points); row k belongs to group `g_idx[k]` when given, else `k // group_size`;
   `w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]` and `y = x @ w (+ bias)`.
+- int4 weights repacked for the fast kernels (`repack_int4`, once at load): `packed` int32
+  `[K, N // 8]`, packed along N: nibble j (bits `[4 * j, 4 * j + 4)`) of `packed[k, c]` holds the
+  code of column `8 * c + j`; groups are `k // group_size` (act-order rows are sorted at load);
+  the same `w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]`.
 - fp8 weights: `weight` float8_e4m3fn `[N, K]` (torch Linear orientation), `weight_scale` fp32
   scalar (per-tensor) or `[N]` (per-channel): `w = weight * weight_scale`.
 """
@@ -56,6 +60,51 @@ def quant_linear(
 ) -> torch.Tensor:
     """y = x @ dequantize(qweight) + bias -> `[M, N]` in x's dtype (computed in fp32)."""
     w = dequantize_int_weight(qweight, scales, zeros, g_idx, bits, group_size)  # [K, N] fp32
+    y = x.float() @ w
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def repack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ-order int4 `[K // 8, N]` (packed along K) -> the fast kernels' `[K, N // 8]` (packed along N).
+
+    One load-time pass: a tile of the new layout is a contiguous block of rows, and one int32 word
+    holds 8 neighbouring columns of one row, so a kernel reads each byte once with wide loads and
+    unpacks with constant shifts."""
+    assert qweight.dtype == torch.int32 and qweight.dim() == 2
+    n = qweight.shape[1]
+    if n % 8:
+        raise ValueError(f"int4 repack needs a multiple of 8 output columns, got {n}")
+    out = torch.empty((qweight.shape[0] * 8, n // 8), dtype=torch.int32, device=qweight.device)
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int64)  # [8]
+    step = 512  # packed rows at a time: int64 temporaries of 4096 x N, not K x N
+    for r in range(0, qweight.shape[0], step):
+        q = unpack_int_weight(qweight[r: r + step], 4).to(torch.int64)  # [8 * rows, N]
+        words = (q.reshape(q.shape[0], n // 8, 8) << shifts).sum(-1)  # disjoint fields: sum == or
+        out[8 * r: 8 * r + q.shape[0]] = torch.where(words >= 2**31, words - 2**32, words)  # int32 bits
+    return out
+
+
+def unpack_int4_repacked(packed: torch.Tensor) -> torch.Tensor:
+    """`[K, N // 8]` int32 (`repack_int4`'s layout) -> the codes `[K, N]` (int32)."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)  # [8]
+    q = (packed[:, :, None] >> shifts) & 0xF  # [K, N // 8, 8]
+    return q.reshape(packed.shape[0], -1)
+
+
+def int4_linear(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32
+    packed: torch.Tensor,  # [K, N // 8] int32 (repack_int4)
+    scales: torch.Tensor,  # [num_groups, N], x's dtype
+    zeros: torch.Tensor,  # [num_groups, N], x's dtype
+    group_size: int,  # >= K means one group (per channel)
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x @ ((q - zeros[k // G]) * scales[k // G]) + bias -> `[M, N]` in x's dtype (fp32 math)."""
+    q = unpack_int4_repacked(packed)  # [K, N]
+    groups = torch.arange(q.shape[0], device=q.device) // group_size
+    w = (q.float() - zeros.float()[groups]) * scales.float()[groups]
     y = x.float() @ w
     if bias is not None:
         y = y + bias.float()

@@ -28,6 +28,8 @@ _TRITON_MODULES = (
     "kernels.int4_common",
     "kernels.int4_gemv",
     "kernels.int4_matmul",
+    "kernels.int4_repacked",
+    "kernels.fp8_skinny",
     "kernels.fp8_matmul",
 )
 

@@ -5,7 +5,7 @@ Checkpoint (AutoAWQ / llm-compressor `version: gemm`, K input rows, N output col
   qzeros  int32 [K / G, N / 8]  the same interleaved packing; real zero points (no +1)
   scales  fp16  [K / G, N]
 At load: qweight -> [K / 8, N] packed along K (GPTQ's order), zeros -> float [K / G, N]; then the
-layer runs exactly as a GPTQ one without g_idx. Tensor parallel splits the packed N / 8 columns
+layer runs exactly as a GPTQ one without g_idx (int4: repacked once more, `use_fast_int4`). Tensor parallel splits the packed N / 8 columns
 before the repack (column-parallel) or the K rows on group boundaries (row-parallel).
 """
 
@@ -40,3 +40,4 @@ class AWQLinearMethod(GroupQuantLinearMethod):
         layer.zeros = nn.Parameter(zeros.to(layer.scales.dtype), requires_grad=False)  # [groups, N]
         del layer.qzeros
         layer.g_idx = None
+        self.use_fast_int4(layer)

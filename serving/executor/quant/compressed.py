@@ -60,6 +60,7 @@ class CompressedIntLinearMethod(GroupQuantLinearMethod):
         layer.g_idx = None if g_idx is None else nn.Parameter(g_idx, requires_grad=False)
         if g_idx is not None:
             self.sort_act_order(layer)
+        self.use_fast_int4(layer)
 
 
 def _shape_checker(spec: LinearSpec):

@@ -10,6 +10,9 @@ activation dtype: w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n], g = g_idx[k]
 Act-order (desc_act) layers whose groups are whole (G rows each) get their rows sorted by group at
 load, so the kernel reads contiguous groups without g_idx (its fast paths) and the layer gathers
 its input columns in that order (`act_perm`, one index_select per layer).
+int4 layers whose groups are `k // G` (no g_idx left) are then repacked once (`use_fast_int4`) into
+`kernels.int4_linear`'s layout (`packed` [K, N / 8], packed along N) and run there at every M; the
+rest (int8, g_idx kept on a row-parallel rank) stay on `kernels.quant_linear` with `qweight`.
 Tensor parallel: column-parallel layers split N (whole words of qzeros: 8 columns for int4);
 row-parallel layers split K on group boundaries, or, with desc_act, keep every group's scales and
 zeros and their rows' g_idx (a rank's rows may reference any group).
@@ -103,6 +106,18 @@ class GroupQuantLinearMethod:
             layer.g_idx = None
         else:
             self.sort_act_order(layer)
+        self.use_fast_int4(layer)
+
+    def use_fast_int4(self, layer: nn.Module) -> None:
+        """Repack an int4 layer without g_idx into the fast kernels' layout: `qweight` [K / 8, N] becomes
+        `packed` [K, N / 8]. Others keep `qweight` (`packed` None) and the general kernel."""
+        k, n = layer.qweight.shape[0] * self.pf, layer.qweight.shape[1]
+        g = layer.quant_group_size
+        if self.bits == 4 and layer.g_idx is None and n % 8 == 0 and (g >= k or (g % 16 == 0 and g & (g - 1) == 0)):
+            layer.packed = nn.Parameter(kernels.repack_int4(layer.qweight.data), requires_grad=False)
+            del layer.qweight
+        else:
+            layer.packed = None
 
     def sort_act_order(self, layer: nn.Module) -> None:
         """Rows sorted by group when every group is whole here (not on a row-parallel rank that holds
@@ -123,6 +138,8 @@ class GroupQuantLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.act_perm is not None:
             x = x.index_select(-1, layer.act_perm)  # [M, K] in the rows' sorted order
+        if layer.packed is not None:
+            return kernels.int4_linear(x, layer.packed, layer.scales, layer.zeros, layer.quant_group_size, bias)
         return kernels.quant_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.bits,
                                     layer.quant_group_size, bias)
 

@@ -223,6 +223,8 @@ def test_packed_and_row_layers_equal_the_dequantised_weights(name):
     process_weights_after_loading(row)
     if fmt.desc_act:  # whole groups: rows sorted by group at load, the input gathered to match
         assert qkv.g_idx is None and qkv.act_perm is not None and row.act_perm is not None
+    if fmt.method != "fp8":  # int4 runs kernels.int4_linear on the repacked words, int8 the general kernel
+        assert (qkv.packed is not None) == (fmt.bits == 4) and (row.packed is not None) == (fmt.bits == 4)
     x = torch.randn(5, k_in)
     torch.testing.assert_close(qkv(x), x @ torch.cat(dense).t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(row(x), x @ w_row.t() + row.bias, rtol=1e-5, atol=1e-5)
@@ -238,7 +240,8 @@ def test_awq_and_gptq_layouts_of_the_same_integers_compute_the_same():
             getattr(layer, leaf).weight_loader(getattr(layer, leaf), t)
         process_weights_after_loading(layer)
         outs.append(layer)
-    assert torch.equal(outs[0].qweight, outs[1].qweight) and torch.equal(outs[0].zeros, outs[1].zeros)
+    assert outs[0].packed.shape == (128, 64 // 8)  # int4 without g_idx: repacked for kernels.int4_linear
+    assert torch.equal(outs[0].packed, outs[1].packed) and torch.equal(outs[0].zeros, outs[1].zeros)
 
 
 def test_checkpoint_shape_mismatch_names_the_tensor():

@@ -4,6 +4,8 @@ Each tiny quantized Llama (GPTQ desc_act, AWQ, FP8 checkpoint, and `quantization
 bf16 base) runs one prefill on CUDA; its logits must match the same model with the dequantised
 weights run unquantized in bf16 (relative error of the logits), and the 8B-shape GPTQ int4 g128
 dummy model (what bench/latency.py --quantize gptq runs) starts with CUDA graphs and generates.
+Then the issue-27 kernels alone (`kernels.int4_linear`, `kernels.fp8_linear`'s small-M path) at the 8B
+projections and M = 1, 16, 64, 256, 2048 against the torch references, and replayed in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from model_fixtures import build_tiny_model
 from quant_fixtures import Format, write_quantized
 
+import kernels
+from kernels import quant_reference
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 from serving.executor.models import build_model
 from serving.executor.weights import load_weights
@@ -85,12 +89,13 @@ def test_quantized_checkpoint_logits_match_the_dequantised_model(name, checkpoin
 
 
 def packed_rows_are_contiguous(model_dir: Path) -> bool:
-    """The int kernels read packed words by row: every layer's qweight must be contiguous after load."""
+    """The int kernels read packed words by row: every layer's qweight / packed must be contiguous after load."""
     config = json.loads((model_dir / "config.json").read_text())
     model = build_model(ModelArgs.from_dict(config), torch.bfloat16, torch.device("cuda"),
                         quant=resolve_quantization(model_dir, config, None))
     load_weights(model, model_dir)
-    return all(p.is_contiguous() for n, p in model.named_parameters() if n.endswith("qweight"))
+    words = [p for n, p in model.named_parameters() if n.endswith(("qweight", ".packed"))]
+    return bool(words) and all(p.is_contiguous() for p in words)
 
 
 def test_fp8_at_load_is_close_to_bf16(checkpoints):
@@ -114,5 +119,106 @@ def test_8b_shape_gptq_int4_dummy_generates(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": list(range(1000, 1000 + n))} for n in (5, 77)], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16]
-    layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj  # int4 [14336 / 8, 4096]
-    assert layer.qweight.shape == (1792, 4096) and layer.qweight.dtype == torch.int32
+    layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj  # int4 repacked [14336, 4096 / 8]
+    assert layer.packed.shape == (14336, 512) and layer.packed.dtype == torch.int32
+
+
+# The issue-27 kernels at the 8B projections (q/o, k/v, gate/up, down, fused qkv and gate_up) and
+# every M bucket: kernels.int4_linear on repacked words and kernels.fp8_linear's one-launch path
+# (M <= 16) against the fp32 torch references. bf16 outputs round at 2**-9: ~1e-3 relative error.
+PROJECTIONS = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 6144), (4096, 28672)]
+BUCKETS = [1, 16, 64, 256, 2048]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all()
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _int4_weight(k: int, n: int, group_size: int, dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(k + n + group_size)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device="cuda", generator=g, dtype=torch.int32)
+    groups = -(-k // group_size)
+    scales = ((torch.rand(groups, n, device="cuda", generator=g) + 0.5) / 16).to(dtype)
+    zeros = torch.randint(0, 16, (groups, n), device="cuda", generator=g).to(dtype)
+    return qweight, kernels.repack_int4(qweight), scales, zeros
+
+
+@pytest.mark.parametrize("K, N", PROJECTIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_linear_8b_projections(K, N, dtype):
+    qweight, packed, scales, zeros = _int4_weight(K, N, 128, dtype)
+    bias = torch.randn(N, device="cuda", dtype=dtype) if N == 6144 else None
+    for m in BUCKETS:
+        x = torch.randn(m, K, device="cuda", dtype=dtype)
+        out = kernels.int4_linear(x, packed, scales, zeros, 128, bias)
+        ref = quant_reference.quant_linear(x, qweight, scales, zeros, None, 4, 128, bias)
+        assert out.dtype == dtype and _rel(out, ref) < 1e-2, (m, _rel(out, ref))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, -1])
+def test_int4_linear_other_groups(group_size):
+    K, N = 14336, 4096
+    group_size = K if group_size == -1 else group_size
+    qweight, packed, scales, zeros = _int4_weight(K, N, group_size, torch.bfloat16)
+    for m in BUCKETS:
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        out = kernels.int4_linear(x, packed, scales, zeros, group_size)
+        ref = quant_reference.quant_linear(x, qweight, scales, zeros, None, 4, group_size)
+        assert _rel(out, ref) < 1e-2, (m, _rel(out, ref))
+
+
+@pytest.mark.parametrize("asm", [False, True])
+@pytest.mark.parametrize("config", [(1, 1024, 32, 8, 4, 1), (1, 512, 64, 1, 2, 1), (16, 128, 128, 4, 4, 4),
+                                    (64, 128, 64, 2, 4, 4), (128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3)])
+def test_int4_linear_tilings_with_and_without_inline_ptx(config, asm):
+    from kernels.int4_repacked import Int4Config, int4_linear_impl
+
+    K, N = 4096, 6144
+    qweight, packed, scales, zeros = _int4_weight(K, N, 128, torch.bfloat16)
+    cfg = Int4Config(*config, asm=asm)
+    m = 1 if cfg.block_m == 1 else 2 * cfg.block_m + 3
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    out = int4_linear_impl(x, packed, scales, zeros, 128, bias, cfg)
+    ref = quant_reference.quant_linear(x, qweight, scales, zeros, None, 4, 128, bias)
+    assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("K, N", PROJECTIONS)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_linear_8b_projections(K, N, per_channel):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+    weight, scale = kernels.quantize_fp8(torch.randn(N, K, device="cuda") * 0.02)
+    if not per_channel:
+        scale = scale.max().reshape(())
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16) if N == 6144 else None
+    for m in BUCKETS:
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        out = kernels.fp8_linear(x, weight, scale, bias)
+        ref = quant_reference.fp8_linear(x, weight, scale, bias)
+        # M <= 16: weights only (bf16 rounding); above: activations rounded to e4m3 per token too
+        assert _rel(out, ref) < (1e-2 if m <= 16 else 6e-2), (m, _rel(out, ref))
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_new_kernels_replay_in_cuda_graphs(m):
+    qweight, packed, scales, zeros = _int4_weight(14336, 4096, 128, torch.bfloat16)
+    weight, scale = kernels.quantize_fp8(torch.randn(4096, 14336, device="cuda") * 0.02)
+    x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles, creates the split-K counters
+        kernels.int4_linear(x, packed, scales, zeros, 128)
+        kernels.fp8_linear(x, weight, scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y4 = kernels.int4_linear(x, packed, scales, zeros, 128)
+        y8 = kernels.fp8_linear(x, weight, scale)
+    for _ in range(3):  # new inputs each replay; split-K counters must reset every time
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert _rel(y4, quant_reference.quant_linear(x, qweight, scales, zeros, None, 4, 128)) < 1e-2
+        assert _rel(y8, quant_reference.fp8_linear(x, weight, scale)) < 6e-2
