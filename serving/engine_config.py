@@ -210,7 +210,3 @@ class CacheConfig:
     head_dim: int
     dtype: str
     max_model_len: int
-
-    @property
-    def max_tokens_in_cache(self) -> int:
-        return self.block_size * self.num_blocks

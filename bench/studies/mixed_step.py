@@ -46,7 +46,7 @@ def main() -> None:
     long = SamplingParams(max_tokens=3000, ignore_eos=True, temperature=0.6, detokenize=False)
     for i in range(args.decodes):
         engine.add_request(f"d{i}", None, long, prompt_token_ids=[rng.randint(0, 10000) for _ in range(200)])
-    while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+    while any(s.num_tokens - s.num_computed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
 
     from serving.executor.model_runner import ModelRunner

@@ -41,7 +41,7 @@ def main() -> None:
         engine.add_request(f"p{i}", None, params, prompt_token_ids=p)
     for label in ("prefill step", "decode step"):
         if label == "decode step":
-            while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+            while engine.scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in engine.scheduler.running):
                 engine.step()  # finish every prefill
             engine.step()
         torch.cuda.synchronize()

@@ -1,5 +1,8 @@
 """EngineLoop: the one background thread that owns the LLMEngine (HTTP threads never touch it).
 
+`StreamRouter` is what it shares with `EngineProcess` (the same client of a copy in another
+process): the health fields, the open streams, and the routing of deltas into them.
+
 In: `add_request(...)` / `abort(...)` from any thread, through a thread-safe submit queue.
 Out: a `RequestStream` per request whose queue receives that request's `StreamDelta`s. The
 loop also owns the health state: LOADING while the model loads (on this thread, after any
@@ -9,6 +12,7 @@ fork), READY, or DEAD with the exception; on death every open stream gets a fina
 
 from __future__ import annotations
 
+import abc
 import enum
 import logging
 import queue
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from serving.engine.client import EngineClient
 from serving.engine_config import EngineConfig
 from serving.lora_request import LoRARequest
 from serving.outputs import StreamDelta
@@ -49,7 +54,7 @@ class RequestStream:
     Iterating yields deltas until all `n` samples have finished.
     """
 
-    def __init__(self, loop: EngineLoop, request_id: str, n: int) -> None:
+    def __init__(self, loop: StreamRouter, request_id: str, n: int) -> None:
         self.request_id = request_id
         self.n = n
         self._loop = loop
@@ -105,6 +110,48 @@ class RequestStream:
             self._loop.abort(self.request_id)
 
 
+class StreamRouter(EngineClient):
+    """An engine client that owns its request streams (an `EngineLoop`, an `EngineProcess`): the
+    health fields, the streams by request id, and the delivery of each delta into its stream (the
+    stream leaves `_streams` with its last delta)."""
+
+    def __init__(self) -> None:
+        self.state = EngineState.LOADING
+        self.was_ready = False  # it served at some point (a later death is a crash, not a load failure)
+        self.closing = False  # close() was called: a DEAD state is a shutdown, not a crash
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._ready = threading.Event()
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """End a request now (no-op if unknown or finished): what `RequestStream.close` calls."""
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until READY (True) or timeout (False); raises EngineDeadError if it died."""
+        self._ready.wait(timeout)
+        if self.state is EngineState.DEAD:
+            raise EngineDeadError(f"the engine is dead: {self.error!r}") from self.error
+        return self.state is EngineState.READY
+
+    def _deliver(self, delta: StreamDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is None:
+            return
+        if delta.finish_reason is None:  # once per token per stream: straight onto the queue
+            stream._queue.put(delta)
+        elif stream._put(delta):
+            with self._lock:
+                self._streams.pop(delta.request_id, None)
+
+    def _fail_stream(self, stream: RequestStream, message: str, reason: str = "error") -> None:
+        for index in stream._unfinished_indexes():
+            stream._put(StreamDelta(stream.request_id, index, (), "", finish_reason=reason, error=message))
+        with self._lock:
+            self._streams.pop(stream.request_id, None)
+
+
 _STOP = object()
 
 
@@ -127,7 +174,7 @@ class _Abort:
     request_id: str
 
 
-class EngineLoop:
+class EngineLoop(StreamRouter):
     """Runs `LLMEngine.step()` on a background thread and routes deltas to request streams.
 
     Args:
@@ -144,18 +191,12 @@ class EngineLoop:
         engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
         max_queue_size: int = 1000,
     ) -> None:
+        super().__init__()
         self.config = config
         self._factory = engine_factory
         self.max_queue_size = max_queue_size
-        self.state = EngineState.LOADING
-        self.was_ready = False  # it served at some point (a later death is a crash, not a load failure)
-        self.closing = False  # close() was called: a DEAD state is a shutdown, not a crash
-        self.error: BaseException | None = None
         self.engine: LLMEngine | None = None
-        self._lock = threading.Lock()
-        self._streams: dict[str, RequestStream] = {}
         self._submit: queue.Queue = queue.Queue()
-        self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending_loras: dict[str, LoRARequest] = {}  # added while loading: registered once loaded
 
@@ -167,13 +208,6 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         return self
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until READY (True) or timeout (False); raises EngineDeadError if it died."""
-        self._ready.wait(timeout)
-        if self.state is EngineState.DEAD:
-            raise EngineDeadError(f"the engine is dead: {self.error!r}") from self.error
-        return self.state is EngineState.READY
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Abort every request (final 'abort' deltas), stop the thread; on its way out the thread
@@ -389,22 +423,6 @@ class EngineLoop:
                                         lora_request=lora, validated=add.validated)
         except ValueError as exc:
             self._fail_stream(stream, str(exc))
-
-    def _deliver(self, delta: StreamDelta) -> None:
-        stream = self._streams.get(delta.request_id)
-        if stream is None:
-            return
-        if delta.finish_reason is None:  # once per token per stream: straight onto the queue
-            stream._queue.put(delta)
-        elif stream._put(delta):
-            with self._lock:
-                self._streams.pop(delta.request_id, None)
-
-    def _fail_stream(self, stream: RequestStream, message: str, reason: str = "error") -> None:
-        for index in stream._unfinished_indexes():
-            stream._put(StreamDelta(stream.request_id, index, (), "", finish_reason=reason, error=message))
-        with self._lock:
-            self._streams.pop(stream.request_id, None)
 
     def _abort_all(self) -> None:
         for request_id in list(self._streams):

@@ -41,7 +41,7 @@ from multiprocessing.connection import Client, Listener
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-from serving.engine.engine_loop import EngineDeadError, EngineLoop, EngineState, RequestStream
+from serving.engine.engine_loop import EngineDeadError, EngineLoop, EngineState, RequestStream, StreamRouter
 from serving.engine_config import EngineConfig
 from serving.lora_request import LoRARequest
 from serving.outputs import StreamDelta
@@ -410,7 +410,7 @@ def _shared_tokenizer(path: str, revision: str | None, trust_remote_code: bool) 
         return _tokenizers[key]
 
 
-class EngineProcess:
+class EngineProcess(StreamRouter):
     """A frontend's connection to one engine core: an `EngineClient` (see the module docstring).
 
     Args:
@@ -419,21 +419,15 @@ class EngineProcess:
     """
 
     def __init__(self, config: EngineConfig, address: CoreAddress) -> None:
+        super().__init__()
         self.config = config
         self.address = address
-        self.state = EngineState.LOADING
-        self.error: BaseException | None = None
-        self.was_ready = False
-        self.closing = False
         self.tokenizer: Any = None
         self.max_model_len: int | None = None
         self.model_dir: str | None = None  # the model the core loaded (None: the embedded default)
         self.core_load = 0  # the core's open requests (every frontend's), as of its last message
         self._sent_since_load = 0  # requests this frontend sent since that message
-        self._streams: dict[str, RequestStream] = {}
-        self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._ready = threading.Event()
         self._calls: dict[int, list] = {}  # call id -> [Event, ok, value]
         self._call_ids = itertools.count()
         self._conn = None
@@ -476,9 +470,6 @@ class EngineProcess:
                 return
             self._conn = conn
         self._read()
-
-    # Block until READY (True) or timeout (False); EngineDeadError if it died: the same fields as a loop.
-    wait_ready = EngineLoop.wait_ready
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Disconnect: the core aborts this frontend's requests (their streams get final 'abort'
@@ -636,11 +627,6 @@ class EngineProcess:
                 self.state = EngineState.READY
                 self.was_ready = True
         self._ready.set()
-
-    # A delta into its stream (the stream leaves `_streams` with its last): the loop's own routing,
-    # on the same fields.
-    _deliver = EngineLoop._deliver
-    _fail_stream = EngineLoop._fail_stream
 
     def _die(self, exc: BaseException, reason: str = "error") -> None:
         with self._lock:

@@ -5,8 +5,8 @@ added and the ids resolved since they were last sent (in steady async decoding: 
 token and the placeholder of the one in flight). Each `Sequence` remembers what was sent
 (`in_worker`, `num_synced`, `num_blocks_sent`); the engine clears `in_worker` when the
 workers are told to forget it (finished, preempted, or after a reset). With `placeholders`
-(async scheduling) it also stands a PLACEHOLDER in for each token the step will sample, as
-`Scheduler.add_placeholders` does, in the same pass over the step.
+(async scheduling) it also stands a PLACEHOLDER in for each token the step will sample, in
+the same pass over the step.
 """
 
 from __future__ import annotations

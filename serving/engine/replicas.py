@@ -17,6 +17,7 @@ import itertools
 import threading
 from collections import OrderedDict
 
+from serving.engine.client import EngineClient
 from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
 from serving.engine.engine_process import EngineProcess
 from serving.engine.token_intervals import merge_snapshots
@@ -26,7 +27,7 @@ from serving.sampling_params import SamplingParams
 _AFFINITY_ENTRIES = 16384  # remembered prompt prefixes (LRU)
 
 
-class ReplicaSet:
+class ReplicaSet(EngineClient):
     """An `EngineClient` over `loops` (EngineLoops or EngineProcesses, one per model copy); see the
     module docstring for the routing rule."""
 
@@ -141,9 +142,9 @@ class ReplicaSet:
             raise
         return held
 
-    def held_loras(self) -> list[LoRARequest]:
-        """The adapters the engine cores hold (registered through any frontend)."""
-        return self.loops[0].held_loras()  # type: ignore[union-attr]
+    def held_loras(self) -> list[LoRARequest] | None:
+        """The adapters the engine cores hold (registered through any frontend); None for EngineLoops."""
+        return self.loops[0].held_loras()
 
     def remove_lora(self, name: str) -> bool:
         return any([loop.remove_lora(name) for loop in self.loops])  # (a list: every copy removes it)

@@ -6,9 +6,9 @@ is one. In: sequences (`add_sequences`), runner results (`update`). Out: a `Sche
 per step, and the sequences that got new tokens / finished. Blocks come from `BlockManager`;
 when they run out the latest-arrived running sequence is preempted by recompute.
 
-`schedule()` advances `num_computed_tokens` at once, and `add_placeholders()` stands a
-`PLACEHOLDER` in for each token being sampled, so step N+1 can be planned while step N still
-runs on the device (async scheduling); `update()` later writes the real ids and applies stops.
+`schedule()` advances `num_computed_tokens` at once, and the plan builder (`build_plan` with
+`placeholders`) stands a `PLACEHOLDER` in for each token being sampled, so step N+1 can be planned
+while step N still runs on the device (async scheduling); `update()` later writes the real ids and applies stops.
 Called in order schedule -> update (no placeholders) it is the plain synchronous loop.
 """
 
@@ -422,17 +422,6 @@ class Scheduler:
         seq.num_computed_tokens = start + num_new
         return ScheduledSequence(seq, num_new, start + num_new == seq.num_tokens, start)
 
-    def add_placeholders(self, sched_out: SchedulerOutput) -> None:
-        """After launching a step: one PLACEHOLDER per sampled entry, so the next step can run it."""
-        finished = SequenceStatus.FINISHED
-        for item in sched_out.scheduled:
-            if item.sample and not item.num_drafts:  # (a verify step's count of tokens is not known yet)
-                seq = item.seq
-                if seq.status is not finished:  # (aborted since: nothing will be stored)
-                    ids = seq.token_ids
-                    assert len(ids) == item.start + item.num_tokens, f"seq {seq.seq_id}: sampled token out of order"
-                    ids.append(PLACEHOLDER)
-
     def update(self, sched_out: SchedulerOutput, runner_out: StepOutput) -> list[tuple[Sequence, SampledToken]]:
         """Store sampled tokens, register computed blocks, finish sequences that hit EOS / length.
 
@@ -561,10 +550,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
 
 def _admission_key(seq: Sequence) -> int:

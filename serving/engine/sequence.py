@@ -94,15 +94,8 @@ class Sequence:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
 
     def drop_placeholders(self) -> None:
         """Remove trailing tokens that were never resolved (the sample ended before them): draft

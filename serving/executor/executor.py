@@ -14,13 +14,9 @@ import abc
 import contextlib
 from collections.abc import Callable
 
-from typing import TYPE_CHECKING
 
 from serving.engine_config import EngineConfig
 from serving.executor.plan import ExecutorInfo, StepOutput, StepPlan
-
-if TYPE_CHECKING:
-    from serving.executor.model_runner import ModelRunner
 
 
 class WorkerFailedError(RuntimeError):
@@ -72,16 +68,6 @@ class InProcessExecutor(Executor):
             raise
         self.runner = runner
         self.info = runner.info()
-        self._owns_runner = True
-
-    @classmethod
-    def from_runner(cls, runner: ModelRunner) -> InProcessExecutor:
-        """Wrap a runner that is already loaded (tests share one between engines); it starts empty."""
-        executor = cls.__new__(cls)
-        runner.reset()
-        executor.runner, executor.info = runner, runner.info()
-        executor._owns_runner = False  # shutting this executor down leaves the runner to its owner
-        return executor
 
     supports_deferred_masks = True
 
@@ -98,5 +84,5 @@ class InProcessExecutor(Executor):
 
     def shutdown(self) -> None:
         runner, self.runner = self.runner, None  # type: ignore[assignment]
-        if runner is not None and self._owns_runner:
+        if runner is not None:
             runner.close()  # weights, KV cache, CUDA graphs: freed now, whoever still holds the runner

@@ -23,21 +23,20 @@ import time
 from serving.server.app import create_app
 from serving.server.settings.serving_config import ServingConfig, config_from_env
 from serving.engine_config import EngineConfig
-from serving.sampling_params import SamplingParams
-from serving.engine.client import EngineClient
-from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
+from serving.engine.client import DelegatingClient, EngineClient
+from serving.engine.engine_loop import EngineLoop, EngineState
 from serving.engine.engine_process import EngineProcess
 from serving.engine.replicas import ReplicaSet
-from serving.lora_request import LoRARequest
 
 logger = logging.getLogger("serving.server.wsgi")
 
 
-class ServedEngine:
-    """The EngineLoop as the app sees it, plus the model-loading deadline of the container."""
+class ServedEngine(DelegatingClient):
+    """The engine client as the app sees it, plus the model-loading deadline of the container and
+    the start-up adapters: only the health (`state`, `error`) differs from the wrapped client's."""
 
-    def __init__(self, loop: EngineClient, config: ServingConfig) -> None:
-        self.loop = loop
+    def __init__(self, inner: EngineClient, config: ServingConfig) -> None:
+        super().__init__(inner)
         self.config = config
         self.started_at: float | None = None
         self.load_error: BaseException | None = None
@@ -45,8 +44,8 @@ class ServedEngine:
         self.startup_error: BaseException | None = None  # a start-up adapter failed: the start failed
 
     @property
-    def state(self) -> EngineState:
-        st = self.loop.state
+    def state(self) -> EngineState:  # type: ignore[override]
+        st = self.inner.state
         if st is EngineState.READY:
             if self.startup_error is not None:  # a start-up adapter could not be registered
                 return EngineState.DEAD
@@ -60,55 +59,8 @@ class ServedEngine:
         return st
 
     @property
-    def error(self) -> BaseException | None:
-        return self.loop.error or self.load_error or self.startup_error
-
-    # The rest of the EngineClient interface, as the wrapped client has it.
-    @property
-    def was_ready(self) -> bool:
-        return self.loop.was_ready
-
-    @property
-    def closing(self) -> bool:
-        return self.loop.closing
-
-    @property
-    def tokenizer(self):  # noqa: ANN201 - HF tokenizer or None while loading
-        return self.loop.tokenizer
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self.loop.max_model_len
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    lora_name: str | None = None) -> RequestStream:
-        return self.loop.add_request(request_id, prompt, params, lora_name=lora_name)
-
-    def add_lora(self, request: LoRARequest) -> None:
-        self.loop.add_lora(request)
-
-    def remove_lora(self, name: str) -> bool:
-        return self.loop.remove_lora(name)
-
-    def list_loras(self) -> list[str]:
-        return self.loop.list_loras()
-
-    def held_loras(self) -> list[LoRARequest] | None:
-        """What the engine cores hold (None: this process's engine, which no one else registers on)."""
-        held = getattr(self.loop, "held_loras", None)
-        return None if held is None else held()
-
-    def stats(self) -> dict:
-        return self.loop.stats()
-
-    def start(self) -> EngineClient:
-        return self.loop.start()
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        return self.loop.wait_ready(timeout)
-
-    def close(self, timeout: float | None = 30.0) -> None:
-        self.loop.close(timeout)
+    def error(self) -> BaseException | None:  # type: ignore[override]
+        return self.inner.error or self.load_error or self.startup_error
 
 
 def _engine_factory(config: ServingConfig, devices: tuple[str, ...], copy: int):  # noqa: ANN202
@@ -174,9 +126,9 @@ def _watch(served: ServedEngine) -> None:
     with SERVING_FAIL_FAST, takes the whole server down."""
     while served.state is not EngineState.DEAD:
         time.sleep(0.2)
-    if served.loop.closing:
+    if served.inner.closing:
         return
-    if not served.loop.was_ready or served.startup_error is not None:
+    if not served.inner.was_ready or served.startup_error is not None:
         if config.engine_process and not _first_to_report_failed_start():
             return  # another frontend reported it: the arbiter halts and stops this one
         logger.critical("the model failed to load: %s", _one_line(served.error))
@@ -235,7 +187,7 @@ def start(frontend_slot: int | None = None) -> None:
     if config.model_copies > 1 and not config.engine_process:
         import transformers  # noqa: F401 - its lazy module is not safe to import from the copies' threads at once
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401
-    served.loop.start()
+    served.inner.start()
     threading.Thread(target=_register_startup_adapters, args=(served,), name="adapters-at-start",
                      daemon=True).start()
     threading.Thread(target=_watch, args=(served,), name="engine-watch", daemon=True).start()
@@ -256,7 +208,7 @@ def _share_with_other_frontends(slot: int | None) -> None:
 def _model_dir():  # noqa: ANN202 - Path | str | None
     """The resolved model dir (its `adapters/` are registered at start)."""
     if config.engine_process:
-        loops = getattr(served.loop, "loops", [served.loop])
+        loops = getattr(served.inner, "loops", [served.inner])
         return loops[0].model_dir
     return _resolved[0] if _resolved else None
 
@@ -265,12 +217,12 @@ def _register_startup_adapters(served: ServedEngine) -> None:
     """Once the model is loaded: register `<model dir>/adapters/<name>/` (LMI's start-up adapters),
     then let /ping answer 200. A failure is the start's failure (/ping 500 naming the adapter)."""
     try:
-        if not served.loop.wait_ready(None):
+        if not served.inner.wait_ready(None):
             return
         app.extensions["adapters"].register_startup(_model_dir())
         _freeze_startup_objects()
     except BaseException as exc:  # noqa: BLE001 - the engine died while loading, or an adapter is bad
-        if served.loop.state is not EngineState.DEAD:
+        if served.inner.state is not EngineState.DEAD:
             logger.error("%s", exc)
             served.startup_error = exc
     finally:
@@ -295,5 +247,5 @@ def _freeze_startup_objects() -> None:
 
 def stop() -> None:
     """Close the engine (aborts what is left); called when the worker exits."""
-    if served.loop.started:
-        served.loop.close(timeout=5.0)
+    if served.inner.started:
+        served.inner.close(timeout=5.0)

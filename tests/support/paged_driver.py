@@ -63,7 +63,7 @@ class PagedDriver:
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             if item.sample:
-                item.seq.append_token(next(samples).token_id)
+                item.seq.token_ids.append(next(samples).token_id)
         return out, res
 
     @torch.inference_mode()

@@ -13,7 +13,20 @@ from collections.abc import Callable, Iterator
 from serving.engine.llm_engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.executor.executor import InProcessExecutor
+from serving.executor.model_runner import ModelRunner
 from serving.llm import LLM
+
+
+class SharedRunnerExecutor(InProcessExecutor):
+    """The single-device executor over a runner the test module already loaded and owns: it starts
+    with the runner emptied, and shutting it down leaves the runner loaded for the next engine."""
+
+    def __init__(self, runner: ModelRunner) -> None:  # (no super().__init__: that loads a model)
+        runner.reset()
+        self.runner, self.info = runner, runner.info()
+
+    def shutdown(self) -> None:
+        self.runner = None  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
@@ -23,7 +36,7 @@ def llms_on_runner(model_dir: str, runner, tokenizer, **defaults: object) -> Ite
 
     def make(**options: object) -> LLM:
         llm = LLM.from_engine(LLMEngine(EngineConfig(model=model_dir, **{**defaults, **options}),
-                                        InProcessExecutor.from_runner(runner), tokenizer))
+                                        SharedRunnerExecutor(runner), tokenizer))
         made.append(llm)
         return llm
 

@@ -24,7 +24,7 @@ def test_allocate_append_free_order() -> None:
     assert seq.block_table == [0, 1, 2]
     assert list(bm.free_block_ids) == [3, 4, 5, 6, 7]
     seq.num_computed_tokens = 10
-    seq.append_token(99)
+    seq.token_ids.append(99)
     bm.append_slots(seq, 1)  # token 11 fits in block 2
     assert seq.block_table == [0, 1, 2]
     seq.num_computed_tokens = 12

@@ -118,7 +118,7 @@ def test_engine_mixed_batch_outputs_validate(smol, async_scheduling: bool, worke
     default): the deferred masks cross its pipe after the step they belong to."""
     from serving.engine.llm_engine import LLMEngine
     from serving.engine_config import EngineConfig
-    from serving.executor.executor import InProcessExecutor
+    from shared_runner import SharedRunnerExecutor
     from serving.llm import LLM
 
     path, runner, tok = smol
@@ -129,7 +129,7 @@ def test_engine_mixed_batch_outputs_validate(smol, async_scheduling: bool, worke
         assert llm.llm_engine.executor.supports_deferred_masks
     else:
         llm = LLM.from_engine(LLMEngine(EngineConfig(model=path, block_size=8, async_scheduling=async_scheduling),
-                                        InProcessExecutor.from_runner(runner), tok))
+                                        SharedRunnerExecutor(runner), tok))
     G = GuidedDecodingParams
     params = [
         SamplingParams(max_tokens=48, temperature=0.0, guided_decoding=G(json=SCHEMA)),
@@ -162,10 +162,10 @@ def test_engine_mixed_batch_outputs_validate(smol, async_scheduling: bool, worke
 def test_engine_refuses_an_invalid_schema(smol) -> None:  # noqa: ANN001
     from serving.engine.llm_engine import LLMEngine
     from serving.engine_config import EngineConfig
-    from serving.executor.executor import InProcessExecutor
+    from shared_runner import SharedRunnerExecutor
 
     path, runner, tok = smol
-    engine = LLMEngine(EngineConfig(model=path, block_size=8), InProcessExecutor.from_runner(runner), tok)
+    engine = LLMEngine(EngineConfig(model=path, block_size=8), SharedRunnerExecutor(runner), tok)
     with pytest.raises(ValueError, match="guided decoding json is not a valid JSON Schema: `schema.type`"):
         engine.add_request("r", PROMPT, SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "nope"})))
     assert not engine.has_unfinished_requests()

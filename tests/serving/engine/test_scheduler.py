@@ -6,6 +6,7 @@ import pytest
 from core_factories import FakeRunner, make_sequence
 
 from serving.engine.block_manager import BlockManager
+from serving.engine.plan_builder import build_plan
 from serving.engine.scheduler import Scheduler
 from serving.executor.plan import SampledToken, StepOutput
 from serving.engine.sequence import PLACEHOLDER, FinishReason, SequenceStatus
@@ -285,17 +286,18 @@ def test_async_placeholders_length_eos_and_preemption() -> None:
     for s in (s0, s1, s2):
         sched.add_sequences([s])
     out = sched.schedule()
-    runner.execute(out)
-    sched.add_placeholders(out)
+    runner.execute(out)  # (the fake runner reads the sequences, so it runs before the plan's placeholders go in)
+    build_plan(0, out, placeholders=True)
     assert [(i.seq.seq_id, i.start, i.num_tokens) for i in out.scheduled] == [(0, 0, 3), (1, 0, 3), (2, 0, 7)]
     assert s0.token_ids == [1, 2, 3, PLACEHOLDER] and s0.num_computed_tokens == 3
     nxt = sched.schedule()  # planned before step 1's tokens are known: all three decode their placeholder
     assert [(i.seq.seq_id, i.start, i.num_tokens) for i in nxt.scheduled] == [(0, 3, 1), (1, 3, 1), (2, 7, 1)]
-    sched.update(out, StepOutput([SampledToken(50), SampledToken(7), SampledToken(50)]))
-    assert s1.is_finished and s1.output_token_ids == [7] and s1.finish_reason is FinishReason.EOS
-    assert s0.token_ids == [1, 2, 3, 50] and s2.num_resolved_output_tokens == 1
     res = runner.execute(nxt)
-    sched.add_placeholders(nxt)  # s1 is finished: its extra token is computed but never stored
+    build_plan(1, nxt, placeholders=True)  # launched before step 1's tokens are read, as the engine does
+    sched.update(out, StepOutput([SampledToken(50), SampledToken(7), SampledToken(50)]))
+    # s1 ended on EOS: its placeholder is dropped, its extra token is computed but never stored
+    assert s1.is_finished and s1.output_token_ids == [7] and s1.finish_reason is FinishReason.EOS
+    assert s0.token_ids == [1, 2, 3, 50, PLACEHOLDER] and s2.num_resolved_output_tokens == 1
     _async_run_from(sched, runner, (nxt, res))
     assert s0.output_token_ids == [50, 51, 52] and s0.finish_reason is FinishReason.LENGTH
     assert [n for step in runner.steps for sid, n, _ in step if sid == 0] == [3, 1, 1]  # no 4th step
@@ -306,7 +308,7 @@ def test_async_placeholders_length_eos_and_preemption() -> None:
 
 def _async_run_from(sched: Scheduler, runner: FakeRunner, inflight, limit: int = 100) -> None:  # noqa: ANN001
     """The async engine loop: launch step N (placeholders), then read step N-1's tokens."""
-    for _ in range(limit):
+    for step_id in range(2, 2 + limit):
         out = sched.schedule()
         if out.is_empty:
             if inflight is None:
@@ -315,7 +317,7 @@ def _async_run_from(sched: Scheduler, runner: FakeRunner, inflight, limit: int =
             inflight = None
             continue
         res = runner.execute(out)
-        sched.add_placeholders(out)
+        build_plan(step_id, out, placeholders=True)
         if inflight is not None:
             sched.update(*inflight)
         inflight = (out, res)

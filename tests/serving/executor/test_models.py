@@ -44,12 +44,12 @@ def _check_paged_logits(path, block_size: int, lengths: list[int], chunk: int, d
     last = seqs[-1]
     for step in range(decode_steps):
         for s in seqs[:-1]:
-            s.append_token(int(rows[s.seq_id][-1][-1].argmax()))
+            s.token_ids.append(int(rows[s.seq_id][-1][-1].argmax()))
         work = [(s, 1) for s in seqs[:-1]]
         if step == 0:  # a mixed step: decodes plus the whole last prompt as one prefill
             work.append((last, last.num_tokens))
         elif step > 0:
-            last.append_token(int(rows[last.seq_id][-1][-1].argmax()))
+            last.token_ids.append(int(rows[last.seq_id][-1][-1].argmax()))
             work.append((last, 1))
         for sid, lg in driver.logits(work).items():
             rows[sid].append(lg)

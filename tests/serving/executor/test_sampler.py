@@ -17,8 +17,7 @@ CPU = torch.device("cpu")
 def seq(prompt=(1, 2, 3), output=(), seq_id=0, index=0, **params) -> Sequence:
     s = Sequence(seq_id=seq_id, request_id=f"r{seq_id}", prompt_token_ids=list(prompt),
                  params=SamplingParams(**params), index=index)
-    for t in output:
-        s.append_token(t)
+    s.token_ids.extend(output)
     return s
 
 
@@ -113,7 +112,7 @@ def test_seeded_rows_reproduce_alone_and_in_any_batch(top_p):
         for step in range(steps):
             logits = (base + 0.1 * step).repeat(len(seqs), 1)
             for s, o in zip(seqs, sampler(logits, seqs, g)):
-                s.append_token(o.token_id)
+                s.token_ids.append(o.token_id)
         return [s.output_token_ids for s in seqs]
 
     alone = run([42])[0]
