@@ -103,7 +103,7 @@ def _raise_fd_limit(want: int) -> None:
 
 
 # Connections taken from the backlog per poller wake-up (the rest wait for the next one, a loop later).
-_ACCEPT_BURST = 256
+_ACCEPT_BURST = 16
 
 
 class LMIWorker(ThreadWorker):
