@@ -39,7 +39,7 @@ from functools import partial
 from http import HTTPStatus
 
 from gunicorn import util
-from gunicorn.workers.gthread import TConn, ThreadWorker
+from gunicorn.workers.gthread import ThreadWorker
 
 from serving.server.admission import Admission, Decision
 from serving.server.health_guard import HEARTBEAT_S
@@ -100,10 +100,6 @@ def _raise_fd_limit(want: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
-
-
-# Connections taken from the backlog per poller wake-up (the rest wait for the next one, a loop later).
-_ACCEPT_BURST = 16
 
 
 class LMIWorker(ThreadWorker):
@@ -193,27 +189,6 @@ class LMIWorker(ThreadWorker):
             return
         self.nr_conns -= 1
         _close_now(conn.sock)
-
-    def accept(self, listener) -> None:  # noqa: ANN001 - runs on the poller thread
-        """Take every connection waiting in the listen backlog (up to `_ACCEPT_BURST`), not one per
-        poller wake-up as gunicorn does: a poller slowed by many streaming threads (the GIL) then
-        still reads each new request's head at once, and the queue bound (admission.py) counts it or
-        answers 503. One accept per wake-up let an overloaded server accept only about as fast as it
-        served, so the excess waited unread in the kernel's backlog and was never refused."""
-        for _ in range(_ACCEPT_BURST):
-            if self.nr_conns >= self.worker_connections:
-                return
-            try:
-                client_sock, client_addr = listener.accept()
-            except OSError as e:
-                if e.errno == errno.ECONNABORTED:  # that client gave up in the backlog: take the next
-                    continue
-                if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    return
-                raise
-            self.nr_conns += 1
-            client_sock.setblocking(True)
-            self.enqueue_req(TConn(self.cfg, client_sock, client_addr, listener.getsockname()))
 
     # ---- reading requests on the poller ---------------------------------------------------------
     def enqueue_req(self, conn) -> None:  # noqa: ANN001 - gthread.TConn

@@ -10,9 +10,10 @@ activation dtype: w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n], g = g_idx[k]
 Act-order (desc_act) layers whose groups are whole (G rows each) get their rows sorted by group at
 load, so the kernel reads contiguous groups without g_idx (its fast paths) and the layer gathers
 its input columns in that order (`act_perm`, one index_select per layer).
-int4 layers whose groups are `k // G` (no g_idx left) are then repacked once (`use_fast_int4`) into
-`kernels.int4_linear`'s layout (`packed` [K, N / 8], packed along N) and run there at every M; the
-rest (int8, g_idx kept on a row-parallel rank) stay on `kernels.quant_linear` with `qweight`.
+int4 layers whose groups are `k // G` (no g_idx left) can be repacked once (`use_fast_int4`) into
+`kernels.int4_linear`'s layout (`packed` [K, N / 8], packed along N) and run there at every M, once
+`REPACKED_INT4` is on (off: measured slower than the general kernel, see below); the rest (int8,
+g_idx kept on a row-parallel rank), and every layer while it is off, stay on `kernels.quant_linear`.
 Tensor parallel: column-parallel layers split N (whole words of qzeros: 8 columns for int4);
 row-parallel layers split K on group boundaries, or, with desc_act, keep every group's scales and
 zeros and their rows' g_idx (a rank's rows may reference any group).
@@ -48,6 +49,12 @@ def _fill_dummy(param: torch.Tensor, gen: torch.Generator, std: float) -> None:
                                   dtype=torch.int64).to(torch.int32))
     else:  # scales: |N(0, std)| / 4 keeps (q - z) * s near the unquantized std
         param.normal_(0.0, std / 4, generator=gen).abs_()
+
+
+# Serving takes the repacked int4 kernels only once they beat the general ones: on an H100 (bench/RESULTS.md,
+# `bench/quant_speed.py`) the repacked GEMV ran the 8B's batch-1 linears in 14.5 ms against the general
+# kernel's 2.7 ms (bf16 5.4 ms), and its tiles were slower from M = 64 up; not tuned yet.
+REPACKED_INT4 = False
 
 
 class GroupQuantLinearMethod:
@@ -113,7 +120,8 @@ class GroupQuantLinearMethod:
         `packed` [K, N / 8]. Others keep `qweight` (`packed` None) and the general kernel."""
         k, n = layer.qweight.shape[0] * self.pf, layer.qweight.shape[1]
         g = layer.quant_group_size
-        if self.bits == 4 and layer.g_idx is None and n % 8 == 0 and (g >= k or (g % 16 == 0 and g & (g - 1) == 0)):
+        if REPACKED_INT4 and self.bits == 4 and layer.g_idx is None and n % 8 == 0 and \
+                (g >= k or (g % 16 == 0 and g & (g - 1) == 0)):
             layer.packed = nn.Parameter(kernels.repack_int4(layer.qweight.data), requires_grad=False)
             del layer.qweight
         else:

@@ -201,9 +201,14 @@ def _format_tensors(fmt: Format, w: torch.Tensor, seed: int) -> tuple[dict[str, 
     return tensors, iq.dequantize().t()
 
 
+@pytest.mark.parametrize("repacked", [False, True], ids=["general_int4", "repacked_int4"])
 @pytest.mark.parametrize("name", list(LAYER_FORMATS))
-def test_packed_and_row_layers_equal_the_dequantised_weights(name):
-    """q|k|v from three checkpoint tensors (column-parallel, packed) and a row-parallel layer with bias."""
+def test_packed_and_row_layers_equal_the_dequantised_weights(name, repacked, monkeypatch):
+    """q|k|v from three checkpoint tensors (column-parallel, packed) and a row-parallel layer with bias;
+    int4 on the general kernel (serving's default) and on the repacked one."""
+    from serving.executor.quant import gptq
+
+    monkeypatch.setattr(gptq, "REPACKED_INT4", repacked)
     fmt, quant = LAYER_FORMATS[name], _quant_config(LAYER_FORMATS[name])
     torch.manual_seed(0)
     k_in = 128
@@ -223,14 +228,18 @@ def test_packed_and_row_layers_equal_the_dequantised_weights(name):
     process_weights_after_loading(row)
     if fmt.desc_act:  # whole groups: rows sorted by group at load, the input gathered to match
         assert qkv.g_idx is None and qkv.act_perm is not None and row.act_perm is not None
-    if fmt.method != "fp8":  # int4 runs kernels.int4_linear on the repacked words, int8 the general kernel
-        assert (qkv.packed is not None) == (fmt.bits == 4) and (row.packed is not None) == (fmt.bits == 4)
+    if fmt.method != "fp8":  # repacked int4 runs kernels.int4_linear, the rest the general kernel
+        want = fmt.bits == 4 and repacked
+        assert (qkv.packed is not None) == want and (row.packed is not None) == want
     x = torch.randn(5, k_in)
     torch.testing.assert_close(qkv(x), x @ torch.cat(dense).t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(row(x), x @ w_row.t() + row.bias, rtol=1e-5, atol=1e-5)
 
 
-def test_awq_and_gptq_layouts_of_the_same_integers_compute_the_same():
+def test_awq_and_gptq_layouts_of_the_same_integers_compute_the_same(monkeypatch):
+    from serving.executor.quant import gptq
+
+    monkeypatch.setattr(gptq, "REPACKED_INT4", True)  # the same repacked words from either layout
     w = torch.randn(64, 128)
     iq = quantize_rtn(w, 4, 32, sym=False, act_order=False)
     outs = []
