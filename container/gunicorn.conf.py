@@ -21,7 +21,7 @@ from serving.server.settings.serving_config import config_from_env
 _config = config_from_env(os.environ)  # resolved by container/serve; parsed here, once: the worker forks from us
 
 bind = f"0.0.0.0:{_config.port}"
-workers = _config.frontends  # 1 unless the engine runs in cores of its own (serving/config.py auto_frontends)
+workers = _config.frontends  # 1 unless the engine runs in cores of its own (serving/server/settings/serving_config.py auto_frontends)
 worker_class = "serving.server.worker.LMIWorker"
 threads = _config.gunicorn_threads
 worker_connections = threads + 4096  # a connection whose request is still arriving holds no thread

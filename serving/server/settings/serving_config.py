@@ -385,14 +385,21 @@ def _parse_resolved(text: str) -> ServingConfig:
     return ServingConfig(engine=engine, sources=sources, **values)
 
 
-def auto_frontends(copies: int, engine_process: bool, cpus: int) -> int:
+# HTTP frontends for one copy on GPUs: one HTTP process at 5-6x an 8B copy's capacity was GIL-bound (no 503s,
+# requests waiting unread ~20 s, or /ping stalls); three over one engine core shed the excess at once with /ping
+# under 30 ms and 1.2-1.3x the output tokens/s (bench/RESULTS.md, one H100).
+GPU_MIN_FRONTENDS = 3
+
+
+def auto_frontends(copies: int, engine_process: bool, cpus: int, on_gpus: bool = False) -> int:
     """HTTP frontends for `frontends=auto`: one per model copy (one HTTP process routes ~1.7 copies'
-    streams at most: bench/RESULTS.md), never more than half the CPUs (each busy frontend
-    takes about one core, the cores' engines and rank processes need the rest); 1 for one copy or
-    with the engine in the HTTP process."""
-    if not engine_process or copies <= 1:
+    streams at most: bench/RESULTS.md) and at least `GPU_MIN_FRONTENDS` on GPUs, never more than half
+    the CPUs (each busy frontend takes about one core, the cores' engines and rank processes need the
+    rest); 1 with the engine in the HTTP process."""
+    if not engine_process:
         return 1
-    return max(1, min(copies, cpus // 2))
+    want = max(copies, GPU_MIN_FRONTENDS if on_gpus else 1)
+    return max(1, min(want, cpus // 2))
 
 
 def _build(values: dict[str, object], sources: dict[str, str], props_path: Path | None,
@@ -413,12 +420,13 @@ def _build(values: dict[str, object], sources: dict[str, str], props_path: Path 
                               f"tensor_parallel_degree={tensor_parallel_size} need "
                               f"{values['max_workers'] * tensor_parallel_size} GPUs; {gpus} are visible")
         copies = values["max_workers"]
-    if values["engine_process"] is None:  # auto: each of several copies in its own process
-        values["engine_process"] = copies > 1
-        sources["engine_process"] = "default (auto: on for several model copies)"
+    if values["engine_process"] is None:  # auto: on GPUs, and for several copies, the engine in a process of its own
+        values["engine_process"] = copies > 1 or gpus > 0
+        sources["engine_process"] = "default (auto: on for GPUs and for several model copies)"
     if values.get("frontends") is None:
-        values["frontends"] = auto_frontends(copies, bool(values["engine_process"]), os.cpu_count() or 1)
-        sources["frontends"] = "default (auto: one per model copy, at most half the CPUs)"
+        values["frontends"] = auto_frontends(copies, bool(values["engine_process"]), os.cpu_count() or 1, gpus > 0)
+        sources["frontends"] = (f"default (auto: one per model copy, at least {GPU_MIN_FRONTENDS} on GPUs, "
+                                "at most half the CPUs)")
     elif values["frontends"] > 1 and not values["engine_process"]:
         raise ConfigError(f"{_src(sources, 'frontends')}: frontends={values['frontends']} needs the engine in "
                           "processes of its own: set OPTION_ENGINE_PROCESS=true (or leave frontends at auto)")

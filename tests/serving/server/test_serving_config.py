@@ -1,6 +1,7 @@
 """load_config: LMI precedence, name mapping, TGI aliases, and every invalid-value message."""
 
 import logging
+import os
 import re
 
 import pytest
@@ -76,9 +77,12 @@ def test_executor_backend_is_worker_processes_on_gpus_unless_set():
         backend({"OPTION_DISTRIBUTED_EXECUTOR_BACKEND": "uni", "TENSOR_PARALLEL_DEGREE": "2"}, 2)
 
 
-def test_engine_process_is_auto_on_for_several_copies_with_the_model_in_worker_processes_on_gpus():
+def test_engine_process_is_auto_on_for_gpus_and_several_copies_with_the_model_in_worker_processes_on_gpus():
     cfg = lambda env, gpus: load_config(env, [], gpu_count=lambda: gpus)  # noqa: E731
-    assert cfg({}, 1).engine_process is False and cfg({}, 0).engine_process is False
+    one_gpu = cfg({}, 1)  # one copy on a GPU: its engine core behind several HTTP frontends (overload, /ping)
+    assert one_gpu.engine_process is True and one_gpu.frontends == max(1, min(3, (os.cpu_count() or 1) // 2))
+    assert cfg({}, 0).engine_process is False and cfg({}, 0).frontends == 1  # CPU: engine thread in the one process
+    assert cfg({"OPTION_ENGINE_PROCESS": "false"}, 1).frontends == 1
     on = cfg({"OPTION_ENGINE_PROCESS": "true"}, 1)
     assert on.engine_process is True and on.engine.distributed_executor_backend == "mp"  # model host work apart
     assert cfg({"OPTION_ENGINE_PROCESS": "true", "OPTION_DEVICE": "cpu"}, 1).engine.distributed_executor_backend == "uni"
@@ -98,7 +102,8 @@ def test_max_workers_sets_the_model_copies_on_cpu_and_gpus():
     cpu = cfg({"SERVING_MAX_WORKERS": "2", "OPTION_DEVICE": "cpu"}, 4)
     assert cpu.model_copies == 2 and cpu.engine_process is True and cpu.copy_devices() == [("cpu",), ("cpu",)]
     assert cfg({"SERVING_MAX_WORKERS": "1", "TENSOR_PARALLEL_DEGREE": "1"}, 4).copy_devices() == [("cuda:0",)]
-    assert cfg({"SERVING_MAX_WORKERS": "1"}, 4).engine_process is False
+    assert cfg({"SERVING_MAX_WORKERS": "1"}, 4).engine_process is True  # on GPUs: an engine core, several frontends
+    assert cfg({"SERVING_MAX_WORKERS": "1", "OPTION_DEVICE": "cpu"}, 0).engine_process is False
     with pytest.raises(ConfigError, match=r"SERVING_MAX_WORKERS.*max_workers=3 model copies of "
                                           r"tensor_parallel_degree=2 need 6 GPUs; 4 are visible"):
         cfg({"SERVING_MAX_WORKERS": "3", "TENSOR_PARALLEL_DEGREE": "2"}, 4)
@@ -379,15 +384,19 @@ def test_frontends_are_one_per_copy_at_most_half_the_cpus_and_need_engine_cores(
 
     cfg = lambda env, gpus: load_config(env, [], gpu_count=lambda: gpus)  # noqa: E731
     assert [auto_frontends(copies, True, 64) for copies in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert [auto_frontends(copies, True, 64, on_gpus=True) for copies in (1, 2, 4, 8)] == [3, 3, 4, 8]
+    assert auto_frontends(1, True, 4, on_gpus=True) == 2  # still at most half the CPUs
     assert auto_frontends(4, True, 4) == 2 and auto_frontends(4, True, 1) == 1  # half the CPUs, at least one
     assert auto_frontends(4, False, 64) == 1  # engines in the HTTP process: one process holds them
-    assert cfg({}, 1).frontends == 1 and "auto" in cfg({}, 1).sources["frontends"]
+    assert cfg({}, 0).frontends == 1 and "auto" in cfg({}, 0).sources["frontends"]
+    assert cfg({}, 1).frontends == max(1, min(3, (os.cpu_count() or 1) // 2))  # one copy on a GPU
     assert cfg({"SERVING_FRONTENDS": "3", "SERVING_MAX_WORKERS": "2", "OPTION_DEVICE": "cpu"}, 0).frontends == 3
     assert cfg({"OPTION_FRONTENDS": "2", "OPTION_ENGINE_PROCESS": "true"}, 1).frontends == 2  # one core, 2 frontends
     with pytest.raises(ConfigError, match="frontends=2 needs the engine in processes of its own"):
-        cfg({"SERVING_FRONTENDS": "2"}, 1)
+        cfg({"SERVING_FRONTENDS": "2", "OPTION_ENGINE_PROCESS": "false"}, 1)
     with pytest.raises(ConfigError, match="SERVING_FRONTENDS='0' is invalid: accepts auto|an integer 1..64"):
         cfg({"SERVING_FRONTENDS": "0"}, 1)
+    assert cfg({"SERVING_FRONTENDS": "2"}, 1).frontends == 2  # auto engine process on a GPU: allowed
 
 
 def test_resolved_config_crosses_exec_as_json_and_is_parsed_once_per_process_tree():
