@@ -111,7 +111,7 @@ def model_dir(args, shape: str) -> Path:  # noqa: ANN001
 
 def build(args, spec: dict | None) -> LLM:  # noqa: ANN001
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    options = dict(load_format="dummy", dtype=dtype, max_num_seqs=8,
+    options = dict(load_format="dummy", dtype=dtype, max_num_seqs=getattr(args, "max_num_seqs", 8),
                    max_model_len=min(4096, SHAPES[args.shape]["max_position_embeddings"]), device=args.device,
                    distributed_executor_backend="uni", speculative_config=spec, skip_tokenizer_init=True,
                    async_scheduling=True)
