@@ -142,6 +142,16 @@ PY
     over)  # 1 copy (~45 req/s of capacity at these lengths: run 22) offered ~4x that
       start_server over SERVING_MAX_WORKERS=1 && load over_4x --rate 192 --num-prompts 2304 --seed 1
       stop_server ;;
+    fourpre)  # 4 copies, a shared-prefix workload (16 system prompts of 600 words), prefix affinity on then off
+      start_server fouraff SERVING_MAX_WORKERS=4 && {
+        load fouraff_prefix --rate 96 --num-prompts 1152 --seed 2 --prefix-words 600 --num-prefixes 16
+        curl -s localhost:$PORT/metrics | grep -E '^lmi_copy|^lmi_prefix' | tr '\n' ' ' >"$OUT/fouraff_metrics.txt"
+        summary+=("  $(cat "$OUT/fouraff_metrics.txt")")
+      }
+      stop_server
+      start_server fournoaff SERVING_MAX_WORKERS=4 OPTION_PREFIX_AFFINITY=false && \
+        load fournoaff_prefix --rate 96 --num-prompts 1152 --seed 2 --prefix-words 600 --num-prefixes 16
+      stop_server ;;
     threads)
       start_server threads SERVING_MAX_WORKERS=2 OPTION_ENGINE_PROCESS=false && load threads_sat --rate 128 --num-prompts 1536
       stop_server ;;
