@@ -103,6 +103,8 @@ class Admission:
         if method in (b"GET", b"HEAD") and (path in _PING_PATHS or path in _HEALTH_PATHS):
             keep = version == b"HTTP/1.1" and not _asks_close(head)
             health = self._health()
+            if health.status == 200 and self._shared is not None and not self._shared.started:
+                health = Health(503, {"status": "Loading"})  # another frontend is still starting
             status, body = (health.status, json.dumps(health.body).encode()) if path in _PING_PATHS \
                 else health_answer(health)
             return Decision(answer=_response(status, body, keep, send_body=method == b"GET", version=version),
@@ -123,6 +125,11 @@ class Admission:
         if self._shared is not None:
             return self._shared.try_acquire(self.limit)
         return self.in_flight < self.limit
+
+    def mark_ready(self) -> None:
+        """This frontend's engine clients are ready (several frontends: `/ping` waits for all of them)."""
+        if self._shared is not None:
+            self._shared.mark_ready()
 
     def release(self, duration_s: float) -> None:
         """An admitted request's response is finished (or failed) after `duration_s`."""

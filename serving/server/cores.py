@@ -60,7 +60,7 @@ class ServerCores:
                           for i in range(config.model_copies)]
         self.cores = [EngineCore(config.engine, address, devices, config.job_queue_size)
                       for address, devices in zip(self.addresses, config.copy_devices())]
-        self.queue = SharedQueue(2 * config.frontends)  # a replaced worker's slot may linger a moment
+        self.queue = SharedQueue(2 * config.frontends, config.frontends)  # a replaced worker's slot may linger
         self._adapter_ids = mp.get_context("fork").Value("q", 0)
         self._boot_error = mp.get_context("fork").Value("b", 0)  # a frontend reported the failed start
         self.metrics_dir = os.path.join(self.dir, "metrics")

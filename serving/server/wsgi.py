@@ -221,6 +221,7 @@ def _register_startup_adapters(served: ServedEngine) -> None:
             return
         app.extensions["adapters"].register_startup(_model_dir())
         _freeze_startup_objects()
+        app.extensions["admission"].mark_ready()
     except BaseException as exc:  # noqa: BLE001 - the engine died while loading, or an adapter is bad
         if served.inner.state is not EngineState.DEAD:
             logger.error("%s", exc)

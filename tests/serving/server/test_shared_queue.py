@@ -84,3 +84,35 @@ def test_admission_answers_503_at_the_bound_of_every_frontend_together():
     release.set()  # one of the other frontend's requests ends
     other.join(10)
     assert admission.decide(head).admitted and admission.total_in_flight == 3
+
+
+def _mark_ready(queue: SharedQueue, slot: int) -> None:
+    queue.attach(slot).mark_ready()
+
+
+def test_ping_says_loading_until_every_frontend_is_ready_then_stays_open():
+    """A load balancer that got 200 from one frontend sends requests to all of them: /ping waits for
+    the last frontend to start (a forked one here), and a frontend replaced later does not close it."""
+    from serving.server.admission import Admission, Health
+
+    queue = SharedQueue(4, frontends=2)
+    admission = Admission(8, lambda: Health(200, {"status": "Healthy"}), reject_body=lambda p, m: {"error": m})
+    admission.share(queue.attach(0))
+    ping = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n"
+    admission.mark_ready()
+    assert not queue.started and admission.decide(ping).answer.startswith(b"HTTP/1.1 503")
+    assert admission.decide(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").answer.startswith(b"HTTP/1.1 503")
+    other = mp.get_context("fork").Process(target=_mark_ready, args=(queue, 1))
+    other.start()
+    other.join(10)
+    assert queue.started and admission.decide(ping).answer.startswith(b"HTTP/1.1 200")
+    queue.reset(1)  # that frontend died; its replacement is starting: the others keep answering 200
+    assert admission.decide(ping).answer.startswith(b"HTTP/1.1 200")
+
+
+def test_a_single_process_server_is_not_held_by_the_latch():
+    from serving.server.admission import Admission, Health
+
+    admission = Admission(8, lambda: Health(200, {"status": "Healthy"}), reject_body=lambda p, m: {"error": m})
+    admission.mark_ready()  # no shared queue: nothing to wait for
+    assert admission.decide(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n").answer.startswith(b"HTTP/1.1 200")
