@@ -372,7 +372,7 @@ def python_per_record(fmt: str, backlog: bool, tokens: int = 2000) -> tuple[floa
     get, Result.add and formatting; and the engine loop's put of one delta. `backlog`: the whole
     stream is queued before it is read (coalesced); else every record is its own write."""
     from serving.server.settings.serving_config import load_config
-    from serving.engine.engine_loop import RequestStream
+    from serving.engine.request_stream import RequestStream
     from serving.server.api.lmi.request import parse_invocations
     from serving.server.api.openai_chat import parse_chat
     from serving.server.request_runner import RequestRunner

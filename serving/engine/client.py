@@ -17,7 +17,7 @@ from serving.lora_request import LoRARequest
 from serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from serving.engine.engine_loop import EngineState, RequestStream
+    from serving.engine.request_stream import EngineState, RequestStream
 
 
 class EngineClient(abc.ABC):

@@ -41,7 +41,8 @@ from multiprocessing.connection import Client, Listener
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-from serving.engine.engine_loop import EngineDeadError, EngineLoop, EngineState, RequestStream, StreamRouter
+from serving.engine.engine_loop import EngineLoop, StreamRouter
+from serving.engine.request_stream import EngineDeadError, EngineState, RequestStream
 from serving.engine_config import EngineConfig
 from serving.lora_request import LoRARequest
 from serving.outputs import StreamDelta

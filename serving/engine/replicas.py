@@ -18,7 +18,8 @@ import threading
 from collections import OrderedDict
 
 from serving.engine.client import EngineClient
-from serving.engine.engine_loop import EngineLoop, EngineState, RequestStream
+from serving.engine.engine_loop import EngineLoop
+from serving.engine.request_stream import EngineState, RequestStream
 from serving.engine.engine_process import EngineProcess
 from serving.engine.token_intervals import merge_snapshots
 from serving.lora_request import LoRARequest

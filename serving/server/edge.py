@@ -21,7 +21,7 @@ from flask import Response, current_app, request
 
 from serving.server.settings.serving_config import ServingConfig
 from serving.engine.client import EngineClient
-from serving.engine.engine_loop import EngineState
+from serving.engine.request_stream import EngineState
 from serving.engine.grammar_compiler import COMPILE_CANCELLED
 from serving.server.access_log import RequestRecord
 from serving.server.adapters import AdapterNotFound, AdapterRegistry, select_adapters

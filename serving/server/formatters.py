@@ -23,6 +23,7 @@ from json.encoder import encode_basestring
 from typing import TYPE_CHECKING, ClassVar
 
 from serving.outputs import StreamDelta
+from serving.server import wire_formats
 
 if TYPE_CHECKING:
     from serving.server.protocol import GenerateRequest
@@ -182,6 +183,7 @@ class Formatter:
             assert name not in Formatter.FORMATS, f"two wire formats named {name!r}"
             assert cls.content_type, f"the wire format {name!r} has no content type"
             Formatter.FORMATS[name] = cls
+            wire_formats.register(name, cls.streams)
 
     @staticmethod
     def of(fmt: str) -> type[Formatter]:

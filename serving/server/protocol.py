@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from serving.sampling_params import SamplingParams
-from serving.server.formatters import Formatter
+from serving.server import wire_formats
 from serving.server.structured import ToolSpec
 
 logger = logging.getLogger("serving.server.protocol")
@@ -46,7 +46,7 @@ class GenerateRequest:
 
     Exactly one of `prompts` (text per input), `prompt_token_ids` (OpenAI token prompts) or
     `messages` (chat, rendered with the tokenizer's template) is set. `batch` means the client
-    sent a list and gets a list back. `fmt` names the wire format (`Formatter.FORMATS`).
+    sent a list and gets a list back. `fmt` names the wire format (`Formatter.FORMATS`, `wire_formats`).
     """
 
     route: Route
@@ -78,7 +78,7 @@ class GenerateRequest:
 
     @property
     def stream(self) -> bool:
-        return Formatter.of(self.fmt).streams
+        return wire_formats.streams(self.fmt)
 
     @property
     def num_prompts(self) -> int:

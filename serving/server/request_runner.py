@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from serving.server.settings.serving_config import ServingConfig
 from serving.engine.client import EngineClient
-from serving.engine.engine_loop import EngineState, RequestStream
+from serving.engine.request_stream import EngineState, RequestStream
 from serving.engine.schema_validator import OUTPUT_INVALID, output_problem
 from serving.lora_request import UnknownAdapterError
 from serving.server.access_log import RequestRecord

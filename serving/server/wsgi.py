@@ -24,7 +24,8 @@ from serving.server.app import create_app
 from serving.server.settings.serving_config import ServingConfig, config_from_env
 from serving.engine_config import EngineConfig
 from serving.engine.client import DelegatingClient, EngineClient
-from serving.engine.engine_loop import EngineLoop, EngineState
+from serving.engine.engine_loop import EngineLoop
+from serving.engine.request_stream import EngineState
 from serving.engine.engine_process import EngineProcess
 from serving.engine.replicas import ReplicaSet
 

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 import pytest
 from processes import alive
 
-from serving.engine.engine_loop import EngineDeadError, EngineLoop
+from serving.engine.engine_loop import EngineLoop
+from serving.engine.request_stream import EngineDeadError
 from serving.engine.replicas import ReplicaSet
 from serving.engine_config import EngineConfig
 from serving.llm import LLM

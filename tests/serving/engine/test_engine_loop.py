@@ -10,7 +10,8 @@ import pytest
 
 from serving.engine.llm_engine import LLMEngine
 from serving.engine_config import CacheConfig, EngineConfig
-from serving.engine.engine_loop import EngineDeadError, EngineLoop, EngineState, QueueFullError
+from serving.engine.engine_loop import EngineLoop
+from serving.engine.request_stream import EngineDeadError, EngineState, QueueFullError
 from serving.sampling_params import SamplingParams
 from serving.executor.batch_state import BatchState
 from serving.executor.executor import Executor

@@ -12,7 +12,8 @@ import threading
 
 from fake_runner import CONFIG, FakeRunner, collect
 
-from serving.engine.engine_loop import EngineLoop, EngineState
+from serving.engine.engine_loop import EngineLoop
+from serving.engine.request_stream import EngineState
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.replicas import ReplicaSet
 from serving.sampling_params import SamplingParams

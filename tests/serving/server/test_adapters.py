@@ -248,7 +248,7 @@ def test_adapters_from_s3(s3_endpoint, tmp_path):
 
 
 def test_ping_is_200_only_once_start_up_adapters_are_registered():
-    from serving.engine.engine_loop import EngineState
+    from serving.engine.request_stream import EngineState
     from serving.server.wsgi import ServedEngine
 
     loop = FakeEngineLoop()

@@ -10,7 +10,7 @@ import pytest
 from fake_engine_loop import FakeEngineLoop, FakeStream
 
 from serving.server.settings.serving_config import load_config
-from serving.engine.engine_loop import RequestStream
+from serving.engine.request_stream import RequestStream
 from serving.server.formatters import Formatter, Result
 from serving.outputs import StreamDelta
 from serving.server.api.lmi.request import parse_invocations
