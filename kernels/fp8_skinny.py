@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.int4_common import finish_tile
-from kernels.int4_matmul import _NUM_COUNTERS, _num_sms, _split_for, _tile_counters
+from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
 
 
 class FP8Config(NamedTuple):
@@ -144,12 +144,7 @@ def fp8_skinny_linear_impl(
     split = config.split_k
     gemv = config.block_m == 1
     tiles = triton.cdiv(N, config.block_n) * (1 if gemv else triton.cdiv(M, config.block_m))
-    if split > 1:
-        assert tiles <= _NUM_COUNTERS
-        partial = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-        counters = _tile_counters(x.device)
-    else:
-        partial = counters = out  # never read
+    partial, counters = split_k_workspace(out, split, tiles)
     bias_arg = bias if bias is not None else scale
     tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
     stride_scale = 1 if scale.numel() > 1 else 0

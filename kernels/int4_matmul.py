@@ -193,6 +193,17 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
+def split_k_workspace(out: torch.Tensor, split: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial sums, tile counters) of a split-K launch over `tiles` output tiles: fp32 partials
+    [split, M, N] and the device's self-resetting counters; without a split neither is read (`out`
+    stands in for both)."""
+    if split <= 1:
+        return out, out
+    assert tiles <= _NUM_COUNTERS
+    m, n = out.shape
+    return torch.empty((split, m, n), device=out.device, dtype=torch.float32), _tile_counters(out.device)
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -272,12 +283,7 @@ def quant_linear_impl(
         assert g_idx.shape == (K,) and g_idx.dtype == torch.int32
     split = config.split_k
     grid_tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-    if split > 1:
-        assert grid_tiles <= _NUM_COUNTERS
-        partial = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-        counters = _tile_counters(x.device)
-    else:
-        partial = counters = out  # never read
+    partial, counters = split_k_workspace(out, split, grid_tiles)
     bias_arg = bias if bias is not None else scales
     tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
     common = (M, N, K, group_size, tiles_per_split, split, x.stride(0), qweight.stride(0), scales.stride(0),

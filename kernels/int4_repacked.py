@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.int4_common import finish_tile, join8, nibble_float, unpack_nibbles
-from kernels.int4_matmul import _NUM_COUNTERS, _num_sms, _split_for, _tile_counters
+from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
 
 
 class Int4Config(NamedTuple):
@@ -266,12 +266,7 @@ def int4_linear_impl(
         grid_tiles = triton.cdiv(N, config.block_n)
     else:
         grid_tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-    if split > 1:
-        assert grid_tiles <= _NUM_COUNTERS
-        partial = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-        counters = _tile_counters(x.device)
-    else:
-        partial = counters = out  # never read
+    partial, counters = split_k_workspace(out, split, grid_tiles)
     bias_arg = bias if bias is not None else scales
     tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
     if gemv:
