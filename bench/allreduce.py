@@ -8,6 +8,12 @@ launches) and inside a CUDA graph (20 calls a graph), the max over ranks, and th
 NCCL: float32 integers exactly equal on both kernels (eager and replayed from a graph),
 bfloat16 within rounding, and bitwise the same result on every rank.
 
+Part `fused` (one process per GPU): the all-reduce followed by the residual add + RMSNorm, as each
+layer runs it twice, at decode sizes (1, 8, 32 rows of the 8B's 4096 and the 70B's 8192 columns):
+NCCL + norm, one-shot + norm (the unfused path) and the fused one-launch kernel
+(`kernels/all_reduce_norm.py`), us per pair in a CUDA graph and eager, max over ranks, with the
+fused result checked against the unfused one (close) and across ranks (same bits).
+
 Part `decode` (a child `bench/parallel.py`): batch-1 decode ms/token of the Llama-3-8B shape at
 TP=1/2/4 and the 70B shape at TP=4, random bf16 weights, custom all-reduce on and off, against the
 TP-GPU floor (weights / (TP x copy bandwidth)); then the fp32 greedy agreement of TP=2/4 (custom
@@ -238,16 +244,20 @@ def _per_step_collectives(custom, group, degree: int, rank: int) -> list[dict]: 
     return rows
 
 
-def part_micro(world: int, out_dir: Path) -> list[dict]:
+def _spawn_ranks(target, world: int, out_file: Path) -> list[dict]:  # noqa: ANN001
+    """Run `target(rank, world, init_file, degrees, out_file)` on every GPU (TP=4, then TP=2); rank 0's rows."""
     import tempfile
 
     import torch.multiprocessing as mp
 
     degrees = [d for d in (4, 2) if d <= world]
-    out_file = out_dir / "allreduce_micro.json"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_micro_rank, args=(world, os.path.join(tmp, "init"), degrees, str(out_file)), nprocs=world, join=True)
+        mp.spawn(target, args=(world, os.path.join(tmp, "init"), degrees, str(out_file)), nprocs=world, join=True)
     return json.loads(out_file.read_text())
+
+
+def part_micro(world: int, out_dir: Path) -> list[dict]:
+    return _spawn_ranks(_micro_rank, world, out_dir / "allreduce_micro.json")
 
 
 def print_micro(rows: list[dict]) -> None:
@@ -273,6 +283,87 @@ def print_micro(rows: list[dict]) -> None:
                   f"({r.get('candidate_path', 'one_shot')})  {r['check']}")
 
 
+# ---- fused: all-reduce + add + RMSNorm -----------------------------------------------------------
+
+FUSED_SHAPES = [(rows, hidden) for hidden in (4096, 8192) for rows in (1, 8, 32)]
+
+
+def _fused_rank(rank: int, world: int, init_file: str, degrees: list[int], out_file: str) -> None:
+    import torch.distributed as dist
+
+    import kernels
+    from serving.executor.custom_all_reduce import CustomAllReduce, default_policy
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=device)
+    rows = []
+    for degree in degrees:
+        group = dist.new_group(list(range(degree)))
+        if rank < degree:
+            dist.all_reduce(torch.ones(1, device=device), group=group)
+            custom = CustomAllReduce.create(group, device, default_policy(degree))
+            if custom is None or not custom.enable_fused_norm(torch.bfloat16):
+                rows.append({"tp": degree, "error": "custom all-reduce / fused norm could not be set up (see the log)"})
+            else:
+                for n_rows, hidden in FUSED_SHAPES:
+                    gen = torch.Generator(device="cuda").manual_seed(rank * 7 + n_rows)
+                    x = torch.randn(n_rows, hidden, device="cuda", generator=gen).bfloat16()
+                    residual = torch.randn(n_rows, hidden, device="cuda").bfloat16()
+                    weight = torch.ones(hidden, device="cuda").bfloat16()
+                    dist.broadcast(residual, src=dist.get_global_rank(group, 0), group=group)
+
+                    def unfused(t, path, copy=False):  # noqa: ANN001, ANN202
+                        y = t.clone() if copy else t  # in place, as the model sums its GEMM's output
+                        if path == "nccl":
+                            dist.all_reduce(y, group=group)
+                        else:
+                            custom.run(y, path)
+                        return kernels.rms_norm(y, weight, 1e-5, residual)
+
+                    def fused(t):  # noqa: ANN001, ANN202
+                        return custom.fused_rms_norm(t, weight, 1e-5, residual, False)
+
+                    want = unfused(x, "one_shot", copy=True)
+                    got = fused(x)
+                    torch.cuda.synchronize()
+                    close = all(torch.allclose(a.float(), b.float(), atol=5e-2, rtol=2e-2) for a, b in zip(got, want))
+                    mine = torch.cat([got[0].view(-1), got[1].view(-1)]).float()
+                    first = mine.clone()
+                    dist.broadcast(first, src=dist.get_global_rank(group, 0), group=group)
+                    same = bool(torch.equal(first, mine))
+                    row = {"tp": degree, "rows": n_rows, "hidden": hidden,
+                           "check": "ok" if close and same else f"MISMATCH close={close} same_bits={same}"}
+                    for name, fn in (("nccl", lambda t: unfused(t, "nccl")), ("one_shot", lambda t: unfused(t, "one_shot")),
+                                     ("fused", fused)):
+                        row[f"graph_{name}"] = _graph_us(fn, x, group)
+                        row[f"eager_{name}"] = _eager_us(fn, x, group, 50)
+                    rows.append(row)
+            if custom is not None:
+                custom.close()
+        dist.barrier()
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def part_fused(world: int, out_dir: Path) -> list[dict]:
+    return _spawn_ranks(_fused_rank, world, out_dir / "allreduce_fused.json")
+
+
+def print_fused(rows: list[dict]) -> None:
+    print("\n== all-reduce + residual add + RMSNorm, bf16, us per pair (max over ranks)")
+    print(f"{'TP':>2} {'rows x hidden':>13} | {'graph nccl+norm':>15} {'1shot+norm':>10} {'fused':>7} | "
+          f"{'eager nccl+norm':>15} {'1shot+norm':>10} {'fused':>7} | check")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['tp']:>2} {r['error']}")
+            continue
+        print(f"{r['tp']:>2} {r['rows']:>5} x {r['hidden']:<5} | {r['graph_nccl']:>15.1f} {r['graph_one_shot']:>10.1f} "
+              f"{r['graph_fused']:>7.1f} | {r['eager_nccl']:>15.1f} {r['eager_one_shot']:>10.1f} "
+              f"{r['eager_fused']:>7.1f} | {r['check']}")
+
+
 # ---- decode: bench/parallel.py in a child process ----------------------------------------------
 
 def _parallel_child(out: Path, *options: str) -> dict:
@@ -288,7 +379,7 @@ def part_decode(args, out_dir: Path) -> dict:  # noqa: ANN001
     results = {}
     if args.decode_parts:
         results.update(_parallel_child(out_dir / "allreduce_decode.json", "--parts", args.decode_parts,
-                                       "--tp8b", args.tp8b, "--tp70b", args.tp70b, "--custom-ar", "on,off",
+                                       "--tp8b", args.tp8b, "--tp70b", args.tp70b, "--custom-ar", args.custom_ar,
                                        "--no-workload", "--model-root", args.model_root))
     if args.tp_agree:
         results.update(_parallel_child(out_dir / "allreduce_agree.json", "--parts", "agree", "--tp-agree",
@@ -327,11 +418,12 @@ def part_profile(args, out_dir: Path) -> list[dict]:  # noqa: ANN001
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="micro,profile,decode")
+    ap.add_argument("--parts", default="micro,fused,profile,decode")
     ap.add_argument("--world", type=int, default=0, help="GPUs for the micro part (default: all, at most 4)")
     ap.add_argument("--decode-parts", default="tp8b,tp70b", help="bench/parallel.py parts run on and off")
     ap.add_argument("--tp8b", default="1,2,4")
     ap.add_argument("--tp70b", default="4")
+    ap.add_argument("--custom-ar", default="on,unfused,off", help="bench/parallel.py's modes for the decode part")
     ap.add_argument("--tp-agree", default="2,4", help="degrees checked against TP=1 in fp32 ('' skips)")
     ap.add_argument("--profile-tp", default="1,4", help="degrees of the decode-step profile (8B shape)")
     ap.add_argument("--profile-timeout-s", type=int, default=240)
@@ -344,12 +436,15 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}; torch {torch.__version__}; "
           f"TORCH_SYMM_MEM_DISABLE_MULTICAST={os.environ.get('TORCH_SYMM_MEM_DISABLE_MULTICAST')} "
           f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
-    micro, profiles, decode = [], [], {}
+    micro, fused, profiles, decode = [], [], [], {}
     for part in args.parts.split(","):
         t0 = time.perf_counter()
         if part == "micro":
             micro = part_micro(world, out_dir)
             print_micro(micro)
+        elif part == "fused":
+            fused = part_fused(world, out_dir)
+            print_fused(fused)
         elif part == "profile":
             profiles = part_profile(args, out_dir)
         elif part == "decode":
@@ -359,6 +454,8 @@ def main() -> None:
         print(f"== {part}: {time.perf_counter() - t0:.0f} s", flush=True)
     if micro:
         print_micro(micro)
+    if fused:
+        print_fused(fused)
     for result in profiles:
         print_profile(result)
     if decode:

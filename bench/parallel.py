@@ -11,7 +11,8 @@ Parts (each prints a table row; `--parts` picks them):
 - `tp70b` (2 GPUs; `--tp70b 4` on 4): Llama-3-70B shape, TP=2: loads, batch-1 decode vs the TP-GPU
   floor (weights / (TP x copy bandwidth)), reference workload vs its floor.
   `--custom-ar on,off` runs every TP > 1 engine of these three with the custom all-reduce
-  (symmetric memory) and again with NCCL only (`disable_custom_all_reduce`); `--no-workload`
+  (symmetric memory) and again with NCCL only (`disable_custom_all_reduce`); `unfused` with the
+  custom all-reduce but not fused with the residual add + RMSNorm (OPEN_LMI_FUSED_NORM_MAX_KB=0); `--no-workload`
   leaves the reference workload out (decode only: bench/allreduce.py's decode part).
 - `replicas` (2 GPUs): two copies (degree 1) of the 8B shape behind a ReplicaSet vs one copy,
   saturating request rate: output tokens/s, TTFT / TPOT percentiles.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import sys
 import threading
@@ -54,9 +56,19 @@ def engine(model_dir: Path, tp: int = 1, multiprocess: bool = False, devices=Non
 
     opts = dict(load_format="dummy", dtype="bfloat16", max_num_seqs=256, max_model_len=4096,
                 max_num_batched_tokens=16384, gpu_memory_utilization=0.85, skip_tokenizer_init=True)
+    env = options.pop("env", {})  # read by the rank processes as they start
     opts.update(options)
     config = EngineConfig.from_options(str(model_dir), tensor_parallel_size=tp, **opts)
-    return LLM.from_engine(LLMEngine(config, devices=devices, multiprocess=multiprocess))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return LLM.from_engine(LLMEngine(config, devices=devices, multiprocess=multiprocess))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def decode_ms(llm, new_tokens: int = 128) -> float:  # noqa: ANN001
@@ -152,7 +164,11 @@ def _engine_modes(tp: int, custom_modes: tuple[str, ...]) -> list[tuple[str, dic
     """(result-key suffix, engine options) per all-reduce mode an engine of degree `tp` runs in."""
     if tp == 1:
         return [("", {})]
-    return [(f"_{'custom' if m == 'on' else 'nccl'}", {"disable_custom_all_reduce": m == "off"}) for m in custom_modes]
+    modes = {"on": ("_custom", {"disable_custom_all_reduce": False}),
+             "off": ("_nccl", {"disable_custom_all_reduce": True}),
+             # the custom all-reduce without the fused all-reduce + add + RMSNorm (its switch: an env var)
+             "unfused": ("_unfused", {"disable_custom_all_reduce": False, "env": {"OPEN_LMI_FUSED_NORM_MAX_KB": "0"}})}
+    return [modes[m] for m in custom_modes]
 
 
 def part_agree(args) -> dict:  # noqa: ANN001
@@ -284,15 +300,16 @@ def main() -> None:
     ap.add_argument("--tp70b", default="2", help="degrees of the tp70b part")
     ap.add_argument("--tp-agree", default="2", help="degrees (> 1) compared with TP=1 in the agree part")
     ap.add_argument("--agree-budgets", default="4096,48", help="token budgets of the agree part's engines")
-    ap.add_argument("--custom-ar", default="on", help="on, off or on,off: TP > 1 engines with / without "
+    ap.add_argument("--custom-ar", default="on", help="on, off, unfused (custom all-reduce, not fused with the "
+                    "norm) or a list: TP > 1 engines with / without "
                     "the custom all-reduce")
     ap.add_argument("--no-workload", dest="workload", action="store_false",
                     help="tp8b / tp70b: batch-1 decode only, no reference workload")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     args.custom_ar = tuple(m.strip() for m in args.custom_ar.split(","))
-    if not args.custom_ar or set(args.custom_ar) - {"on", "off"}:
-        raise SystemExit(f"--custom-ar takes on, off or on,off, got {args.custom_ar!r}")
+    if not args.custom_ar or set(args.custom_ar) - {"on", "off", "unfused"}:
+        raise SystemExit(f"--custom-ar takes on, off, unfused or a list of them, got {args.custom_ar!r}")
     print(f"device: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}", flush=True)
     results = {}
     for part in args.parts.split(","):

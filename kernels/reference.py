@@ -183,6 +183,24 @@ def rms_norm(
     return out
 
 
+def all_reduce_rms_norm(
+    partials: list[torch.Tensor],  # every rank's [T, N] partial sums, in rank order
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None,  # [T, N], or None: the sum becomes the residual
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `kernels/all_reduce_norm.py` gives every rank: the partials summed in rank order in
+    float32 and rounded (the all-reduce), then `rms_norm` with the residual add: (normed, residual)."""
+    acc = torch.zeros_like(partials[0], dtype=torch.float32)
+    for p in partials:  # rank order, one rounding at the end: as the kernel sums
+        acc += p.float()
+    total = acc.to(partials[0].dtype)
+    if residual is None:
+        return rms_norm(total, weight, eps, None, unit_offset), total
+    return rms_norm(total, weight, eps, residual, unit_offset)
+
+
 def rotary_embedding(
     positions: torch.Tensor,  # [num_tokens] int64
     query: torch.Tensor,  # [num_tokens, num_heads * head_dim] (or [T, H, D]), rotated in place

@@ -23,6 +23,11 @@ with a logged reason where it cannot (no CUDA, gloo, ranks on several hosts, no 
 old torch, a failed rendezvous), so callers fall back to the process group's all-reduce.
 NVLink multicast stays off (`TORCH_SYMM_MEM_DISABLE_MULTICAST=1` unless set): only the
 peer-to-peer kernels run.
+
+Where the model follows an all-reduce with the residual add and RMSNorm (Llama-style layers),
+`enable_fused_norm` (a collective, once the model's dtype is known) sets up a second buffer for
+`kernels/all_reduce_norm.py`: one launch that exchanges the partial rows without a barrier and
+norms them; `fused_rms_norm` runs it for messages up to `OPEN_LMI_FUSED_NORM_MAX_KB`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ ONE_SHOT, TWO_SHOT = "one_shot", "two_shot"
 DISABLE_ENV = "OPEN_LMI_DISABLE_CUSTOM_ALL_REDUCE"
 # Threshold overrides in KiB (tuning from bench/allreduce.py without a code change).
 ONE_SHOT_ENV, TWO_SHOT_ENV = "OPEN_LMI_ONE_SHOT_MAX_KB", "OPEN_LMI_TWO_SHOT_MAX_KB"
+# The fused all-reduce + residual add + RMSNorm's largest message per rank, KiB (0: off).
+FUSED_NORM_ENV = "OPEN_LMI_FUSED_NORM_MAX_KB"
+# Its default: decode batches up to 32 rows of a 4096-wide model, 16 of an 8192-wide one. Every rank
+# reads W x the message, as in the one-shot kernel.
+_FUSED_NORM_MAX = 256 << 10
 _DTYPES = (torch.float32, torch.bfloat16)  # what the symm_mem kernels dispatch on
 _ALIGN = 16  # bytes: the kernels' widest vector; both ops check offset and size alignment
 
@@ -153,6 +163,8 @@ class CustomAllReduce:
         self._one_shot_copy = getattr(ops, "one_shot_all_reduce_copy_out", None)  # newer torch: one kernel
         # The out variant is compiled for 2, 4 and 8 ranks only; the in-place one for any degree.
         self._two_shot_out = getattr(ops, "two_shot_all_reduce_out", None) if self.world_size in (2, 4, 8) else None
+        # per dtype enabled (enable_fused_norm): the receive buffer, its handle, the kernel's PeerBuffers
+        self._fused: dict[torch.dtype, tuple[torch.Tensor, object, object]] = {}
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device,
@@ -246,10 +258,85 @@ class CustomAllReduce:
             raise ValueError(f"unknown all-reduce path {path!r}")
         return t
 
+    def enable_fused_norm(self, dtype: torch.dtype, env: dict[str, str] | None = None) -> bool:
+        """Set up the fused all-reduce + add + RMSNorm for `dtype` (the model's): a collective, called
+        by every rank once, before any CUDA-graph capture. Returns whether it is on (the same on
+        every rank); any failure leaves it off with one log line, and `fused_rms_norm` then
+        declines every call."""
+        from kernels.all_reduce_norm import PeerBuffers, reset_buffer
+
+        env = os.environ if env is None else env
+        text = env.get(FUSED_NORM_ENV, "").strip()
+        if text and not text.isdigit():
+            raise ValueError(f"{FUSED_NORM_ENV} must be a non-negative integer (KiB), got {text!r}")
+        slot = (int(text) << 10) if text else _FUSED_NORM_MAX
+        slot = -(-slot // _ALIGN) * _ALIGN
+        if slot == 0 or dtype not in _DTYPES + (torch.float16,):
+            logger.info("fused all-reduce + RMSNorm off (%s)", f"{FUSED_NORM_ENV}=0" if slot == 0 else dtype)
+            return False
+        if dtype in self._fused:
+            return True
+        error = ""
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buffer = symm_mem.empty(PeerBuffers.nbytes(self.world_size, slot), dtype=torch.uint8, device=self.device)
+            handle = symm_mem.rendezvous(buffer, self.group_name)
+            ptrs = [int(p) for p in handle.buffer_ptrs]
+            peers = PeerBuffers(torch.tensor(ptrs, dtype=torch.int64, device=self.device),
+                                torch.zeros(2, dtype=torch.int32, device=self.device),
+                                dist.get_rank(self.group), self.world_size, slot, dtype)
+            reset_buffer(buffer, dtype)
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)  # every buffer holds the sentinel before anyone sends
+            self._fused[dtype] = (buffer, handle, peers)
+            self._fused_self_test(dtype)
+        except Exception as exc:  # noqa: BLE001 - any failure means: the unfused path, on every rank
+            error = f"{type(exc).__name__}: {exc}"
+            self._fused.pop(dtype, None)
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if not int(ok.item()):
+            logger.warning("fused all-reduce + RMSNorm off: setting it up failed (%s)", error or "on another rank")
+            self._fused.pop(dtype, None)
+            return False
+        logger.info("fused all-reduce + RMSNorm on: messages up to %d KiB (%s)", slot >> 10, dtype)
+        return True
+
+    def _fused_self_test(self, dtype: torch.dtype) -> None:
+        """Known sums through both phases and back (small integers: exact in every dtype)."""
+        rank = dist.get_rank(self.group)
+        expect = float(self.world_size * (self.world_size + 1) // 2 + 1)
+        weight = torch.ones(64, dtype=dtype, device=self.device)
+        for rows in (1, 3, 2):
+            x = torch.full((rows, 64), float(rank + 1), dtype=dtype, device=self.device)
+            normed, res = self.fused_rms_norm(x, weight, 1e-6, torch.ones_like(x), False)
+            torch.cuda.synchronize(self.device)
+            if not bool((res == expect).all()) or not bool(((normed.float() - 1).abs() < 1e-2).all()):
+                raise RuntimeError(f"fused self-test: residual {res[0, 0].item()} (expected {expect}), "
+                                   f"normed {normed[0, 0].item()} (expected 1)")
+
+    def fused_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                       unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(normed, new residual) of the group's sum of `x` (+ `residual`) in one launch, or None
+        where the fused kernel does not take `x` (off, too large, another dtype, not row-contiguous):
+        the same answer on every rank, which then all-reduce and norm separately."""
+        if not self.fused_takes(x):
+            return None
+        from kernels.all_reduce_norm import all_reduce_rms_norm
+
+        return all_reduce_rms_norm(x, weight, eps, residual, unit_offset, self._fused[x.dtype][2])
+
+    def fused_takes(self, x: torch.Tensor) -> bool:
+        """Whether `fused_rms_norm` runs the fused kernel for `x` (the same on every rank)."""
+        entry = self._fused.get(x.dtype)
+        return entry is not None and x.dim() == 2 and x.stride(1) == 1 and entry[2].fits(x)
+
     def close(self) -> None:
-        """Drop the buffer and its handle (the caching pool frees the memory with the group)."""
+        """Drop the buffers and their handles (the caching pool frees the memory with the group)."""
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._handle = None
+        self._fused = {}
 
 
 def _peer_refusal(group: dist.ProcessGroup, device: torch.device) -> str | None:

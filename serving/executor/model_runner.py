@@ -102,6 +102,7 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None  # set after the KV cache exists
         self.mixed_graphs: MixedGraphRunner | None = None  # steps with prompt tokens, idem
         num_blocks = parallel.min_over_ranks(self._num_kv_blocks(), self.device)  # every rank holds as many
+        parallel.enable_fused_norm(self.dtype)  # a collective, before graph capture; off on one rank
         self.kv_cache = self._allocate_kv_cache(num_blocks)
         self.cache_config = CacheConfig(
             block_size=self.block_size, num_blocks=num_blocks, num_layers=args.num_hidden_layers,

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+import kernels
 from serving.executor.custom_all_reduce import CustomAllReduce
 
 if TYPE_CHECKING:
@@ -149,6 +150,37 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
         else:
             dist.all_reduce(t, group=_group)
     return t
+
+
+def enable_fused_norm(dtype: torch.dtype) -> bool:
+    """Turn on the fused all-reduce + residual add + RMSNorm for `dtype` where the custom
+    all-reduce is on: a collective (every rank, once the model is built, before graph capture).
+    Returns whether it is on; `all_reduce_rms_norm` is right either way."""
+    return _shard.world_size > 1 and _custom is not None and _custom.enable_fused_norm(dtype)
+
+
+def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                        unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new residual) of `all_reduce(x)` (+ `residual`; without one the sum is the new
+    residual): `kernels.rms_norm`'s arithmetic on the summed rows. One launch where the fused
+    kernel takes `x` (`enable_fused_norm`), else the all-reduce then the norm. `x` may be
+    overwritten."""
+    if _shard.world_size > 1 and _custom is not None:
+        fused = _custom.fused_rms_norm(x, weight, eps, residual, unit_offset)
+        if fused is not None:
+            return fused
+    x = all_reduce(x)
+    if residual is None:
+        return kernels.rms_norm(x, weight, eps, None, unit_offset), x
+    return kernels.rms_norm(x, weight, eps, residual, unit_offset)
+
+
+def all_reduce_rms_norm_path(x: torch.Tensor) -> str:
+    """Which all-reduce `all_reduce_rms_norm(x, ...)` takes: "fused" (one launch with the norm) or
+    `all_reduce_path(x)`'s answer (then a separate norm)."""
+    if _shard.world_size > 1 and _custom is not None and _custom.fused_takes(x):
+        return "fused"
+    return all_reduce_path(x)
 
 
 def all_reduce_path(t: torch.Tensor) -> str:

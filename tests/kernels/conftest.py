@@ -31,6 +31,7 @@ _TRITON_MODULES = (
     "kernels.int4_repacked",
     "kernels.fp8_skinny",
     "kernels.fp8_matmul",
+    "kernels.all_reduce_norm",
 )
 
 if not torch.cuda.is_available():

@@ -62,3 +62,64 @@ def all_reduce_worker(rank: int, world_size: int, init_file: str, backend: str, 
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         parallel.destroy_tensor_parallel()
+
+
+def fused_norm_input(rank: int, rows: int, hidden: int, dtype: torch.dtype, call: int) -> torch.Tensor:
+    """Rank `rank`'s partial rows for call `call` of `fused_norm_worker` (CPU; the test rebuilds them)."""
+    gen = torch.Generator().manual_seed(104729 * rank + 31 * rows + hidden + 7 * call)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    x[0, :4] = -0.0  # senders must send -0.0 as +0.0: never the sentinel
+    return x
+
+
+def fused_norm_shared(rows: int, hidden: int, dtype: torch.dtype, call: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, weight) every rank uses for that call."""
+    gen = torch.Generator().manual_seed(1299709 + 31 * rows + hidden + 7 * call)
+    return torch.randn(rows, hidden, generator=gen).to(dtype), (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+
+
+def fused_norm_worker(rank: int, world_size: int, init_file: str, cases: list[tuple[int, int, str, bool]],
+                      out_dir: str) -> None:
+    """One rank: for each (rows, hidden, dtype name, with residual), call
+    `parallel.all_reduce_rms_norm` eagerly three times in a row (both buffer phases and back), then
+    once from a replayed CUDA graph; save `fused{r}.pt` = {"on": {dtype name: bool}, "paths": [path per
+    case], "eager": [[(normed, residual) per call]], "graphed": [[per replay]]}."""
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    parallel.init_tensor_parallel(rank, world_size, f"file://{init_file}", "nccl", device=device)
+    try:
+        on = {name: parallel.enable_fused_norm(getattr(torch, name)) for name in {c[2] for c in cases}}
+        out: dict = {"on": on, "eager": [], "graphed": [], "paths": []}
+        for rows, hidden, name, with_residual in cases:
+            dtype = getattr(torch, name)
+            got = []
+            for call in range(3):
+                x = fused_norm_input(rank, rows, hidden, dtype, call).to(device)
+                if call == 0:
+                    out["paths"].append(parallel.all_reduce_rms_norm_path(x))
+                residual, weight = (t.to(device) for t in fused_norm_shared(rows, hidden, dtype, call))
+                normed, res = parallel.all_reduce_rms_norm(x, weight, 1e-5, residual if with_residual else None)
+                got.append((normed.cpu(), res.cpu()))
+            out["eager"].append(got)
+            x = fused_norm_input(rank, rows, hidden, dtype, 3).to(device)
+            residual, weight = (t.to(device) for t in fused_norm_shared(rows, hidden, dtype, 3))
+            static_x = torch.zeros_like(x)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                parallel.all_reduce_rms_norm(static_x, weight, 1e-5, residual if with_residual else None)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = parallel.all_reduce_rms_norm(static_x, weight, 1e-5, residual if with_residual else None)
+            replays = []
+            for _ in range(3):  # replays walk the phases too
+                static_x.copy_(x)
+                graph.replay()
+                torch.cuda.synchronize()
+                replays.append((static_out[0].cpu().clone(), static_out[1].cpu().clone()))
+            out["graphed"].append(replays)
+        torch.save(out, Path(out_dir) / f"fused{rank}.pt")
+    finally:
+        parallel.destroy_tensor_parallel()

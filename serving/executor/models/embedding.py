@@ -36,13 +36,19 @@ class VocabParallelEmbedding(nn.Module):
         param.data[self.num_valid :].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.partial(input_ids)
+        return parallel.all_reduce(out) if self.tp > 1 else out
+
+    def partial(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the lookup (zeros for ids outside them): `forward` before its
+        all-reduce, for a caller that sums it itself (fused with the first layer's norm)."""
         if self.tp == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        return parallel.all_reduce(out)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32, the full vocab on every rank; written into `out`

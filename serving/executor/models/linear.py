@@ -168,4 +168,15 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.reduce:
             return self._linear(x, self.bias)
-        return parallel.all_reduce(self._linear(x, self.bias if self.bias_rank else None))
+        return parallel.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of `forward(x)` before the all-reduce (the bias on rank 0 only), for a
+        caller that sums it itself (fused with the residual add and norm: `RMSNorm.add_and_norm`)."""
+        return self._linear(x, self.bias if self.bias_rank or not self.reduce else None)
+
+
+def sums_later(module: nn.Module) -> bool:
+    """Whether `module` is a row-parallel projection whose all-reduce a caller may take over
+    (`module.partial(x)`, then sum): not wrapped (LoRA adds to the summed output) and on > 1 rank."""
+    return type(module) is RowParallelLinear and module.reduce

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from serving.executor.models.attention import PagedAttention
+from serving.executor import parallel
 from serving.executor.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from serving.executor.models.linear import sums_later
 from serving.executor.models.mlp import GatedMLP
 from serving.executor.models.moe import SparseMoeBlock, mixtral_checkpoint_name
 from serving.executor.models.norm import RMSNorm
@@ -58,23 +60,27 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, residual = self.pre_attention(positions, hidden, residual)
-        return self.post_attention(self.self_attn.attend(q), residual)
+        hidden, residual, partial = self.forward_partial(positions, hidden, residual)
+        return (parallel.all_reduce(hidden) if partial else hidden), residual
 
-    def pre_attention(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm -> qkv -> RoPE -> K/V into the cache: (q, residual)."""
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        return self.self_attn.project(positions, hidden), residual
-
-    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj -> (+res) norm -> MLP: (hidden, residual) for the next layer."""
+    def forward_partial(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, partial: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The layer, leaving its MLP's all-reduce to the next norm: (hidden, residual, whether
+        hidden is still this rank's partial sum). `partial`: the incoming hidden is one (the
+        embedding's or the previous layer's), summed in this layer's input norm. Under tensor
+        parallelism each row-parallel sum then runs fused with the residual add and RMSNorm after it."""
         m = self.residual_multiplier  # Granite scales each block's output before the residual add
-        attn = self.self_attn.o_proj(attn)
-        hidden, residual = self.post_attention_layernorm(attn if m == 1.0 else attn * m, residual)
-        hidden = self.mlp(hidden)
-        return (hidden if m == 1.0 else hidden * m), residual
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, reduce=partial)
+        attn = self.self_attn.attend(self.self_attn.project(positions, hidden))
+        o_proj = self.self_attn.o_proj
+        later = sums_later(o_proj)
+        attn = o_proj.partial(attn) if later else o_proj(attn)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(attn if m == 1.0 else attn * m, residual,
+                                                                      reduce=later)
+        later = isinstance(self.mlp, GatedMLP) and sums_later(self.mlp.down_proj)
+        hidden = self.mlp.partial(hidden) if later else self.mlp(hidden)
+        return (hidden if m == 1.0 else hidden * m), residual, later
 
 
 class LlamaModel(nn.Module):
@@ -93,13 +99,15 @@ class LlamaModel(nn.Module):
         bind_rope_caches(self, args, max_position, context_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        # Each all-reduce (the embedding's, o_proj's, down_proj's) is left to the norm after it.
+        partial = type(self.embed_tokens) is VocabParallelEmbedding and self.embed_tokens.tp > 1
+        hidden = self.embed_tokens.partial(input_ids) if partial else self.embed_tokens(input_ids)  # [T, hidden]
         if self.embedding_multiplier != 1.0:  # Granite
             hidden = hidden * self.embedding_multiplier
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
+            hidden, residual, partial = layer.forward_partial(positions, hidden, residual, partial)
+        hidden, _ = self.norm.add_and_norm(hidden, residual, reduce=partial)
         return hidden
 
 

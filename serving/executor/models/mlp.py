@@ -46,11 +46,18 @@ class GatedMLP(nn.Module):
                                            name=f"{prefix}.down_proj", reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._activated(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of `forward(x)` before its all-reduce (`linear.sums_later(self.down_proj)`)."""
+        return self.down_proj.partial(self._activated(x))
+
+    def _activated(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.activation == "silu":
-            return self.down_proj(kernels.silu_and_mul(gate_up))
+            return kernels.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class PlainMLP(nn.Module):

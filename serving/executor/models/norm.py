@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from serving.executor import parallel
 from serving.executor.models.params import default_weight_loader, new_param
 
 class RMSNorm(nn.Module):
@@ -26,9 +27,14 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return kernels.rms_norm(x, self.weight, self.eps, residual, self.unit_offset)
 
-    def add_and_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                     reduce: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A block's input norm with the residual stream carried fused: (normed, residual). The first
-        block has no residual yet: its input becomes it."""
+        block has no residual yet: its input becomes it. `reduce`: `hidden` is this rank's partial
+        sum of a row-parallel projection, all-reduced here (fused with the add and norm where the
+        custom all-reduce allows)."""
+        if reduce:
+            return parallel.all_reduce_rms_norm(hidden, self.weight, self.eps, residual, self.unit_offset)
         if residual is None:
             return self(hidden), hidden
         return self(hidden, residual)

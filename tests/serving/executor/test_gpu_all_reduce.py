@@ -90,3 +90,42 @@ def test_tp2_with_the_custom_all_reduce_gives_tp1_tokens_and_leaves_no_shared_me
         two.llm_engine.shutdown()
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not (shm_after - shm_before)
+
+
+# (rows, hidden, dtype, with a residual): decode rows of an 8B / 70B width, a 7-row odd batch,
+# the first layer's input (no residual), float32 (the agreement runs), and one too large to fuse.
+FUSED_CASES = [(1, 4096, "bfloat16", True), (7, 4096, "bfloat16", True), (32, 4096, "bfloat16", True),
+               (2, 8192, "bfloat16", False), (3, 1000, "float32", True), (256, 4096, "bfloat16", True)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_all_reduce_rms_norm_equals_the_reference_on_every_rank(tmp_path, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    from all_reduce_worker import fused_norm_input, fused_norm_shared, fused_norm_worker
+
+    from kernels import reference
+
+    mp.spawn(fused_norm_worker, args=(world, str(tmp_path / "store"), FUSED_CASES, str(tmp_path)), nprocs=world)
+    ranks = [torch.load(tmp_path / f"fused{r}.pt") for r in range(world)]
+    assert all(r["on"] == {"bfloat16": True, "float32": True} for r in ranks), [r["on"] for r in ranks]
+    assert ranks[0]["paths"][:-1] == ["fused"] * (len(FUSED_CASES) - 1), ranks[0]["paths"]
+    assert ranks[0]["paths"][-1] != "fused"  # 2 MiB: over the fused kernel's slot, all-reduce then norm
+    for i, (rows, hidden, name, with_residual) in enumerate(FUSED_CASES):
+        dtype = getattr(torch, name)
+        for call, key in [(0, "eager"), (1, "eager"), (2, "eager"), (3, "graphed")]:
+            partials = [fused_norm_input(r, rows, hidden, dtype, call) for r in range(world)]
+            residual, weight = fused_norm_shared(rows, hidden, dtype, call)
+            want_normed, want_res = reference.all_reduce_rms_norm(partials, weight, 1e-5,
+                                                                  residual if with_residual else None)
+            for r in ranks:
+                got = r[key][i][call] if key == "eager" else r[key][i][0]
+                tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(got[1], want_res, **tol)
+                torch.testing.assert_close(got[0], want_normed, **tol)
+        for key in ("eager", "graphed"):  # every rank the same bits, every call and replay
+            for r in ranks[1:]:
+                for (n0, r0), (n1, r1) in zip(ranks[0][key][i], r[key][i]):
+                    assert torch.equal(n0, n1) and torch.equal(r0, r1), (FUSED_CASES[i], key)
+        for a, b in zip(ranks[0]["graphed"][i], ranks[0]["graphed"][i][1:]):  # replays of one input agree
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -1,0 +1,65 @@
+"""The fused all-reduce + residual add + RMSNorm kernel on one device, its peers simulated.
+
+Rank 0 of W runs `kernels.all_reduce_norm.all_reduce_rms_norm`; the other ranks' receive buffers
+are plain tensors on the same device and their pushes into rank 0's buffer are written before
+the call (what they would have sent). Checked against `reference.all_reduce_rms_norm` over
+every rank's rows: the sum and norm, -0.0 sent as +0.0, rank 0's row pushed into every peer's
+slot, the slots reset to the sentinel once read, and the phase flipping every launch
+(four calls walk both buffers twice). float32: the interpreter rounds bfloat16 its own way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.all_reduce_norm import PeerBuffers, all_reduce_rms_norm, reset_buffer
+
+SENTINEL = -(1 << 31)  # float32 -0.0's bits
+
+
+@pytest.mark.parametrize("world,rows,hidden", [(2, 3, 64), (4, 1, 96), (4, 5, 128)])
+def test_rank0_sums_norms_pushes_and_resets(device, world, rows, hidden):
+    dtype, slot = torch.float32, 4096
+    elems = slot // 4
+    bufs = [torch.empty(PeerBuffers.nbytes(world, slot), dtype=torch.uint8, device=device) for _ in range(world)]
+    for b in bufs:
+        reset_buffer(b, dtype)
+    views = [b.view(torch.int32).view(2, world, elems) for b in bufs]
+    peers = PeerBuffers(torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device),
+                        torch.zeros(2, dtype=torch.int32, device=device), 0, world, slot, dtype)
+    gen = torch.Generator().manual_seed(world * 100 + rows)
+    for call in range(4):
+        xs = [torch.randn(rows, hidden, generator=gen) for _ in range(world)]
+        xs[0][0, :2] = -0.0
+        xs[-1][-1, -3:] = -0.0
+        residual = torch.randn(rows, hidden, generator=gen) if call % 2 == 0 else None
+        weight = 1 + 0.1 * torch.randn(hidden, generator=gen)
+        phase = call % 2
+        assert int(peers.state[0]) == phase
+        for r in range(1, world):  # what rank r pushed into rank 0's buffer
+            bits = xs[r].view(torch.int32).reshape(-1).clone()
+            bits[bits == SENTINEL] = 0
+            views[0][phase, r, : rows * hidden] = bits.to(device)
+        normed, new_res = all_reduce_rms_norm(xs[0].to(device), weight.to(device), 1e-5,
+                                              None if residual is None else residual.to(device), False, peers)
+        want_normed, want_res = reference.all_reduce_rms_norm(xs, weight, 1e-5, residual)
+        assert torch.equal(new_res.cpu(), want_res)
+        torch.testing.assert_close(normed.cpu(), want_normed, atol=1e-5, rtol=1e-5)
+        sent = xs[0].view(torch.int32).reshape(-1).clone()
+        sent[sent == SENTINEL] = 0  # -0.0 went as +0.0
+        for r in range(1, world):
+            assert torch.equal(views[r][phase, 0, : rows * hidden].cpu(), sent)
+            views[r][phase].fill_(SENTINEL)  # rank r read it
+        assert bool((views[0] == SENTINEL).all())  # every slot rank 0 read is the sentinel again
+        assert int(peers.state[1]) == 0
+
+
+def test_peer_buffers_fit_only_their_dtype_and_slot(device):
+    peers = PeerBuffers(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), 1, 2, 1024,
+                        torch.bfloat16)
+    assert peers.fits(torch.zeros(2, 256, dtype=torch.bfloat16))
+    assert not peers.fits(torch.zeros(2, 257, dtype=torch.bfloat16))  # over the slot
+    assert not peers.fits(torch.zeros(1, 16, dtype=torch.float32))  # the buffers hold bf16's sentinel
+    assert PeerBuffers.nbytes(4, 1024) == 2 * 4 * 1024
