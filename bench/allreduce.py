@@ -324,6 +324,9 @@ def _fused_rank(rank: int, world: int, init_file: str, degrees: list[int], out_f
                     def fused(t):  # noqa: ANN001, ANN202
                         return custom.fused_rms_norm(t, weight, 1e-5, residual, False)
 
+                    if not custom.fused_takes(x):
+                        rows.append({"tp": degree, "rows": n_rows, "hidden": hidden, "error": "over the fused slot"})
+                        continue
                     want = unfused(x, "one_shot", copy=True)
                     got = fused(x)
                     torch.cuda.synchronize()
@@ -357,7 +360,7 @@ def print_fused(rows: list[dict]) -> None:
           f"{'eager nccl+norm':>15} {'1shot+norm':>10} {'fused':>7} | check")
     for r in rows:
         if "error" in r:
-            print(f"{r['tp']:>2} {r['error']}")
+            print(f"{r['tp']:>2} {r.get('rows', '')} x {r.get('hidden', '')} {r['error']}")
             continue
         print(f"{r['tp']:>2} {r['rows']:>5} x {r['hidden']:<5} | {r['graph_nccl']:>15.1f} {r['graph_one_shot']:>10.1f} "
               f"{r['graph_fused']:>7.1f} | {r['eager_nccl']:>15.1f} {r['eager_one_shot']:>10.1f} "
