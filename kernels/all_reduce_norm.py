@@ -8,22 +8,27 @@ is latency: two barriers over NVLink in a one-shot kernel (~10 us on H100), then
 Here each rank pushes its partial rows straight into a slot of every rank's receive buffer
 (peer-to-peer stores), and every rank polls its own buffer until no element still holds the
 sentinel (-0.0, which senders never send: their -0.0 goes as +0.0, the same number), so no
-barrier is needed (a "Lamport" exchange). Two buffers alternate: during call s a rank receives
-into buffer s % 2 and, once it has read a row, resets it to the sentinel; peers write that
-buffer again only in call s + 2, which they reach only after receiving this rank's call s + 1
-rows, sent after this launch ended (and a peer wrote into this rank's buffer in call s only
-after this rank's call s - 2, which reset it, had ended). The phase s % 2 lives in device
-memory (`state`), advanced by the last program of each launch, so a CUDA graph replays the
-right phase. Ranks sum in rank order 0..W-1 in fp32:
-every rank gets bitwise the same rows, deterministically.
+barrier is needed (a "Lamport" exchange). A row is split over C programs (`_split`): each
+pushes its 1/C of the row (one SM's stores over NVLink are slow: spread them), and each reads
+the whole row from every slot (local reads) to norm it, writing its 1/C of the results.
 
-Then, in the same program (one per row): the sum is rounded to the input dtype (what the
-all-reduce would return), added to the residual and rounded (the new residual), and normed as
-`kernels/rms_norm.py` does. Without a residual (the first layer's input) the sum itself becomes
-the residual. The reference: `reference.all_reduce_rms_norm` over every rank's partials.
+Three buffers rotate, so no program resets what a sibling may still be reading: during call s a
+rank receives into buffer s % 3 and resets, in buffer (s + 2) % 3, the rows that call s - 1 used
+(their count is kept in `state`). Peers write that buffer again only in call s + 2, which they
+reach only after receiving this rank's call s + 1 rows, sent after this launch ended; and the
+rows call s receives were reset during call s - 2. The phase, the arrivals and the last row count
+live in device memory (`state`), updated by the last program of each launch, so a CUDA graph
+replays them right. Every program sums the slots in rank order 0..W-1 in fp32: every rank gets
+bitwise the same rows, deterministically. All C x rows programs must be resident at once (they
+wait on each other through the peers): the launcher keeps the grid within one wave.
 
-Layout of each rank's receive buffer (`PeerBuffers.nbytes`): [2 phases][W slots][slot_elems], the
-sentinel everywhere between calls (`reset_buffer` once, before the first).
+Then, in the same program: the sum is rounded to the input dtype (what the all-reduce would
+return), added to the residual and rounded (the new residual), and normed as `kernels/rms_norm.py`
+does. Without a residual (the first layer's input) the sum itself becomes the residual. The
+reference: `reference.all_reduce_rms_norm` over every rank's partials.
+
+Layout of each rank's receive buffer (`PeerBuffers.nbytes`): [3 phases][W slots][slot_elems], the
+sentinel everywhere before the first call (`reset_buffer`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import triton.language as tl
 
 from kernels.rms_norm import normed_row
 
-PHASES = 2  # receive into buffer s % 2: see the module docstring
+PHASES = 3  # receive into buffer s % 3, reset what call s - 1 used in (s + 2) % 3: see the module docstring
+_MIN_CHUNK = 512  # elements a program pushes, at the least
 _BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 
 
@@ -51,15 +57,16 @@ class PeerBuffers:
     """
 
     peer_ptrs: torch.Tensor  # int64 [world_size]: each rank's receive buffer, on this rank's device
-    state: torch.Tensor  # int32 [2]: the current phase (0, 1) and the programs arrived in this launch
+    state: torch.Tensor  # int32 [3]: the phase (0..2), the programs arrived this launch, the last call's rows
     rank: int
     world_size: int
     slot_bytes: int  # one sender's slot in one phase
     dtype: torch.dtype  # the buffers hold this dtype's sentinel: the only dtype they carry
+    max_programs: int  # programs that surely run at once (the GPU's SMs): every program waits on others
 
     def __post_init__(self) -> None:
         assert self.peer_ptrs.dtype == torch.int64 and self.peer_ptrs.shape == (self.world_size,)
-        assert self.state.dtype == torch.int32 and self.state.numel() == 2
+        assert self.state.dtype == torch.int32 and self.state.numel() == 3
         assert 0 <= self.rank < self.world_size and self.slot_bytes % 16 == 0
 
     @staticmethod
@@ -68,7 +75,8 @@ class PeerBuffers:
         return PHASES * world_size * slot_bytes
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.dtype and x.numel() * x.element_size() <= self.slot_bytes
+        return (x.dtype == self.dtype and x.numel() * x.element_size() <= self.slot_bytes
+                and x.shape[0] <= self.max_programs)
 
 
 @triton.jit
@@ -79,7 +87,7 @@ def _all_reduce_rms_norm_kernel(
     out_ptr,  # [T, N] normed
     residual_out_ptr,  # [T, N] the new residual (the sum, plus the old residual)
     peers_ptr,  # int64 [W] receive buffers' addresses
-    state_ptr,  # int32 [2]
+    state_ptr,  # int32 [3]
     rank,
     num_rows,
     stride_x,
@@ -87,49 +95,85 @@ def _all_reduce_rms_norm_kernel(
     slot_elems,
     eps,
     N: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # the row, padded to a power of two
+    CHUNK: tl.constexpr,  # this program's share of the row: BLOCK // C
     W: tl.constexpr,
     INT: tl.constexpr,  # the integer type of the data's bits
     SENTINEL: tl.constexpr,  # -0.0's bits as INT
+    POLL_2D: tl.constexpr,  # poll every slot at once ([W, BLOCK] in registers) rather than one by one
     HAS_RESIDUAL: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
 ):
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    C: tl.constexpr = BLOCK // CHUNK
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    phase = tl.load(state_ptr)  # the same in every program: only the last one to arrive advances it
-    sentinel = tl.full([BLOCK], SENTINEL, INT)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
-    bits = x.to(INT, bitcast=True)
-    bits = tl.where(bits == sentinel, tl.zeros_like(bits), bits)  # -0.0 goes as +0.0: never the sentinel
-    at = row * N + offs  # this row's place within a slot
-    # Push this rank's row into its slot of every rank's current buffer (its own included).
+    part = tl.program_id(1)
+    phase = tl.load(state_ptr)  # the same in every program: only the last one to arrive changes state
+    prev_rows = tl.load(state_ptr + 2)
+    mine = tl.load(peers_ptr + rank).to(tl.pointer_type(INT))
+    cols = part * CHUNK + tl.arange(0, CHUNK)  # this program's share
+    cmask = cols < N
+    csent = tl.full([CHUNK], SENTINEL, INT)
+    # Reset this share of the rows call s - 1 received (buffer (phase + 2) % 3), every slot.
+    reset = mine + ((phase + 2) % 3) * W * slot_elems
+    for r in range(row, prev_rows, num_rows):
+        for s in tl.static_range(W):
+            tl.store(reset + s * slot_elems + r * N + cols, csent, mask=cmask)
+    # Push this share of the row into this rank's slot of every rank's buffer (its own included).
+    bits = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cmask, other=0.0).to(INT, bitcast=True)
+    bits = tl.where(bits == csent, tl.zeros_like(bits), bits)  # -0.0 goes as +0.0: never the sentinel
     for p in tl.static_range(W):
         peer = tl.load(peers_ptr + p).to(tl.pointer_type(INT))
-        tl.store(peer + (phase * W + rank) * slot_elems + at, bits, mask=mask)
-    # Receive every slot in rank order, once none of its elements holds the sentinel; then reset it.
-    mine = tl.load(peers_ptr + rank).to(tl.pointer_type(INT))
+        tl.store(peer + (phase * W + rank) * slot_elems + row * N + cols, bits, mask=cmask)
+    # Meanwhile: what the norm needs besides the sum.
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    if HAS_RESIDUAL:
+        r_row = tl.load(residual_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    w_row = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    # Receive the whole row from every slot, once none of its elements holds the sentinel.
+    here = mine + phase * W * slot_elems + row * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(W):
-        src = mine + (phase * W + s) * slot_elems + at
-        v = tl.load(src, mask=mask, other=0, volatile=True)
-        while tl.max((v == sentinel).to(tl.int32), axis=0) > 0:
+    if POLL_2D:
+        slots = tl.arange(0, W)
+        src = here + slots[:, None] * slot_elems + offs[None, :]
+        m2 = (slots[:, None] < W) & mask[None, :]
+        v = tl.load(src, mask=m2, other=0, volatile=True)
+        while tl.max(tl.max((v == SENTINEL).to(tl.int32), axis=1), axis=0) > 0:
+            v = tl.load(src, mask=m2, other=0, volatile=True)
+        f = v.to(DTYPE, bitcast=True).to(tl.float32)
+        for s in tl.static_range(W):  # rank order: one slot at a time (x + 0 is exact)
+            acc += tl.sum(tl.where(slots[:, None] == s, f, 0.0), axis=0)
+    else:
+        sent = tl.full([BLOCK], SENTINEL, INT)
+        for s in tl.static_range(W):
+            src = here + s * slot_elems + offs
             v = tl.load(src, mask=mask, other=0, volatile=True)
-        tl.store(src, sentinel, mask=mask)
-        acc += v.to(DTYPE, bitcast=True).to(tl.float32)
+            while tl.max((v == sent).to(tl.int32), axis=0) > 0:
+                v = tl.load(src, mask=mask, other=0, volatile=True)
+            acc += v.to(DTYPE, bitcast=True).to(tl.float32)
     total = acc.to(DTYPE)  # what the all-reduce returns
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        total = (total.to(tl.float32) + r).to(DTYPE)
-    tl.store(residual_out_ptr + row.to(tl.int64) * N + offs, total, mask=mask)
-    tl.store(out_ptr + row.to(tl.int64) * N + offs,
-             normed_row(total.to(tl.float32), weight_ptr, offs, mask, eps, N, UNIT_OFFSET, DTYPE), mask=mask)
-    # The last program of this launch advances the phase (all others have read it by now).
+        total = (total.to(tl.float32) + r_row).to(DTYPE)
+    normed = normed_row(total.to(tl.float32), w_row, DTYPE, eps, N, UNIT_OFFSET)
+    # Write this program's share: pick its columns out of the full row.
+    mine_cols = (offs >= part * CHUNK) & (offs < part * CHUNK + CHUNK) & mask
+    tl.store(residual_out_ptr + row.to(tl.int64) * N + offs, total, mask=mine_cols)
+    tl.store(out_ptr + row.to(tl.int64) * N + offs, normed, mask=mine_cols)
+    # The last program of this launch moves the state on (all others have read it by now).
     arrived = tl.atomic_add(state_ptr + 1, 1)
-    if arrived == num_rows - 1:
-        tl.store(state_ptr, 1 - phase)
+    if arrived == num_rows * C - 1:
+        tl.store(state_ptr, (phase + 1) % 3)
         tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr + 2, num_rows)
+
+
+def _split(num_rows: int, hidden: int, max_programs: int) -> int:
+    """Programs per row C (a power of two): up to 8, chunks of >= _MIN_CHUNK, one wave in all."""
+    c = 1
+    while c < 8 and hidden // (2 * c) >= _MIN_CHUNK and num_rows * 2 * c <= max_programs:
+        c *= 2
+    return c
 
 
 def all_reduce_rms_norm(
@@ -146,6 +190,7 @@ def all_reduce_rms_norm(
     num_rows, hidden = x.shape
     assert x.dtype in _BITS and weight.dtype == x.dtype and weight.shape == (hidden,) and weight.is_contiguous()
     assert peers.fits(x), (tuple(x.shape), x.dtype, peers.slot_bytes, peers.dtype)
+
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
@@ -154,12 +199,14 @@ def all_reduce_rms_norm(
         return out, residual_out
     bits = _BITS[x.dtype]
     block = triton.next_power_of_2(hidden)
-    _all_reduce_rms_norm_kernel[(num_rows,)](
+    c = _split(num_rows, hidden, peers.max_programs)
+    _all_reduce_rms_norm_kernel[(num_rows, c)](
         x, residual if residual is not None else x, weight, out, residual_out, peers.peer_ptrs, peers.state,
         peers.rank, num_rows, x.stride(0), residual.stride(0) if residual is not None else 0,
         peers.slot_bytes // x.element_size(), eps,
-        N=hidden, BLOCK=block, W=peers.world_size, INT=tl.int16 if bits == 16 else tl.int32,
-        SENTINEL=-(1 << (bits - 1)), HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
+        N=hidden, BLOCK=block, CHUNK=block // c, W=peers.world_size, INT=tl.int16 if bits == 16 else tl.int32,
+        SENTINEL=-(1 << (bits - 1)), POLL_2D=peers.world_size * block <= 32768, HAS_RESIDUAL=residual is not None,
+        UNIT_OFFSET=unit_offset,
         num_warps=min(16, max(4, block // 256)),
     )
     return out, residual_out

@@ -38,16 +38,17 @@ def _rms_norm_kernel(
         s = (x + r).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * N + offs, s, mask=mask)
         x = s.to(tl.float32)
-    tl.store(out_ptr + row * N + offs, normed_row(x, weight_ptr, offs, mask, eps, N, UNIT_OFFSET,
-                                                  out_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * N + offs, normed_row(x, w, out_ptr.dtype.element_ty, eps, N, UNIT_OFFSET), mask=mask)
 
 
 @triton.jit
-def normed_row(x, weight_ptr, offs, mask, eps, N: tl.constexpr, UNIT_OFFSET: tl.constexpr, DTYPE: tl.constexpr):
-    """One row's RMSNorm (x: fp32 [BLOCK], zeros past N) in DTYPE, rounded as `reference.rms_norm` rounds."""
+def normed_row(x, w, DTYPE: tl.constexpr, eps, N: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """One row's RMSNorm (x: fp32 [BLOCK], zeros past N; w: the weight row) in DTYPE, rounded as
+    `reference.rms_norm` rounds."""
     var = tl.sum(x * x, 0) / N
     rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = w.to(tl.float32)
     if UNIT_OFFSET:
         y = x * rstd * (1.0 + w)
     else:

@@ -284,8 +284,10 @@ class CustomAllReduce:
             handle = symm_mem.rendezvous(buffer, self.group_name)
             ptrs = [int(p) for p in handle.buffer_ptrs]
             peers = PeerBuffers(torch.tensor(ptrs, dtype=torch.int64, device=self.device),
-                                torch.zeros(2, dtype=torch.int32, device=self.device),
-                                dist.get_rank(self.group), self.world_size, slot, dtype)
+                                torch.zeros(3, dtype=torch.int32, device=self.device),
+                                dist.get_rank(self.group), self.world_size, slot, dtype,
+                                # every program must be resident at once: one per SM at the least
+                                min(128, torch.cuda.get_device_properties(self.device).multi_processor_count))
             reset_buffer(buffer, dtype)
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)  # every buffer holds the sentinel before anyone sends
