@@ -21,9 +21,9 @@ from kernels.all_reduce_norm import PeerBuffers, all_reduce_rms_norm, reset_buff
 SENTINEL = -(1 << 31)  # float32 -0.0's bits
 
 
-@pytest.mark.parametrize("world,rows,hidden", [(2, 3, 64), (4, 1, 96), (4, 5, 128), (2, 2, 1024), (4, 1, 2048)])
+@pytest.mark.parametrize("world,rows,hidden", [(2, 3, 64), (4, 1, 96), (4, 5, 128), (2, 2, 1024), (4, 1, 2048), (2, 1, 20000)])
 def test_rank0_sums_norms_pushes_and_resets(device, world, rows, hidden):
-    dtype, slot = torch.float32, 4 * 6 * 2048
+    dtype, slot = torch.float32, 4 * 2 * 20480
     elems = slot // 4
     bufs = [torch.empty(PeerBuffers.nbytes(world, slot), dtype=torch.uint8, device=device) for _ in range(world)]
     for b in bufs:
