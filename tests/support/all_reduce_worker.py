@@ -89,7 +89,8 @@ def fused_norm_worker(rank: int, world_size: int, init_file: str, cases: list[tu
     torch.cuda.set_device(device)
     parallel.init_tensor_parallel(rank, world_size, f"file://{init_file}", "nccl", device=device)
     try:
-        on = {name: parallel.enable_fused_norm(getattr(torch, name)) for name in {c[2] for c in cases}}
+        # sorted: every rank must set the dtypes up in the same order (each is a collective)
+        on = {name: parallel.enable_fused_norm(getattr(torch, name)) for name in sorted({c[2] for c in cases})}
         out: dict = {"on": on, "eager": [], "graphed": [], "paths": []}
         for rows, hidden, name, with_residual in cases:
             dtype = getattr(torch, name)
