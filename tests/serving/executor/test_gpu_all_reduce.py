@@ -6,7 +6,11 @@ same tokens as one process.
   NCCL paths, as do bfloat16 ones (small integers: exact); both ranks get the same bits; with the
   switch off every size goes to NCCL.
 - Engine: greedy tokens of a tiny Llama in float32 at TP=2 with the custom all-reduce (decode and
-  mixed-step CUDA graphs, chunked prompts) equal TP=1's, and shutting down leaves nothing in /dev/shm.
+  mixed-step CUDA graphs, chunked prompts; the sums fused with the norms) equal TP=1's, and shutting
+  down leaves nothing in /dev/shm.
+- Fused all-reduce + residual add + RMSNorm (`kernels/all_reduce_norm.py`) at TP=2 and 4, eager
+  (three calls in a row: the buffers rotate) and replayed from a CUDA graph: the reference's rows on
+  every rank, bitwise the same on every rank; a message over its slot takes the unfused path.
 """
 
 from __future__ import annotations
@@ -120,7 +124,8 @@ def test_fused_all_reduce_rms_norm_equals_the_reference_on_every_rank(tmp_path, 
                                                                   residual if with_residual else None)
             for r in ranks:
                 got = r[key][i][call] if key == "eager" else r[key][i][0]
-                tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+                # bf16: the unfused path (256 rows: two-shot) sums in bf16, one ulp (1/32 at |x| in 4..8) off
+                tol = dict(atol=6.25e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(got[1], want_res, **tol)
                 torch.testing.assert_close(got[0], want_normed, **tol)
         for key in ("eager", "graphed"):  # every rank the same bits, every call and replay
