@@ -132,7 +132,9 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
     graphs.block_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device=device)
     graph = graphs.graphs[1]
     # The path one decode token's sum takes (the custom all-reduce may have refused to start).
-    path = parallel.all_reduce_path(torch.empty(runner.model_args.hidden_size, dtype=runner.dtype, device=device))
+    # (In Llama layers the sums go through all_reduce_rms_norm: "fused" where the fused kernel takes them.)
+    path = parallel.all_reduce_rms_norm_path(torch.empty(1, runner.model_args.hidden_size, dtype=runner.dtype,
+                                                         device=device))
 
     def sync_all() -> None:
         torch.cuda.synchronize()
