@@ -85,7 +85,8 @@ def test_quantized_checkpoint_logits_match_the_dequantised_model(name, checkpoin
     got = _prefill_logits(checkpoints[name])
     want = _prefill_logits(checkpoints[name] / "oracle")
     assert _rel_err(got, want) < (0.15 if name == "fp8" else 3e-2), name
-    assert packed_rows_are_contiguous(checkpoints[name])
+    if name != "fp8":  # FP8 weights are not packed words
+        assert packed_rows_are_contiguous(checkpoints[name])
 
 
 def packed_rows_are_contiguous(model_dir: Path) -> bool:
