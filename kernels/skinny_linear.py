@@ -1,0 +1,285 @@
+"""Skinny linear for decode: y[M, N] = x[M, K] @ (W[N, K] * scale[N]).T + bias, M <= 16, one launch.
+
+In: `x [M, K]` (bf16/fp16; fp32 in the CPU interpreter), `weight [N, K]` (bf16/fp16, `scale` None;
+or float8_e4m3fn with an fp32 `scale` per tensor (one element) or per channel `[N]`), `bias [N]`
+or None. Out: `[M, N]` in x's dtype. `quant_reference.skinny_linear` is the same op in torch.
+
+At M <= 16 the cost is reading W once from HBM, so every variant is built for bandwidth:
+- each program owns `BLOCK_N` contiguous weight rows and walks K in `BLOCK_K` tiles whose loads are
+  16 bytes wide along K (rows past N and the tail of K are clamped to valid addresses, so the hot
+  loads carry no mask when K % BLOCK_K == 0; clamped rows are dropped at the store);
+- the next tile's loads are issued before the current tile is used (a register double buffer);
+- all M rows of x are used against each weight tile, so W is read once whatever M is;
+- K is split across programs when N / BLOCK_N alone cannot fill the GPU; the splits meet through
+  `kernels.int4_common.finish_tile`'s fp32 workspace and self-resetting counters (deterministic
+  order, no host sync, CUDA-graph capturable).
+Three ways to multiply (`SkinnyConfig.mode`):
+- `MODE_FMA` (CUDA cores): fp32 FMAs into a `[BLOCK_M, BLOCK_N, BLOCK_K]` register tile reduced
+  over K once at the end (few instructions per weight; for M of 1-2).
+- `MODE_FMA_REDUCE`: the same FMAs, reduced over each K tile into `[BLOCK_M, BLOCK_N]` (fewer
+  registers at M of 2-8).
+- `MODE_DOT` (tensor cores): the weight tile (converted to x's dtype: e4m3 is exact in bf16/fp16)
+  feeds `tl.dot` with x padded to 16 rows; Triton's pipeliner keeps `num_stages` tiles in flight.
+The per-channel scale multiplies the fp32 sums once, before the bias.
+`pick_skinny_config` chooses the tiling from shapes alone (one compiled variant per M bucket) and
+`use_skinny` says per shape whether this kernel or cuBLAS runs; both read the tables below, which
+`bench/skinny_sweep.py` measures.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.int4_common import finish_tile
+from kernels.int4_matmul import _num_sms, split_k_workspace
+
+MAX_M = 16
+MODE_FMA, MODE_FMA_REDUCE, MODE_DOT = 0, 1, 2
+MODE_NAMES = {MODE_FMA: "fma", MODE_FMA_REDUCE: "fma_red", MODE_DOT: "dot"}
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
+class SkinnyConfig(NamedTuple):
+    """One tiling of the skinny kernel: how to multiply, the tile, the K split and the launch."""
+
+    mode: int  # MODE_FMA / MODE_FMA_REDUCE / MODE_DOT
+    block_n: int  # weight rows per program
+    block_k: int  # K columns per tile
+    split_k: int  # programs along K (1: none)
+    num_warps: int
+    num_stages: int
+
+    def short(self) -> str:
+        return f"{MODE_NAMES[self.mode]}/n{self.block_n}/k{self.block_k}/s{self.split_k}/w{self.num_warps}"
+
+
+@triton.jit
+def _load_w(w_rows, k0, offs_k, K, EVEN_K: tl.constexpr):
+    # One [BLOCK_N, BLOCK_K] weight tile at columns k0 + offs_k (rows already clamped below N).
+    cols = k0 + offs_k
+    if EVEN_K:
+        return tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _load_x(x_rows, k0, offs_k, K, EVEN_K: tl.constexpr):
+    # The [BLOCK_M, BLOCK_K] activation tile (rows already clamped below M), in fp32.
+    cols = k0 + offs_k
+    if EVEN_K:
+        return tl.load(x_rows + cols[None, :]).to(tl.float32)
+    return tl.load(x_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
+def _skinny_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K] bf16 / fp16 / float8e4nv
+    scale_ptr,  # [N] fp32 (stride 0: one per tensor); unread without HAS_SCALE
+    bias_ptr, out_ptr, partial_ptr, counter_ptr,  # as kernels/int4_common.finish_tile's
+    M, N, K, tiles_per_split, split_k, stride_xm, stride_wn, stride_scale, stride_om,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # power of two >= M (>= 16 for MODE_DOT)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    # Clamped rows: every load is in bounds without a row mask; the store masks them off.
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    x_rows = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    t_start = split * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
+    if MODE == 2:
+        DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for t in range(t_start, t_end):
+            k0 = t * BLOCK_K
+            cols = k0 + offs_k
+            if EVEN_K:
+                x = tl.load(x_rows + cols[None, :])
+            else:
+                x = tl.load(x_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+            w = _load_w(w_rows, k0, offs_k, K, EVEN_K)  # [BN, BK]
+            acc = tl.dot(x, tl.trans(w.to(DTYPE)), acc, input_precision=DOT_PRECISION)
+        y = acc
+    else:
+        # Register double buffer: tile t + 1 is requested before tile t is multiplied. The last
+        # prefetch re-reads this split's last tile (in bounds, a cache hit) instead of masking.
+        w_next = _load_w(w_rows, tl.minimum(t_start, num_k_tiles - 1) * BLOCK_K, offs_k, K, EVEN_K)
+        if MODE == 0 and BLOCK_M == 1:
+            # one row: a plain 2-D [BLOCK_N, BLOCK_K] accumulator (no size-1 axis in the layout)
+            x_row = x_ptr + tl.zeros([1], dtype=tl.int64)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for t in range(t_start, t_end):
+                w = w_next
+                w_next = _load_w(w_rows, tl.minimum(t + 1, t_end - 1) * BLOCK_K, offs_k, K, EVEN_K)
+                x = _load_x(x_row[:, None], t * BLOCK_K, offs_k, K, EVEN_K)  # [1, BK] fp32
+                acc += w.to(tl.float32) * x
+            y = tl.sum(acc, axis=1)[None, :]
+        elif MODE == 0:
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for t in range(t_start, t_end):
+                w = w_next
+                w_next = _load_w(w_rows, tl.minimum(t + 1, t_end - 1) * BLOCK_K, offs_k, K, EVEN_K)
+                x = _load_x(x_rows, t * BLOCK_K, offs_k, K, EVEN_K)  # [BM, BK] fp32
+                acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+            y = tl.sum(acc3, axis=2)
+        else:
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for t in range(t_start, t_end):
+                w = w_next
+                w_next = _load_w(w_rows, tl.minimum(t + 1, t_end - 1) * BLOCK_K, offs_k, K, EVEN_K)
+                x = _load_x(x_rows, t * BLOCK_K, offs_k, K, EVEN_K)  # [BM, BK] fp32
+                acc2 += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            y = acc2
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + tl.minimum(offs_n, N - 1) * stride_scale)
+        y = y * scale[None, :]
+    if BLOCK_M == 1:
+        # finish_tile takes tiles of >= 2 rows: row 1 repeats row 0 and is masked off
+        rows = tl.arange(0, 2)
+        finish_tile(tl.broadcast_to(y, [2, BLOCK_N]), rows, offs_n, rows < M, mask_n, split, split_k, pid_n,
+                    M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+    else:
+        finish_tile(y, offs_m, offs_n, mask_m, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
+                    partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+
+
+# ---- shape-only choices -------------------------------------------------------------------------
+
+# Per M bucket (1, 2, 4, 8, 16) and weight bytes per element: (mode, block_n, block_k, warps,
+# stages, programs per SM wanted: K is split until the grid reaches that many). First guesses for
+# H100; `bench/skinny_sweep.py` prints every candidate next to the pick to confirm or replace them.
+_TABLE: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {
+    (1, 2): (MODE_FMA, 16, 512, 8, 1, 4),
+    (2, 2): (MODE_FMA, 8, 256, 4, 1, 4),
+    (4, 2): (MODE_FMA_REDUCE, 16, 256, 4, 1, 4),
+    (8, 2): (MODE_DOT, 64, 128, 4, 4, 2),
+    (16, 2): (MODE_DOT, 64, 128, 4, 4, 2),
+    (1, 1): (MODE_FMA, 16, 1024, 8, 1, 4),
+    (2, 1): (MODE_FMA, 8, 512, 4, 1, 4),
+    (4, 1): (MODE_FMA_REDUCE, 16, 512, 4, 1, 4),
+    (8, 1): (MODE_DOT, 64, 256, 4, 4, 2),
+    (16, 1): (MODE_DOT, 64, 256, 4, 4, 2),
+}
+
+# use_skinny: per weight bytes per element, the largest M at which the skinny kernel beats cuBLAS
+# (F.linear for bf16/fp16; quantise + _scaled_mm for FP8). First guess: always up to MAX_M.
+_SKINNY_MAX_M: dict[int, int] = {2: MAX_M, 1: MAX_M}
+
+
+def m_bucket(M: int) -> int:
+    """The power of two >= M (1..16) that names M's compiled variant."""
+    assert 1 <= M <= MAX_M, M
+    return 1 << (M - 1).bit_length()
+
+
+def split_for(tiles: int, num_k_tiles: int, target_programs: int) -> int:
+    """Split K so tiles * split reaches target_programs (at most 32 splits), no split left empty."""
+    if tiles >= target_programs:
+        return 1
+    split = max(1, min(num_k_tiles, triton.cdiv(target_programs, tiles), 32))
+    return triton.cdiv(num_k_tiles, triton.cdiv(num_k_tiles, split))
+
+
+def config_for(M: int, N: int, K: int, mode: int, block_n: int, block_k: int, warps: int, stages: int,
+               per_sm: float, num_sms: int) -> SkinnyConfig:
+    """A tiling with its split-K set to reach per_sm programs per SM (0: no split)."""
+    split = split_for(triton.cdiv(N, block_n), triton.cdiv(K, block_k), int(per_sm * num_sms))
+    return SkinnyConfig(mode, block_n, block_k, split, warps, stages)
+
+
+def pick_skinny_config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> SkinnyConfig:
+    """The tiling for one call, from shapes alone: the table's entry for M's bucket, split-K from N, K."""
+    mode, bn, bk, warps, stages, per_sm = _TABLE[(m_bucket(M), min(weight_dtype.itemsize, 2))]
+    return config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def use_skinny(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """True when `skinny_linear` should run instead of cuBLAS for this shape (weight dtype `dtype`).
+
+    Needs a CUDA device (sm_80+; FP8 sm_89+), 1 <= M <= the table's limit for the weight's width,
+    and K a multiple of 16 (16-byte aligned rows). CPU callers keep F.linear / the torch reference.
+    """
+    if device.type != "cuda" or dtype not in WEIGHT_DTYPES or not 1 <= M <= MAX_M or K % 16:
+        return False
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if cap < ((8, 9) if dtype == torch.float8_e4m3fn else (8, 0)):
+        return False
+    return M <= _SKINNY_MAX_M[dtype.itemsize]
+
+
+# ---- launcher -------------------------------------------------------------------------------------
+
+def skinny_linear_impl(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """`skinny_linear` with an explicit tiling (tests and the sweep pass their own)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > MAX_M:
+        raise ValueError(f"skinny_linear: M = {M} rows, at most {MAX_M}")
+    if weight.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"skinny_linear: weight dtype {weight.dtype} is not one of {WEIGHT_DTYPES}")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 and (scale is None or scale.dtype != torch.float32 or scale.numel() not in (1, N)):
+        raise ValueError("skinny_linear: an FP8 weight needs an fp32 scale of 1 or N elements")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert weight.stride(1) == 1, "weight rows must be contiguous"
+    assert bias is None or bias.shape == (N,)
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return out
+    if config is None:
+        num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
+        config = pick_skinny_config(M, N, K, weight.dtype, num_sms)
+    block_m = max(16, m_bucket(M)) if config.mode == MODE_DOT else m_bucket(M)
+    tiles = triton.cdiv(N, config.block_n)
+    split = config.split_k
+    partial, counters = split_k_workspace(out, split, tiles)
+    scale_arg = scale.reshape(-1) if scale is not None else out
+    bias_arg = bias if bias is not None else out
+    tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
+    _skinny_kernel[(tiles, split)](
+        x, weight, scale_arg, bias_arg, out, partial, counters,
+        M, N, K, tiles_per_split, split, x.stride(0), weight.stride(0),
+        1 if scale is not None and scale.numel() > 1 else 0, out.stride(0),
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+        EVEN_K=K % config.block_k == 0, MODE=config.mode, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ (weight * scale).T + bias for M <= 16 rows, one launch (tiling from `pick_skinny_config`)."""
+    return skinny_linear_impl(x, weight, scale, bias)
