@@ -93,6 +93,7 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,7 +108,6 @@ def _skinny_kernel(
     t_start = split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
     if MODE == 2:
-        DTYPE: tl.constexpr = x_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for t in range(t_start, t_end):
             k0 = t * BLOCK_K
