@@ -237,15 +237,23 @@ def main() -> None:
     rows: list = []
     for i, (model, tp, proj, k, n, dtype) in enumerate(cases):
         run_case(model, tp, proj, k, n, dtype, ms, num_sms, rows)
+        if args.json:  # after every case, so a run cut short still leaves its rows
+            _write(args.json, {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "rows": rows,
+                               "partial": True})
         if i + 1 == len(cases) or cases[i + 1][:2] != (model, tp):
             print(f"# {model} tp{tp} done at {time.time() - t0:.0f} s", flush=True)
     report = {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "rows": rows, "summary": summary(rows),
               "wall_s": time.time() - t0}
     print(f"# wall {time.time() - t0:.0f} s")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        _write(args.json, report)
+
+
+def _write(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
