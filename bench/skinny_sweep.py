@@ -69,13 +69,15 @@ def candidates(m: int, n: int, k: int, itemsize: int, num_sms: int) -> list:
     if m == 1:
         base = [(MODE_FMA, 16, 256 * kb, 4, 1), (MODE_FMA, 8, 512 * kb, 4, 1), (MODE_FMA, 32, 256 * kb, 8, 1),
                 (MODE_FMA, 16, 512 * kb, 8, 1), (MODE_FMA, 32, 512 * kb, 8, 1), (MODE_FMA, 8, 1024 * kb, 8, 1),
-                (MODE_FMA, 8, 256 * kb, 2, 1), (MODE_DOT, 64, 128 * kb, 4, 4)]
+                (MODE_FMA, 8, 256 * kb, 2, 1), (MODE_DOT, 64, 128 * kb, 4, 4),
+                (MODE_FMA, 16, 512 * kb, 8, 3), (MODE_FMA, 32, 256 * kb, 4, 3)]  # stages > 1: tl.range pipelining
     elif m == 2:
         base = [(MODE_FMA, 8, 256 * kb, 4, 1), (MODE_FMA, 16, 256 * kb, 4, 1), (MODE_FMA, 8, 512 * kb, 8, 1),
-                (MODE_FMA_REDUCE, 16, 256 * kb, 4, 1), (MODE_DOT, 64, 128 * kb, 4, 4)]
+                (MODE_FMA_REDUCE, 16, 256 * kb, 4, 1), (MODE_DOT, 64, 128 * kb, 4, 4), (MODE_FMA, 8, 512 * kb, 8, 3)]
     elif m <= 4:
         base = [(MODE_FMA_REDUCE, 16, 256 * kb, 4, 1), (MODE_FMA_REDUCE, 32, 128 * kb, 4, 1),
-                (MODE_FMA, 8, 128 * kb, 4, 1), (MODE_DOT, 64, 128 * kb, 4, 4), (MODE_DOT, 32, 256 * kb, 4, 3)]
+                (MODE_FMA, 8, 128 * kb, 4, 1), (MODE_DOT, 64, 128 * kb, 4, 4), (MODE_DOT, 32, 256 * kb, 4, 3),
+                (MODE_FMA_REDUCE, 16, 256 * kb, 4, 3)]
     else:
         base = [(MODE_DOT, 64, 128 * kb, 4, 4), (MODE_DOT, 32, 256 * kb, 4, 3), (MODE_DOT, 128, 128 * kb, 4, 4),
                 (MODE_DOT, 64, 256 * kb, 8, 3), (MODE_FMA_REDUCE, 16, 128 * kb, 4, 1)]
@@ -109,12 +111,13 @@ def _warm_one(job: tuple) -> str:
 def prewarm(jobs: list, workers: int) -> None:
     """Fill Triton's on-disk cache in parallel processes (compiles dominate a serial sweep's time)."""
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
 
     jobs = list(dict.fromkeys(jobs))
     t0 = time.time()
-    try:
-        with mp.get_context("spawn").Pool(workers) as pool:
-            errs = [e for e in pool.map(_warm_one, jobs, chunksize=1) if e]
+    try:  # a worker that dies breaks the pool (an error here), where multiprocessing.Pool would hang
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            errs = [e for e in pool.map(_warm_one, jobs, timeout=120) if e]
     except Exception as e:  # noqa: BLE001 - the timing pass compiles whatever is missing
         errs = [f"prewarm failed: {type(e).__name__} {e}"]
     print(f"# prewarm: {len(jobs)} variants in {time.time() - t0:.0f} s with {workers} processes"

@@ -8,7 +8,8 @@ At M <= 16 the cost is reading W once from HBM, so every variant is built for ba
 - each program owns `BLOCK_N` contiguous weight rows and walks K in `BLOCK_K` tiles whose loads are
   16 bytes wide along K (rows past N and the tail of K are clamped to valid addresses, so the hot
   loads carry no mask when K % BLOCK_K == 0; clamped rows are dropped at the store);
-- the next tile's loads are issued before the current tile is used (a register double buffer);
+- the next tile's loads are issued before the current tile is used (a register double buffer, or
+  with `num_stages` > 1 Triton's pipeliner keeping several tiles in flight through shared memory);
 - all M rows of x are used against each weight tile, so W is read once whatever M is;
 - K is split across programs when N / BLOCK_N alone cannot fill the GPU; the splits meet through
   `kernels.int4_common.finish_tile`'s fp32 workspace and self-resetting counters (deterministic
@@ -52,7 +53,7 @@ class SkinnyConfig(NamedTuple):
     block_k: int  # K columns per tile
     split_k: int  # programs along K (1: none)
     num_warps: int
-    num_stages: int
+    num_stages: int  # MODE_DOT: the pipeliner's stages; FMA modes: 1 = register double buffer, > 1 = tl.range
 
     def short(self) -> str:
         return f"{MODE_NAMES[self.mode]}/n{self.block_n}/k{self.block_k}/s{self.split_k}/w{self.num_warps}"
@@ -76,6 +77,17 @@ def _load_x(x_rows, k0, offs_k, K, EVEN_K: tl.constexpr):
     return tl.load(x_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _fma(acc, w, x, MODE: tl.constexpr, BLOCK_M: tl.constexpr):
+    # acc += x . w^T on CUDA cores for one tile: w [BN, BK] (any float dtype), x [BM, BK] fp32.
+    wf = w.to(tl.float32)
+    if MODE == 0 and BLOCK_M == 1:
+        return acc + wf * x  # [BN, BK], x broadcast from [1, BK]
+    if MODE == 0:
+        return acc + x[:, None, :] * wf[None, :, :]  # [BM, BN, BK]
+    return acc + tl.sum(x[:, None, :] * wf[None, :, :], axis=2)  # [BM, BN]
+
+
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
 def _skinny_kernel(
     x_ptr,  # [M, K]
@@ -88,6 +100,7 @@ def _skinny_kernel(
     USE_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     MODE: tl.constexpr,
+    STAGES: tl.constexpr,  # FMA modes: 1 = register double buffer, > 1 = tl.range pipelining
     BLOCK_M: tl.constexpr,  # power of two >= M (>= 16 for MODE_DOT)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -120,35 +133,33 @@ def _skinny_kernel(
             acc = tl.dot(x, tl.trans(w.to(DTYPE)), acc, input_precision=DOT_PRECISION)
         y = acc
     else:
-        # Register double buffer: tile t + 1 is requested before tile t is multiplied. The last
-        # prefetch re-reads this split's last tile (in bounds, a cache hit) instead of masking.
-        w_next = _load_w(w_rows, tl.minimum(t_start, num_k_tiles - 1) * BLOCK_K, offs_k, K, EVEN_K)
         if MODE == 0 and BLOCK_M == 1:
-            # one row: a plain 2-D [BLOCK_N, BLOCK_K] accumulator (no size-1 axis in the layout)
-            x_row = x_ptr + tl.zeros([1], dtype=tl.int64)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: a plain 2-D tile
+        elif MODE == 0:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if STAGES > 1:
+            # Triton's pipeliner keeps STAGES - 1 weight tiles in flight through shared memory.
+            for t in tl.range(t_start, t_end, num_stages=STAGES):
+                w = _load_w(w_rows, t * BLOCK_K, offs_k, K, EVEN_K)
+                x = _load_x(x_rows, t * BLOCK_K, offs_k, K, EVEN_K)
+                acc = _fma(acc, w, x, MODE, BLOCK_M)
+        else:
+            # Register double buffer: tile t + 1 is requested before tile t is multiplied. The last
+            # prefetch re-reads this split's last tile (in bounds, a cache hit) instead of masking.
+            w_next = _load_w(w_rows, tl.minimum(t_start, num_k_tiles - 1) * BLOCK_K, offs_k, K, EVEN_K)
             for t in range(t_start, t_end):
                 w = w_next
                 w_next = _load_w(w_rows, tl.minimum(t + 1, t_end - 1) * BLOCK_K, offs_k, K, EVEN_K)
-                x = _load_x(x_row[:, None], t * BLOCK_K, offs_k, K, EVEN_K)  # [1, BK] fp32
-                acc += w.to(tl.float32) * x
+                x = _load_x(x_rows, t * BLOCK_K, offs_k, K, EVEN_K)
+                acc = _fma(acc, w, x, MODE, BLOCK_M)
+        if MODE == 0 and BLOCK_M == 1:
             y = tl.sum(acc, axis=1)[None, :]
         elif MODE == 0:
-            acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for t in range(t_start, t_end):
-                w = w_next
-                w_next = _load_w(w_rows, tl.minimum(t + 1, t_end - 1) * BLOCK_K, offs_k, K, EVEN_K)
-                x = _load_x(x_rows, t * BLOCK_K, offs_k, K, EVEN_K)  # [BM, BK] fp32
-                acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
-            y = tl.sum(acc3, axis=2)
+            y = tl.sum(acc, axis=2)
         else:
-            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for t in range(t_start, t_end):
-                w = w_next
-                w_next = _load_w(w_rows, tl.minimum(t + 1, t_end - 1) * BLOCK_K, offs_k, K, EVEN_K)
-                x = _load_x(x_rows, t * BLOCK_K, offs_k, K, EVEN_K)  # [BM, BK] fp32
-                acc2 += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-            y = acc2
+            y = acc
     if HAS_SCALE:
         scale = tl.load(scale_ptr + tl.minimum(offs_n, N - 1) * stride_scale)
         y = y * scale[None, :]
@@ -271,7 +282,7 @@ def skinny_linear_impl(
         M, N, K, tiles_per_split, split, x.stride(0), weight.stride(0),
         1 if scale is not None and scale.numel() > 1 else 0, out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-        EVEN_K=K % config.block_k == 0, MODE=config.mode, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        EVEN_K=K % config.block_k == 0, MODE=config.mode, STAGES=config.num_stages, BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -72,6 +72,10 @@ CASES = [
     (FP8, False, 256, 64, 9, SkinnyConfig(MODE_DOT, 32, 64, 4, 4, 1), True),
     (FP8, True, 400, 72, 13, SkinnyConfig(MODE_DOT, 32, 64, 1, 4, 1), False),
     (FP8, True, 256, 40, 16, SkinnyConfig(MODE_FMA_REDUCE, 16, 64, 5, 4, 1), True),  # split 5 of 4 tiles
+    # num_stages > 1 in the FMA modes: tl.range pipelining instead of the register double buffer
+    (FP8, True, 400, 40, 1, SkinnyConfig(MODE_FMA, 16, 128, 2, 4, 3), True),
+    (torch.bfloat16, True, 200, 40, 2, SkinnyConfig(MODE_FMA, 8, 64, 1, 4, 3), False),
+    (torch.bfloat16, True, 256, 40, 4, SkinnyConfig(MODE_FMA_REDUCE, 16, 64, 3, 4, 3), True),
 ]
 
 
