@@ -68,22 +68,24 @@ def rank_shapes(model: str, tp: int) -> list[tuple[str, int, int]]:
 def candidates(m: int, n: int, k: int, itemsize: int, num_sms: int) -> list:
     """Tilings worth timing at this M bucket; block_k spans 16 bytes x 16-32 threads of a row."""
     kb = 2 // itemsize  # block_k doubles for 1-byte weights (same bytes per tile)
+    # (mode, block_n, block_k, warps, stages[, sub]); FMA with stages > 1: tl.range pipelining
     if m == 1:
-        base = [(MODE_FMA, 16, 256 * kb, 4, 1), (MODE_FMA, 16, 512 * kb, 8, 1), (MODE_FMA, 16, 512 * kb, 8, 3),
-                (MODE_FMA, 32, 256 * kb, 4, 3), (MODE_DOT, 32, 256 * kb, 4, 3)]
+        base = [(MODE_FMA, 16, 128 * kb, 4, 1), (MODE_FMA, 16, 256 * kb, 4, 1), (MODE_FMA, 16, 512 * kb, 8, 3),
+                (MODE_FMA, 16, 512 * kb, 8, 4), (MODE_FMA, 16, 512 * kb, 4, 4, 2), (MODE_FMA, 32, 512 * kb, 8, 3, 2),
+                (MODE_FMA, 16, 1024 * kb, 8, 3, 4), (MODE_FMA, 8, 1024 * kb, 4, 4, 4), (MODE_DOT, 32, 256 * kb, 4, 3)]
     elif m == 2:
-        base = [(MODE_FMA, 8, 256 * kb, 4, 1), (MODE_FMA, 8, 512 * kb, 8, 3), (MODE_FMA_REDUCE, 16, 256 * kb, 4, 1),
-                (MODE_DOT, 32, 256 * kb, 4, 3)]
+        base = [(MODE_FMA, 8, 256 * kb, 4, 1), (MODE_FMA, 8, 512 * kb, 8, 3), (MODE_FMA, 8, 512 * kb, 4, 4, 2),
+                (MODE_FMA_REDUCE, 16, 256 * kb, 4, 1), (MODE_DOT, 32, 256 * kb, 4, 3)]
     elif m <= 4:
-        base = [(MODE_FMA, 8, 128 * kb, 4, 1), (MODE_FMA_REDUCE, 16, 256 * kb, 4, 3), (MODE_DOT, 32, 256 * kb, 4, 3),
-                (MODE_DOT, 64, 128 * kb, 4, 4)]
+        base = [(MODE_FMA, 8, 128 * kb, 4, 1), (MODE_FMA_REDUCE, 16, 256 * kb, 4, 3),
+                (MODE_FMA_REDUCE, 16, 512 * kb, 4, 4, 2), (MODE_DOT, 32, 256 * kb, 4, 3), (MODE_DOT, 64, 128 * kb, 4, 4)]
     else:
         base = [(MODE_DOT, 32, 256 * kb, 4, 3), (MODE_DOT, 64, 128 * kb, 4, 4), (MODE_DOT, 64, 256 * kb, 8, 3),
-                (MODE_DOT, 16, 256 * kb, 4, 3)]
+                (MODE_DOT, 16, 256 * kb, 4, 3), (MODE_DOT, 32, 256 * kb, 4, 4)]
     out = []
-    for mode, bn, bk, w, s in base:
+    for mode, bn, bk, w, s, *sub in base:
         for per_sm in (0, 2, 4):
-            cfg = config_for(m, n, k, mode, bn, bk, w, s, per_sm, num_sms)
+            cfg = config_for(m, n, k, mode, bn, bk, w, s, per_sm, num_sms, *sub)
             if cfg not in out:
                 out.append(cfg)
     return out

@@ -54,9 +54,12 @@ class SkinnyConfig(NamedTuple):
     split_k: int  # programs along K (1: none)
     num_warps: int
     num_stages: int  # MODE_DOT: the pipeliner's stages; FMA modes: 1 = register double buffer, > 1 = tl.range
+    sub: int = 1  # FMA modes with num_stages > 1: slices of block_k summed into one accumulator
 
     def short(self) -> str:
-        return f"{MODE_NAMES[self.mode]}/n{self.block_n}/k{self.block_k}/s{self.split_k}/w{self.num_warps}"
+        sub = f"/u{self.sub}" if self.sub > 1 else ""
+        return (f"{MODE_NAMES[self.mode]}/n{self.block_n}/k{self.block_k}/s{self.split_k}/w{self.num_warps}"
+                f"/st{self.num_stages}{sub}")
 
 
 @triton.jit
@@ -104,6 +107,7 @@ def _skinny_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     MODE: tl.constexpr,
     STAGES: tl.constexpr,  # FMA modes: 1 = register double buffer, > 1 = tl.range pipelining
+    SUB: tl.constexpr,  # FMA modes with STAGES > 1: column slices per tile sharing one accumulator
     BLOCK_M: tl.constexpr,  # power of two >= M (>= 16 for MODE_DOT)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -137,17 +141,22 @@ def _skinny_kernel(
         y = acc
     else:
         if MODE == 0 and BLOCK_M == 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one row: a plain 2-D tile
+            acc = tl.zeros([BLOCK_N, BLOCK_K // SUB], dtype=tl.float32)  # one row: a plain 2-D tile
         elif MODE == 0:
-            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // SUB], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if STAGES > 1:
             # Triton's pipeliner keeps STAGES - 1 weight tiles in flight through shared memory.
+            # Each tile is SUB column slices summed into one accumulator of BLOCK_K // SUB columns:
+            # more bytes in flight per accumulator register.
+            offs_s = tl.arange(0, BLOCK_K // SUB)
             for t in tl.range(t_start, t_end, num_stages=STAGES):
-                w = _load_w(w_rows, t * BLOCK_K, offs_k, K, EVEN_K)
-                x = _load_x(x_rows, t * BLOCK_K, offs_k, K, EVEN_K)
-                acc = _fma(acc, w, x, MODE, BLOCK_M)
+                for u in tl.static_range(SUB):
+                    k0 = t * BLOCK_K + u * (BLOCK_K // SUB)
+                    w = _load_w(w_rows, k0, offs_s, K, EVEN_K)
+                    x = _load_x(x_rows, k0, offs_s, K, EVEN_K)
+                    acc = _fma(acc, w, x, MODE, BLOCK_M)
         else:
             # Register double buffer: tile t + 1 is requested before tile t is multiplied. The last
             # prefetch re-reads this split's last tile (in bounds, a cache hit) instead of masking.
@@ -179,15 +188,15 @@ def _skinny_kernel(
 # ---- shape-only choices -------------------------------------------------------------------------
 
 # Per M bucket (1, 2, 4, 8, 16) and weight bytes per element: (mode, block_n, block_k, warps,
-# stages, programs per SM wanted: K is split until the grid reaches that many). First guesses for
+# stages, programs per SM wanted: K is split until the grid reaches that many[, sub]). First guesses for
 # H100; `bench/skinny_sweep.py` prints every candidate next to the pick to confirm or replace them.
-_TABLE: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {
+_TABLE: dict[tuple[int, int], tuple[int, ...]] = {
     (1, 2): (MODE_FMA, 16, 512, 8, 1, 4),
     (2, 2): (MODE_FMA, 8, 256, 4, 1, 4),
     (4, 2): (MODE_DOT, 32, 256, 4, 3, 2),
     (8, 2): (MODE_DOT, 32, 256, 4, 3, 2),
     (16, 2): (MODE_DOT, 32, 256, 4, 3, 2),
-    (1, 1): (MODE_FMA, 16, 512, 4, 1, 4),
+    (1, 1): (MODE_FMA, 16, 256, 4, 1, 4),
     (2, 1): (MODE_FMA, 8, 512, 4, 1, 4),
     (4, 1): (MODE_DOT, 32, 512, 4, 3, 2),
     (8, 1): (MODE_DOT, 32, 512, 4, 3, 2),
@@ -195,8 +204,10 @@ _TABLE: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {
 }
 
 # use_skinny: per weight bytes per element, the largest M at which the skinny kernel beats cuBLAS
-# (F.linear for bf16/fp16; quantise + _scaled_mm for FP8). First guess: always up to MAX_M.
-_SKINNY_MAX_M: dict[int, int] = {2: MAX_M, 1: MAX_M}
+# (F.linear for bf16/fp16; quantise + _scaled_mm for FP8). H100 sweep G1: for bf16 the best tiling
+# only ties cuBLAS (8B TP4 layer 52.1 -> 51.7 us), so bf16 keeps cuBLAS; FP8 beats the old path at
+# every shape and M (8B TP1 layer 154 -> 122 us at M = 1).
+_SKINNY_MAX_M: dict[int, int] = {2: 0, 1: MAX_M}
 
 
 def m_bucket(M: int) -> int:
@@ -214,16 +225,16 @@ def split_for(tiles: int, num_k_tiles: int, target_programs: int) -> int:
 
 
 def config_for(M: int, N: int, K: int, mode: int, block_n: int, block_k: int, warps: int, stages: int,
-               per_sm: float, num_sms: int) -> SkinnyConfig:
+               per_sm: float, num_sms: int, sub: int = 1) -> SkinnyConfig:
     """A tiling with its split-K set to reach per_sm programs per SM (0: no split)."""
     split = split_for(triton.cdiv(N, block_n), triton.cdiv(K, block_k), int(per_sm * num_sms))
-    return SkinnyConfig(mode, block_n, block_k, split, warps, stages)
+    return SkinnyConfig(mode, block_n, block_k, split, warps, stages, sub)
 
 
 def pick_skinny_config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> SkinnyConfig:
     """The tiling for one call, from shapes alone: the table's entry for M's bucket, split-K from N, K."""
-    mode, bn, bk, warps, stages, per_sm = _TABLE[(m_bucket(M), min(weight_dtype.itemsize, 2))]
-    return config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms)
+    mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight_dtype.itemsize, 2))]
+    return config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
 
 
 @functools.cache
@@ -273,6 +284,7 @@ def skinny_linear_impl(
     if config is None:
         num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
         config = pick_skinny_config(M, N, K, weight.dtype, num_sms)
+    assert config.sub == 1 or (config.mode != MODE_DOT and config.num_stages > 1 and config.block_k % config.sub == 0)
     block_m = max(16, m_bucket(M)) if config.mode == MODE_DOT else m_bucket(M)
     tiles = triton.cdiv(N, config.block_n)
     split = config.split_k
@@ -285,7 +297,7 @@ def skinny_linear_impl(
         M, N, K, tiles_per_split, split, x.stride(0), weight.stride(0),
         1 if scale is not None and scale.numel() > 1 else 0, out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-        EVEN_K=K % config.block_k == 0, MODE=config.mode, STAGES=config.num_stages, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        EVEN_K=K % config.block_k == 0, MODE=config.mode, STAGES=config.num_stages, SUB=config.sub, BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

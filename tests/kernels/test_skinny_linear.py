@@ -76,6 +76,10 @@ CASES = [
     (FP8, True, 400, 40, 1, SkinnyConfig(MODE_FMA, 16, 128, 2, 4, 3), True),
     (torch.bfloat16, True, 200, 40, 2, SkinnyConfig(MODE_FMA, 8, 64, 1, 4, 3), False),
     (torch.bfloat16, True, 256, 40, 4, SkinnyConfig(MODE_FMA_REDUCE, 16, 64, 3, 4, 3), True),
+    # sub > 1: each tile's column slices share one accumulator
+    (FP8, True, 400, 40, 1, SkinnyConfig(MODE_FMA, 16, 128, 2, 4, 3, 4), True),
+    (torch.bfloat16, True, 256, 40, 2, SkinnyConfig(MODE_FMA, 8, 128, 1, 4, 4, 2), False),
+    (FP8, False, 512, 72, 3, SkinnyConfig(MODE_FMA_REDUCE, 16, 128, 2, 4, 3, 2), True),
 ]
 
 
@@ -120,6 +124,9 @@ def test_pick_and_use_skinny():
         wide = pick_skinny_config(1, 57344, 8192, wdtype, 132)
         assert narrow.split_k > 1 and wide.split_k == 1
         assert use_skinny(1, 4096, 4096, wdtype, torch.device("cpu")) is False  # the CPU keeps torch
+    with pytest.raises(AssertionError):  # slices need the pipelined FMA loop
+        skinny_linear_impl(torch.randn(1, 128), torch.randn(8, 128).bfloat16(), None, None,
+                           SkinnyConfig(MODE_FMA, 8, 128, 1, 4, 1, 2))
     assert use_skinny(1, 4096, 4096, torch.float32, torch.device("cpu")) is False
 
 

@@ -33,6 +33,7 @@ def compile_sm90(m: int, fp8: bool, cfg, split: bool) -> int:
     """Compile one variant as the launcher would specialise it at real shapes; returns its registers."""
     names = _skinny_kernel.arg_names
     const = dict(HAS_SCALE=fp8, HAS_BIAS=True, USE_SPLIT=split, EVEN_K=True, MODE=cfg.mode, STAGES=cfg.num_stages,
+                 SUB=cfg.sub,
                  BLOCK_M=max(16, m_bucket(m)) if cfg.mode == MODE_DOT else m_bucket(m), BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
     sig = {n: "constexpr" if n in const else _SIG.get(n, "i32") for n in names}
