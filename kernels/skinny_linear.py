@@ -188,26 +188,36 @@ def _skinny_kernel(
 # ---- shape-only choices -------------------------------------------------------------------------
 
 # Per M bucket (1, 2, 4, 8, 16) and weight bytes per element: (mode, block_n, block_k, warps,
-# stages, programs per SM wanted: K is split until the grid reaches that many[, sub]). First guesses for
-# H100; `bench/skinny_sweep.py` prints every candidate next to the pick to confirm or replace them.
+# stages, programs per SM wanted: K is split until the grid reaches that many[, sub]).
+# From `bench/skinny_sweep.py` on an H100 (G1, triton 3.6; the tiling with the best geometric mean of
+# best-time / time over the 24 per-rank shapes of Llama-3-8B/70B at TP 1/2/4): tensor-core tiles for
+# every bucket but FP8 at M = 1, which keeps the old `fp8_skinny` GEMV's tiling (run 30: 111 us per
+# 8B layer against G1's best tensor-core tiles' 122). The FMA variants were not measured on a GPU yet
+# (G1 could not compile them; fixed since and compiled for sm_90 by the CPU tests).
 _TABLE: dict[tuple[int, int], tuple[int, ...]] = {
-    (1, 2): (MODE_FMA, 16, 512, 8, 1, 4),
-    (2, 2): (MODE_FMA, 8, 256, 4, 1, 4),
-    (4, 2): (MODE_DOT, 32, 256, 4, 3, 2),
-    (8, 2): (MODE_DOT, 32, 256, 4, 3, 2),
-    (16, 2): (MODE_DOT, 32, 256, 4, 3, 2),
+    (1, 2): (MODE_DOT, 64, 128, 4, 4, 4),
+    (2, 2): (MODE_DOT, 64, 128, 4, 4, 4),
+    (4, 2): (MODE_DOT, 64, 128, 4, 4, 4),
+    (8, 2): (MODE_DOT, 32, 256, 4, 3, 0),
+    (16, 2): (MODE_DOT, 32, 256, 4, 3, 0),
     (1, 1): (MODE_FMA, 16, 256, 4, 1, 4),
-    (2, 1): (MODE_FMA, 8, 512, 4, 1, 4),
-    (4, 1): (MODE_DOT, 32, 512, 4, 3, 2),
-    (8, 1): (MODE_DOT, 32, 512, 4, 3, 2),
+    (2, 1): (MODE_DOT, 64, 256, 4, 4, 4),
+    (4, 1): (MODE_DOT, 64, 256, 4, 4, 4),
+    (8, 1): (MODE_DOT, 32, 512, 4, 3, 4),
     (16, 1): (MODE_DOT, 32, 512, 4, 3, 2),
 }
 
-# use_skinny: per weight bytes per element, the largest M at which the skinny kernel beats cuBLAS
-# (F.linear for bf16/fp16; quantise + _scaled_mm for FP8). H100 sweep G1: for bf16 the best tiling
-# only ties cuBLAS (8B TP4 layer 52.1 -> 51.7 us), so bf16 keeps cuBLAS; FP8 beats the old path at
-# every shape and M (8B TP1 layer 154 -> 122 us at M = 1).
-_SKINNY_MAX_M: dict[int, int] = {2: 0, 1: MAX_M}
+# use_skinny: where cuBLAS (F.linear for bf16/fp16; quantise + _scaled_mm for FP8) stays, as
+# (weight bytes per element, smallest M, largest M, smallest N, largest N * K); anything else at
+# M <= 16 runs the skinny kernel. H100 sweep G1 (sums over the 24 shapes):
+# - bf16 / fp16: the best tiling only ties cuBLAS (8B TP4 layer 52.1 -> 51.7 us): cuBLAS everywhere;
+# - FP8, M >= 2: the picked tiles beat the _scaled_mm path by ~20 % overall (M = 2: 1157 -> 944 us)
+#   but lose 4-13 % on gate_up at 8B TP1/TP2 and 70B TP4 (N 14336-28672, N * K < 2**27), which keep it.
+# FP8 at M = 1 always runs the skinny GEMV (run 30: 154 -> 111 us per 8B layer).
+_CUBLAS_WINS: tuple[tuple[int, int, int, int, int], ...] = (
+    (2, 1, MAX_M, 0, 1 << 62),
+    (1, 2, MAX_M, 14336, 1 << 27),
+)
 
 
 def m_bucket(M: int) -> int:
@@ -245,15 +255,21 @@ def _capability(device_index: int) -> tuple[int, int]:
 def use_skinny(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
     """True when `skinny_linear` should run instead of cuBLAS for this shape (weight dtype `dtype`).
 
-    Needs a CUDA device (sm_80+; FP8 sm_89+), 1 <= M <= the table's limit for the weight's width,
-    and K a multiple of 16 (16-byte aligned rows). CPU callers keep F.linear / the torch reference.
+    Needs a CUDA device (sm_80+; FP8 sm_89+), 1 <= M <= 16, K a multiple of 16 (16-byte aligned
+    rows), and no `_CUBLAS_WINS` entry covering the shape. CPU callers keep F.linear / the reference.
     """
     if device.type != "cuda" or dtype not in WEIGHT_DTYPES or not 1 <= M <= MAX_M or K % 16:
         return False
     cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if cap < ((8, 9) if dtype == torch.float8_e4m3fn else (8, 0)):
         return False
-    return M <= _SKINNY_MAX_M[dtype.itemsize]
+    return not cublas_wins(M, N, K, dtype.itemsize)
+
+
+def cublas_wins(M: int, N: int, K: int, itemsize: int) -> bool:
+    """True where `_CUBLAS_WINS` keeps cuBLAS for this shape and weight width (device-free)."""
+    return any(size == itemsize and lo <= M <= hi and N >= n_min and N * K < nk_max
+               for size, lo, hi, n_min, nk_max in _CUBLAS_WINS)
 
 
 # ---- launcher -------------------------------------------------------------------------------------

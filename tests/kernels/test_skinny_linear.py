@@ -16,6 +16,7 @@ from kernels.skinny_linear import (
     MODE_FMA,
     MODE_FMA_REDUCE,
     SkinnyConfig,
+    cublas_wins,
     m_bucket,
     pick_skinny_config,
     skinny_linear,
@@ -128,6 +129,13 @@ def test_pick_and_use_skinny():
         skinny_linear_impl(torch.randn(1, 128), torch.randn(8, 128).bfloat16(), None, None,
                            SkinnyConfig(MODE_FMA, 8, 128, 1, 4, 1, 2))
     assert use_skinny(1, 4096, 4096, torch.float32, torch.device("cpu")) is False
+    # the measured rules (H100 sweep G1): bf16 keeps cuBLAS; FP8 runs skinny at M = 1 everywhere and
+    # at M >= 2 except the mid-size wide gate_up shapes
+    assert all(cublas_wins(m, 6144, 4096, 2) for m in (1, 7, 16))
+    assert not any(cublas_wins(1, n, k, 1) for k, n in ((4096, 28672), (4096, 1536), (8192, 57344)))
+    assert cublas_wins(2, 28672, 4096, 1) and cublas_wins(16, 14336, 8192, 1)
+    assert not cublas_wins(2, 57344, 8192, 1) and not cublas_wins(8, 7168, 4096, 1)
+    assert not cublas_wins(16, 6144, 4096, 1) and not cublas_wins(4, 4096, 14336, 1)
 
 
 def test_picked_tilings_compile_for_sm90():

@@ -29,10 +29,10 @@ _DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "partial_ptr
               "stride_xm", "stride_wn", "stride_om")
 
 
-def compile_sm90(m: int, fp8: bool, cfg, split: bool) -> int:
+def compile_sm90(m: int, fp8: bool, cfg, split: bool, even_k: bool = True) -> int:
     """Compile one variant as the launcher would specialise it at real shapes; returns its registers."""
     names = _skinny_kernel.arg_names
-    const = dict(HAS_SCALE=fp8, HAS_BIAS=True, USE_SPLIT=split, EVEN_K=True, MODE=cfg.mode, STAGES=cfg.num_stages,
+    const = dict(HAS_SCALE=fp8, HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.num_stages,
                  SUB=cfg.sub,
                  BLOCK_M=max(16, m_bucket(m)) if cfg.mode == MODE_DOT else m_bucket(m), BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
@@ -64,12 +64,13 @@ def main() -> int:
                 if key in seen:
                     continue
                 seen.add(key)
-                try:
-                    regs = compile_sm90(m, wdtype == torch.float8_e4m3fn, cfg, cfg.split_k > 1)
-                    print(f"ok {key} regs={regs}", flush=True)
-                except Exception as e:  # noqa: BLE001 - every failure is listed
-                    failed += 1
-                    print(f"FAIL {key} {type(e).__name__}: {str(e)[-300:]}", flush=True)
+                for even_k in (True, False):  # K a multiple of block_k or not (masked tail)
+                    try:
+                        regs = compile_sm90(m, wdtype == torch.float8_e4m3fn, cfg, cfg.split_k > 1, even_k)
+                        print(f"ok {key} even_k={even_k} regs={regs}", flush=True)
+                    except Exception as e:  # noqa: BLE001 - every failure is listed
+                        failed += 1
+                        print(f"FAIL {key} even_k={even_k} {type(e).__name__}: {str(e)[-300:]}", flush=True)
     return 1 if failed else 0
 
 
