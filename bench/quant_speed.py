@@ -39,9 +39,10 @@ from bench.ceilings import copy_bandwidth_gbs, matmul_tflops  # noqa: E402
 from bench.quant_kernels import _copies, int4_weights, time_us  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.fp8_matmul import scaled_mm_linear  # noqa: E402
-from kernels.fp8_skinny import FP8Config, fp8_skinny_linear_impl, pick_fp8_config  # noqa: E402
 from kernels.int4_matmul import quant_linear_impl  # noqa: E402
 from kernels.int4_repacked import Int4Config, int4_linear_impl, pick_int4_config  # noqa: E402
+from kernels.skinny_linear import MAX_M, pick_skinny_config, skinny_linear_impl  # noqa: E402
+from bench.skinny_sweep import candidates as skinny_candidates  # noqa: E402
 
 BF16 = torch.bfloat16
 GROUP = 128
@@ -104,26 +105,6 @@ def int4_candidates(m: int, n: int, k: int, num_sms: int) -> list[Int4Config]:
              (128, 128, 128, 8, 3), *big) for p in ((1, 0) if m >= 2048 else (1,))]
 
 
-def fp8_candidates(m: int, n: int, k: int, num_sms: int) -> list[FP8Config]:
-    out = []
-    if m == 1:
-        for bn, bk, w in ((16, 256, 4), (8, 512, 4), (32, 256, 8), (16, 512, 8), (8, 256, 2)):
-            for per_sm in (0, 4):
-                tiles = triton.cdiv(n, bn)
-                k_tiles = triton.cdiv(k, bk)
-                s = 1 if tiles >= per_sm * num_sms else min(k_tiles, triton.cdiv(per_sm * num_sms, tiles), 32)
-                out.append(FP8Config(1, bn, bk, triton.cdiv(k_tiles, triton.cdiv(k_tiles, s)), w, 1))
-        m = 2  # and the tensor-core tiles at one row
-    for bn, bk, w, s in ((64, 128, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4)):
-        bm = 16 if m <= 16 else 64
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        k_tiles = triton.cdiv(k, bk)
-        for per_sm in (1, 2):
-            sp = 1 if tiles >= per_sm * num_sms else min(k_tiles, triton.cdiv(per_sm * num_sms, tiles), 32)
-            out.append(FP8Config(bm, bn, bk, triton.cdiv(k_tiles, triton.cdiv(k_tiles, sp)), w, s))
-    return out
-
-
 def make_weights(k: int, n: int):
     """Rotating copies: bf16 [N, K]; int4 (GPTQ qweight, repacked, scales, zeros); fp8 (weight, scale)."""
     w16 = [torch.randn(n, k, device="cuda", dtype=BF16) / 64 for _ in range(_copies(k * n * 2))]
@@ -145,20 +126,20 @@ def sweep(num_sms: int, report: dict) -> None:
                 t = _try(lambda c=cfg: time_us([lambda w=w: int4_linear_impl(x, w[1], w[2], w[3], GROUP, None, c)
                                                 for w in w4]))
                 rows.append(("int4", cfg, t))
-            if m <= 64:
-                for cfg in dict.fromkeys(fp8_candidates(m, n, k, num_sms)):
-                    t = _try(lambda c=cfg: time_us([lambda w=w: fp8_skinny_linear_impl(x, w[0], w[1], None, c)
+            if m <= MAX_M:
+                for cfg in skinny_candidates(m, n, k, 1, num_sms):
+                    t = _try(lambda c=cfg: time_us([lambda w=w: skinny_linear_impl(x, w[0], w[1], None, c)
                                                     for w in w8]))
                     rows.append(("fp8", cfg, t))
             for kind, default in (("int4", pick_int4_config(m, n, k, GROUP, num_sms)),
-                                  ("fp8", pick_fp8_config(m, n, k, num_sms) if m <= 64 else None)):
+                                  ("fp8", pick_skinny_config(m, n, k, torch.float8_e4m3fn, num_sms) if m <= MAX_M else None)):
                 if default is None:
                     continue
                 timed = sorted((r for r in rows if r[0] == kind and isinstance(r[2], float)), key=lambda r: r[2])
                 fails = [r for r in rows if r[0] == kind and not isinstance(r[2], float)]
                 d = next((r[2] for r in rows if r[0] == kind and r[1] == default), None)
                 if d is None:
-                    fn = int4_linear_impl if kind == "int4" else fp8_skinny_linear_impl
+                    fn = int4_linear_impl if kind == "int4" else skinny_linear_impl
                     ws = w4 if kind == "int4" else w8
                     if kind == "int4":
                         d = _try(lambda: time_us([lambda w=w: fn(x, w[1], w[2], w[3], GROUP, None, default) for w in ws]))

@@ -247,6 +247,24 @@ def fp8_linear(
     return impl(x, weight, weight_scale, bias)
 
 
+def skinny_linear(
+    x: torch.Tensor,  # [M, K], M <= 16 on CUDA
+    weight: torch.Tensor,  # [N, K] bf16 / fp16 / float8_e4m3fn
+    scale: torch.Tensor | None = None,  # None (float weight) or fp32 scalar / [N] (FP8)
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Decode-sized y = x @ (weight * scale).T + bias in one bandwidth-bound launch (ask `use_skinny` first)."""
+    impl = _mod("skinny_linear").skinny_linear if use_triton(x) else quant_reference.skinny_linear
+    return impl(x, weight, scale, bias)
+
+
+def use_skinny(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """True when `skinny_linear` beats cuBLAS for this shape and weight dtype on `device` (CUDA only)."""
+    if device.type != "cuda" or _FORCE_REFERENCE or not _triton_available():
+        return False
+    return _mod("skinny_linear").use_skinny(M, N, K, dtype, device)
+
+
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel FP8 at load time: [N, K] -> (float8_e4m3fn [N, K], fp32 scale [N])."""
     return quant_reference.quantize_fp8(weight)
@@ -254,7 +272,8 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _OPS = frozenset(
     ("fp8_linear", "gumbel_sample", "int4_linear", "repack_int4", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear",
-     "quantize_fp8", "rms_norm", "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "write_kv_cache")
+     "quantize_fp8", "rms_norm", "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "skinny_linear",
+     "use_skinny", "write_kv_cache")
 )
 
 
@@ -293,6 +312,8 @@ __all__ = [
     "rotary_and_write_kv",
     "rotary_embedding",
     "silu_and_mul",
+    "skinny_linear",
+    "use_skinny",
     "use_triton",
     "write_kv_cache",
 ]

@@ -6,8 +6,9 @@ scalar or `[N]`. Out: `[M, N]` in x's dtype. On Hopper (sm_90+) each row of x ge
 (torch 2.11 accepts rowwise scales with a bf16 output only, so fp16 callers get a cast). On
 sm_89 a per-tensor activation scale is used, with a per-tensor weight scale only. Elsewhere, and
 for shapes `_scaled_mm` refuses (K or N not a multiple of 16), the torch reference runs.
-Up to `SKINNY_MAX_M` rows (decode) on sm_89+, `kernels/fp8_skinny.py` runs instead: one launch,
-weights converted in registers, activations not quantised (bandwidth-bound there).
+Up to 16 rows (decode) on sm_89+, where `kernels.skinny_linear.use_skinny` says so for the shape,
+`kernels/skinny_linear.py` runs instead: one launch, weights converted in registers, activations
+not quantised (bandwidth-bound there).
 No host sync and shape-only allocations, so the op can be captured in a CUDA graph.
 """
 
@@ -20,10 +21,9 @@ import triton
 import triton.language as tl
 
 from kernels import quant_reference
-from kernels.fp8_skinny import fp8_skinny_linear
+from kernels.skinny_linear import skinny_linear, use_skinny
 
 FP8_MAX = quant_reference.FP8_MAX
-SKINNY_MAX_M = 16  # rows up to which the one-launch weight-only kernels run
 
 
 @triton.jit
@@ -76,10 +76,10 @@ def fp8_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale).T + bias -> `[M, N]` in x's dtype."""
-    if (x.shape[0] <= SKINNY_MAX_M and _capability(x.device.index or 0) >= (8, 9)
-            and x.dtype in (torch.bfloat16, torch.float16) and weight_scale.dtype == torch.float32
-            and weight.stride(1) == 1):
-        return fp8_skinny_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, weight_scale, bias)
+    N, K = weight.shape
+    if (x.dtype in (torch.bfloat16, torch.float16) and weight_scale.dtype == torch.float32
+            and weight.stride(1) == 1 and use_skinny(x.shape[0], N, K, weight.dtype, x.device)):
+        return skinny_linear(x, weight, weight_scale, bias)
     return scaled_mm_linear(x, weight, weight_scale, bias)
 
 

@@ -129,6 +129,22 @@ def fp8_linear(
     return F.linear(x, dequantize_fp8_weight(weight, weight_scale, x.dtype), bias)
 
 
+def skinny_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] bf16 / fp16 / float8_e4m3fn
+    scale: torch.Tensor | None = None,  # None (float weight) or fp32 scalar / [N] (FP8)
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """`kernels/skinny_linear.py`'s op: y = x @ (weight * scale).T + bias in fp32, returned in x's dtype."""
+    w = weight.float()
+    if scale is not None:
+        w = w * (scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(()))
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel FP8: `[N, K]` float -> (float8_e4m3fn `[N, K]`, fp32 scale `[N]`).
 

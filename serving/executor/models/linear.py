@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from serving.executor import parallel
 from serving.executor.models.params import (
     SINGLE,
@@ -61,7 +62,11 @@ class Linear(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is None:
-            return F.linear(x, self.weight, bias)
+            w = self.weight
+            if (x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and x.dtype == w.dtype
+                    and kernels.use_skinny(x.shape[0], w.shape[0], w.shape[1], w.dtype, x.device)):
+                return kernels.skinny_linear(x, w, None, bias)  # decode rows: one bandwidth-bound launch
+            return F.linear(x, w, bias)
         return self.quant_method.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""FP8 (e4m3) weight linear layers -> `kernels.fp8_linear`.
+"""FP8 (e4m3) weight linear layers -> `kernels.fp8_linear` (decode-sized calls, M <= 16, run the
+one-launch `kernels.skinny_linear` inside it wherever `kernels.use_skinny` says so for the shape).
 
 Checkpoint (AutoFP8 / vLLM `quant_method: fp8`, llm-compressor `float-quantized`): `weight`
 float8_e4m3fn [N, K] as HF lays weights out, `weight_scale` float32 per tensor (a scalar or [1])

@@ -1,0 +1,274 @@
+"""Skinny linear (`kernels/skinny_linear.py`) against cuBLAS at the per-rank decode shapes, one H100.
+
+  python3 bench/skinny_sweep.py [--json PATH] [--models 8b,70b] [--tp 1,2,4] [--ms 1,2,4,8,16]
+                                [--dtypes bf16,fp8] [--jobs 12]
+
+For Llama-3-8B (hidden 4096, inter 14336, 32 q / 8 kv heads of 128) and Llama-3-70B (hidden 8192,
+inter 28672, 64 q / 8 kv heads) at TP = 1, 2, 4, each rank's fused qkv, o, fused gate_up and down
+(N split for qkv / gate_up, K for o / down), M = 1, 2, 4, 8, 16, bf16 and FP8 (e4m3, per-channel):
+- cuBLAS µs (bf16 `F.linear`; FP8 the old path: per-token quantise + `_scaled_mm`);
+- every candidate tiling's µs and its max error (|out - ref| max over |ref| max, fp32 reference);
+- the best candidate's µs and GB/s; what `pick_skinny_config` picks and its µs; `use_skinny`'s
+  verdict and the µs of the path it chooses.
+Timings replay a CUDA graph of calls rotating over >= 256 MB of weight copies (weights from HBM).
+Ends with per (model, TP, dtype) the batch-1 µs of one decoder layer's four linears (cuBLAS vs
+chosen) and FP8's ratio to bf16, the number the FP8 bar of issue 27 (<= 0.62x) is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+
+from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
+from bench.quant_kernels import _copies, time_us  # noqa: E402
+from kernels import quant_reference  # noqa: E402
+from kernels.fp8_matmul import scaled_mm_linear  # noqa: E402
+from kernels.int4_matmul import _num_sms  # noqa: E402
+from kernels.skinny_linear import (  # noqa: E402
+    MODE_DOT,
+    MODE_FMA,
+    MODE_FMA_REDUCE,
+    SkinnyConfig,
+    config_for,
+    m_bucket,
+    pick_skinny_config,
+    skinny_linear_impl,
+    use_skinny,
+)
+
+BF16 = torch.bfloat16
+ACT = BF16  # activations
+T0 = time.time()
+BUDGET_S = 170.0  # after this many seconds only the picks are timed (the run stays under ~3 min)
+MODELS = {  # hidden, intermediate, q heads, kv heads, head_dim
+    "8b": (4096, 14336, 32, 8, 128),
+    "70b": (8192, 28672, 64, 8, 128),
+}
+
+
+def rank_shapes(model: str, tp: int) -> list[tuple[str, int, int]]:
+    """(projection, K, N) that one rank of `tp` multiplies."""
+    h, inter, qh, kvh, d = MODELS[model]
+    return [("qkv", h, (qh + 2 * kvh) * d // tp), ("o", qh * d // tp, h), ("gate_up", h, 2 * inter // tp),
+            ("down", inter // tp, h)]
+
+
+def candidates(m: int, n: int, k: int, itemsize: int, num_sms: int) -> list:
+    """Tilings worth timing at this M bucket; block_k spans 16 bytes x 16-32 threads of a row."""
+    kb = 2 // itemsize  # block_k doubles for 1-byte weights (same bytes per tile)
+    # (mode, block_n, block_k, warps, stages[, sub]); FMA with stages > 1: tl.range pipelining
+    if m == 1:
+        base = [(MODE_FMA, 16, 128 * kb, 4, 1), (MODE_FMA, 16, 256 * kb, 4, 1), (MODE_FMA, 16, 512 * kb, 8, 3),
+                (MODE_FMA, 16, 512 * kb, 8, 4), (MODE_FMA, 16, 512 * kb, 4, 4, 2), (MODE_FMA, 32, 512 * kb, 8, 3, 2),
+                (MODE_FMA, 16, 1024 * kb, 8, 3, 4), (MODE_FMA, 8, 1024 * kb, 4, 4, 4), (MODE_DOT, 32, 256 * kb, 4, 3)]
+    elif m == 2:
+        base = [(MODE_FMA, 8, 256 * kb, 4, 1), (MODE_FMA, 8, 512 * kb, 8, 3), (MODE_FMA, 8, 512 * kb, 4, 4, 2),
+                (MODE_FMA_REDUCE, 16, 256 * kb, 4, 1), (MODE_DOT, 32, 256 * kb, 4, 3)]
+    elif m <= 4:
+        base = [(MODE_FMA, 8, 128 * kb, 4, 1), (MODE_FMA_REDUCE, 16, 256 * kb, 4, 3),
+                (MODE_FMA_REDUCE, 16, 512 * kb, 4, 4, 2), (MODE_DOT, 32, 256 * kb, 4, 3), (MODE_DOT, 64, 128 * kb, 4, 4)]
+    else:
+        base = [(MODE_DOT, 32, 256 * kb, 4, 3), (MODE_DOT, 64, 128 * kb, 4, 4), (MODE_DOT, 64, 256 * kb, 8, 3),
+                (MODE_DOT, 16, 256 * kb, 4, 3), (MODE_DOT, 32, 256 * kb, 4, 4)]
+    out = []
+    for mode, bn, bk, w, s, *sub in base:
+        for per_sm in (0, 2, 4):
+            cfg = config_for(m, n, k, mode, bn, bk, w, s, per_sm, num_sms, *sub)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def _warm_one(job: tuple) -> str:
+    """Compile one variant (M bucket, weight bytes, tiling, split or not) on tiny tensors of the same
+    specialisation as the real shapes (N, strides multiples of 16; K as even in block_k as the real K)."""
+    m, itemsize, k, cfg = job
+    try:
+        n = 64
+        x = torch.randn(m, k, device="cuda", dtype=BF16)
+        if itemsize == 2:
+            w, s = torch.randn(n, k, device="cuda", dtype=BF16), None
+        else:
+            w, s = quant_reference.quantize_fp8(torch.randn(n, k, device="cuda"))
+        skinny_linear_impl(x, w, s, None, SkinnyConfig(*cfg))
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:  # noqa: BLE001 - reported by the timing pass too
+        return f"{cfg}: {_short_error(e)}"
+
+
+def prewarm(jobs: list, workers: int) -> None:
+    """Fill Triton's on-disk cache in parallel processes (compiles dominate a serial sweep's time)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = list(dict.fromkeys(jobs))
+    t0 = time.time()
+    try:  # a worker that dies breaks the pool (an error here), where multiprocessing.Pool would hang
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            errs = [e for e in pool.map(_warm_one, jobs, timeout=120) if e]
+    except Exception as e:  # noqa: BLE001 - the timing pass compiles whatever is missing
+        errs = [f"prewarm failed: {type(e).__name__} {e}"]
+    print(f"# prewarm: {len(jobs)} variants in {time.time() - t0:.0f} s with {workers} processes"
+          + (f"; {len(errs)} failed, e.g. {errs[0]}" if errs else ""), flush=True)
+
+
+def _max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
+        return _short_error(e)
+
+
+def _short_error(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {(lines[-1] if lines else '')[:120]}"
+
+
+def run_case(model: str, tp: int, proj: str, k: int, n: int, dtype: str, ms: list[int], num_sms: int,
+             rows: list) -> None:
+    itemsize = 2 if dtype == "bf16" else 1
+    g = torch.Generator(device="cuda").manual_seed(k * 7 + n)
+    copies = _copies(k * n * itemsize)
+    if dtype == "bf16":
+        ws = [(torch.randn(n, k, device="cuda", dtype=BF16, generator=g) / 64, None) for _ in range(copies)]
+    else:
+        ws = [quant_reference.quantize_fp8(torch.randn(n, k, device="cuda", generator=g)) for _ in range(copies)]
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=ACT, generator=g)
+        w0, s0 = ws[0]
+        ref = quant_reference.skinny_linear(x.float(), w0, s0)
+        if dtype == "bf16":
+            cublas = time_us([lambda w=w: F.linear(x, w) for w, _ in ws])
+        else:
+            cublas = time_us([lambda w=w, s=s: scaled_mm_linear(x, w, s) for w, s in ws])
+        nbytes = n * k * itemsize + m * k * 2 + m * n * 2 + (4 * n if itemsize == 1 else 0)
+        cands = []
+        over = time.time() - T0 > BUDGET_S  # past the budget: time only the pick (and cuBLAS)
+        for cfg in ([] if over else candidates(m, n, k, itemsize, num_sms)):
+            err = _try(lambda c=cfg: _max_err(skinny_linear_impl(x, w0, s0, None, c), ref))
+            us = _try(lambda c=cfg: time_us([lambda w=w, s=s: skinny_linear_impl(x, w, s, None, c) for w, s in ws]))
+            cands.append((cfg, us, err))
+        ok = [c for c in cands if isinstance(c[1], float) and isinstance(c[2], float) and c[2] < 2e-2]
+        best = min(ok, key=lambda c: c[1]) if ok else None
+        pick = pick_skinny_config(m, n, k, w0.dtype, num_sms)
+        pick_us = next((us for cfg, us, _ in cands if cfg == pick and isinstance(us, float)), None)
+        if pick_us is None:
+            pick_us = _try(lambda: time_us([lambda w=w, s=s: skinny_linear_impl(x, w, s, None, pick) for w, s in ws]))
+        pick_err = _try(lambda: _max_err(skinny_linear_impl(x, w0, s0, None, pick), ref))
+        chosen = use_skinny(m, n, k, w0.dtype, x.device)
+        chosen_us = (pick_us if isinstance(pick_us, float) else float("nan")) if chosen else cublas
+        row = {"model": model, "tp": tp, "proj": proj, "K": k, "N": n, "dtype": dtype, "M": m,
+               "cublas_us": cublas, "bytes": nbytes, "cublas_gbs": nbytes / cublas / 1e3,
+               "candidates": [[c.short(), list(c), us, err] for c, us, err in cands],
+               "best": [best[0].short(), list(best[0]), best[1], nbytes / best[1] / 1e3] if best else None,
+               "pick": [pick.short(), list(pick), pick_us, nbytes / pick_us / 1e3 if isinstance(pick_us, float) else None],
+               "pick_err": pick_err, "use_skinny": chosen, "chosen_us": chosen_us}
+        rows.append(row)
+        bad = [f"{c.short()}: {us if isinstance(us, str) else err}" for c, us, err in cands
+               if not (isinstance(us, float) and isinstance(err, float) and err < 2e-2)]
+        bad = [f"{len(bad)} failed, e.g. {bad[0]}"] if bad else []
+        bstr = f"{best[0].short():<22} {best[1]:7.1f} {nbytes / best[1] / 1e3:6,.0f}" if best else "none"
+        pstr = f"{pick.short():<22} {pick_us:7.1f}" if isinstance(pick_us, float) else f"pick failed {pick_us}"
+        print(f"{model:>3} tp{tp} {proj:<7} {k:>5}x{n:<5} {dtype:<4} M={m:<2} cublas {cublas:7.1f} "
+              f"({nbytes / cublas / 1e3:5,.0f} GB/s) | best {bstr} | pick {pstr} err {pick_err if isinstance(pick_err, str) else f'{pick_err:.1e}'}"
+              f" | {'skinny' if chosen else 'cublas'}" + (f" | BAD {bad}" if bad else ""), flush=True)
+    del ws
+    torch.cuda.empty_cache()
+
+
+def summary(rows: list) -> dict:
+    """Batch-1 µs of one decoder layer's four linears per (model, tp, dtype), and FP8 / bf16."""
+    out = {}
+    for r in rows:
+        if r["M"] != 1:
+            continue
+        key = f"{r['model']} tp{r['tp']}"
+        d = out.setdefault(key, {})
+        d[f"{r['dtype']}_cublas_us"] = d.get(f"{r['dtype']}_cublas_us", 0.0) + r["cublas_us"]
+        d[f"{r['dtype']}_chosen_us"] = d.get(f"{r['dtype']}_chosen_us", 0.0) + r["chosen_us"]
+        best = r["best"][2] if r["best"] else r["cublas_us"]
+        d[f"{r['dtype']}_best_us"] = d.get(f"{r['dtype']}_best_us", 0.0) + min(best, r["cublas_us"])
+    print("\n# batch 1, one decoder layer's 4 linears (us): cuBLAS -> chosen (best seen); fp8/bf16 of chosen")
+    for key, d in out.items():
+        parts = [f"{dt} {d[f'{dt}_cublas_us']:.1f} -> {d[f'{dt}_chosen_us']:.1f} ({d[f'{dt}_best_us']:.1f})"
+                 for dt in ("bf16", "fp8") if f"{dt}_cublas_us" in d]
+        ratio = ""
+        if "bf16_chosen_us" in d and "fp8_chosen_us" in d:
+            d["fp8_over_bf16"] = d["fp8_chosen_us"] / d["bf16_chosen_us"]
+            d["fp8_over_bf16_cublas"] = d["fp8_chosen_us"] / d["bf16_cublas_us"]
+            ratio = f" | fp8/bf16 {d['fp8_over_bf16']:.2f}x (vs bf16 cuBLAS {d['fp8_over_bf16_cublas']:.2f}x)"
+        print(f"{key:<9} " + " | ".join(parts) + ratio)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--models", default="8b,70b")
+    ap.add_argument("--tp", default="1,2,4")
+    ap.add_argument("--ms", default="1,2,4,8,16")
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--budget-s", type=float, default=170.0, help="after this, time only cuBLAS and the pick")
+    ap.add_argument("--jobs", type=int, default=12, help="processes that compile the variants first (1: none)")
+    args = ap.parse_args()
+    global BUDGET_S
+    BUDGET_S = args.budget_s
+    t0 = time.time()
+    num_sms = _num_sms(0)
+    bw = copy_bandwidth_gbs(1 << 30)
+    print(f"# {torch.cuda.get_device_name(0)}, {num_sms} SMs, copy {bw:,.0f} GB/s; triton {triton.__version__}, "
+          f"torch {torch.__version__}", flush=True)
+    ms = [int(v) for v in args.ms.split(",")]
+    cases = [(model, tp, proj, k, n, dtype) for model in args.models.split(",") for tp in (int(v) for v in args.tp.split(","))
+             for proj, k, n in rank_shapes(model, tp) for dtype in args.dtypes.split(",")]
+    if args.jobs > 1:
+        jobs = []
+        for _, _, _, k, n, dtype in cases:
+            itemsize = 2 if dtype == "bf16" else 1
+            wdtype = BF16 if itemsize == 2 else torch.float8_e4m3fn
+            for m in ms:
+                for cfg in candidates(m, n, k, itemsize, num_sms) + [pick_skinny_config(m, n, k, wdtype, num_sms)]:
+                    k_warm = 4096 if k % cfg.block_k == 0 else k
+                    jobs.append((m_bucket(m), itemsize, k_warm, tuple(cfg._replace(split_k=min(cfg.split_k, 2)))))
+        prewarm(jobs, args.jobs)
+    rows: list = []
+    for i, (model, tp, proj, k, n, dtype) in enumerate(cases):
+        run_case(model, tp, proj, k, n, dtype, ms, num_sms, rows)
+        if args.json:  # after every case, so a run cut short still leaves its rows
+            _write(args.json, {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "rows": rows,
+                               "partial": True})
+        if i + 1 == len(cases) or cases[i + 1][:2] != (model, tp):
+            print(f"# {model} tp{tp} done at {time.time() - t0:.0f} s", flush=True)
+    report = {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "rows": rows, "summary": summary(rows),
+              "wall_s": time.time() - t0}
+    print(f"# wall {time.time() - t0:.0f} s")
+    if args.json:
+        _write(args.json, report)
+
+
+def _write(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()

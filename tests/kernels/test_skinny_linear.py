@@ -1,0 +1,153 @@
+"""The skinny linear (`kernels/skinny_linear.py`) vs its fp64 oracle: interpreter on CPU, compiled on CUDA.
+
+Every way to multiply (FMA with a 3-D register tile, FMA reduced per tile, tensor-core dot), float
+and FP8 weights (per-channel and per-tensor scales), split-K on and off (twice: the counters reset),
+bias, odd M from 1 to 16, N and K not multiples of the block; then the shape-only choices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import quant_reference
+from kernels.skinny_linear import (
+    MODE_DOT,
+    MODE_FMA,
+    MODE_FMA_REDUCE,
+    SkinnyConfig,
+    cublas_wins,
+    m_bucket,
+    pick_skinny_config,
+    skinny_linear,
+    skinny_linear_impl,
+    use_skinny,
+)
+
+FP8 = torch.float8_e4m3fn
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all()
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _weights(N: int, K: int, wdtype: torch.dtype, per_channel: bool, device: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g)
+    if wdtype != FP8:
+        return w.to(wdtype).to(device), None
+    q, scale = quant_reference.quantize_fp8(w)
+    if not per_channel:
+        scale = scale.max().reshape(())
+    return q.to(device), scale.to(device)
+
+
+def _oracle(x, w, scale, bias):
+    dense = w.double()
+    if scale is not None:
+        dense = dense * (scale.double().reshape(-1, 1) if scale.numel() > 1 else scale.double())
+    y = x.double() @ dense.t()
+    return y + bias.double() if bias is not None else y
+
+
+def _act_dtype(device: str, wdtype: torch.dtype) -> torch.dtype:
+    # the interpreter runs in fp32; on CUDA x matches a float weight, bf16 for FP8
+    if device == "cpu":
+        return torch.float32
+    return wdtype if wdtype != FP8 else torch.bfloat16
+
+
+CASES = [
+    # (weight dtype, per_channel, K, N, M, config, bias)
+    (torch.bfloat16, True, 256, 48, 1, SkinnyConfig(MODE_FMA, 16, 64, 1, 4, 1), True),
+    (torch.bfloat16, True, 200, 40, 3, SkinnyConfig(MODE_FMA, 16, 64, 3, 4, 1), False),  # K, N tails, split
+    (torch.float16, True, 256, 64, 2, SkinnyConfig(MODE_FMA, 8, 128, 2, 4, 1), True),
+    (torch.bfloat16, True, 200, 40, 5, SkinnyConfig(MODE_FMA_REDUCE, 16, 64, 1, 4, 1), True),
+    (torch.float16, True, 256, 72, 7, SkinnyConfig(MODE_FMA_REDUCE, 32, 64, 4, 4, 1), False),
+    (torch.bfloat16, True, 200, 40, 11, SkinnyConfig(MODE_DOT, 32, 64, 2, 4, 1), True),
+    (torch.bfloat16, True, 256, 64, 16, SkinnyConfig(MODE_DOT, 32, 64, 1, 4, 1), False),
+    (FP8, True, 256, 48, 1, SkinnyConfig(MODE_FMA, 16, 128, 1, 4, 1), True),
+    (FP8, False, 400, 40, 1, SkinnyConfig(MODE_FMA, 16, 128, 3, 4, 1), False),  # per tensor, tails, split
+    (FP8, True, 400, 40, 3, SkinnyConfig(MODE_FMA_REDUCE, 16, 128, 2, 4, 1), True),
+    (FP8, False, 256, 64, 9, SkinnyConfig(MODE_DOT, 32, 64, 4, 4, 1), True),
+    (FP8, True, 400, 72, 13, SkinnyConfig(MODE_DOT, 32, 64, 1, 4, 1), False),
+    (FP8, True, 256, 40, 16, SkinnyConfig(MODE_FMA_REDUCE, 16, 64, 5, 4, 1), True),  # split 5 of 4 tiles
+    # num_stages > 1 in the FMA modes: tl.range pipelining instead of the register double buffer
+    (FP8, True, 400, 40, 1, SkinnyConfig(MODE_FMA, 16, 128, 2, 4, 3), True),
+    (torch.bfloat16, True, 200, 40, 2, SkinnyConfig(MODE_FMA, 8, 64, 1, 4, 3), False),
+    (torch.bfloat16, True, 256, 40, 4, SkinnyConfig(MODE_FMA_REDUCE, 16, 64, 3, 4, 3), True),
+    # sub > 1: each tile's column slices share one accumulator
+    (FP8, True, 400, 40, 1, SkinnyConfig(MODE_FMA, 16, 128, 2, 4, 3, 4), True),
+    (torch.bfloat16, True, 256, 40, 2, SkinnyConfig(MODE_FMA, 8, 128, 1, 4, 4, 2), False),
+    (FP8, False, 512, 72, 3, SkinnyConfig(MODE_FMA_REDUCE, 16, 128, 2, 4, 3, 2), True),
+]
+
+
+@pytest.mark.parametrize("wdtype, per_channel, K, N, M, config, with_bias", CASES)
+def test_skinny_matches_oracle(device, wdtype, per_channel, K, N, M, config, with_bias):
+    w, scale = _weights(N, K, wdtype, per_channel, device, K + N + M)
+    g = torch.Generator().manual_seed(M)
+    dtype = _act_dtype(device, wdtype)
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    bias = torch.randn(N, generator=g).to(dtype).to(device) if with_bias else None
+    ref = _oracle(x, w, scale, bias)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for _ in range(2):  # the second call checks that the split-K counters reset themselves
+        out = skinny_linear_impl(x, w, scale, bias, config=config)
+        assert out.dtype == dtype and out.shape == (M, N)
+        assert _rel_err(out, ref) < tol
+    # the picked tiling and the torch reference agree with the oracle too
+    assert _rel_err(skinny_linear(x, w, scale, bias), ref) < tol
+    assert _rel_err(quant_reference.skinny_linear(x, w, scale, bias), ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_skinny_strided_x_and_errors(device):
+    w, scale = _weights(40, 128, FP8, True, device, 1)
+    x = torch.randn(3, 256).to(device)[:, ::2]  # not contiguous along K
+    assert _rel_err(skinny_linear(x, w, scale), _oracle(x, w, scale, None)) < 1e-5
+    with pytest.raises(ValueError, match="at most 16"):
+        skinny_linear(torch.randn(17, 128).to(device), w, scale)
+    with pytest.raises(ValueError, match="scale"):
+        skinny_linear(torch.randn(2, 128).to(device), w, None)
+    with pytest.raises(ValueError, match="do not chain"):
+        skinny_linear(torch.randn(2, 64).to(device), w, scale)
+
+
+def test_pick_and_use_skinny():
+    assert [m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    for wdtype in (torch.bfloat16, FP8):
+        # one variant per M bucket: M within a bucket gets the same tiling
+        assert pick_skinny_config(3, 4096, 4096, wdtype, 132) == pick_skinny_config(4, 4096, 4096, wdtype, 132)
+        assert pick_skinny_config(9, 4096, 4096, wdtype, 132) == pick_skinny_config(16, 4096, 4096, wdtype, 132)
+        # a narrow N is split along K to fill the GPU; a wide one is not
+        narrow = pick_skinny_config(1, 1536, 4096, wdtype, 132)
+        wide = pick_skinny_config(1, 57344, 8192, wdtype, 132)
+        assert narrow.split_k > 1 and wide.split_k == 1
+        assert use_skinny(1, 4096, 4096, wdtype, torch.device("cpu")) is False  # the CPU keeps torch
+    with pytest.raises(AssertionError):  # slices need the pipelined FMA loop
+        skinny_linear_impl(torch.randn(1, 128), torch.randn(8, 128).bfloat16(), None, None,
+                           SkinnyConfig(MODE_FMA, 8, 128, 1, 4, 1, 2))
+    assert use_skinny(1, 4096, 4096, torch.float32, torch.device("cpu")) is False
+    # the measured rules (H100 sweep G1): bf16 keeps cuBLAS; FP8 runs skinny at M = 1 everywhere and
+    # at M >= 2 except the mid-size wide gate_up shapes
+    assert all(cublas_wins(m, 6144, 4096, 2) for m in (1, 7, 16))
+    assert not any(cublas_wins(1, n, k, 1) for k, n in ((4096, 28672), (4096, 1536), (8192, 57344)))
+    assert cublas_wins(2, 28672, 4096, 1) and cublas_wins(16, 14336, 8192, 1)
+    assert not cublas_wins(2, 57344, 8192, 1) and not cublas_wins(8, 7168, 4096, 1)
+    assert not cublas_wins(16, 6144, 4096, 1) and not cublas_wins(4, 4096, 14336, 1)
+
+
+def test_picked_tilings_compile_for_sm90():
+    # The interpreter runs programs the compiler rejects; compile every tiling the picker can return
+    # for sm_90 (no GPU needed: Triton's own ptxas) in a process without TRITON_INTERPRET.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.join(root, "tests", "support", "sm90_compile.py")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("ok ") >= 10

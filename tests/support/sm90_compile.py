@@ -1,0 +1,78 @@
+"""Compile `kernels/skinny_linear.py`'s kernel for sm_90 without a GPU (Triton's bundled ptxas).
+
+The CPU interpreter accepts programs the compiler rejects (G1 on the H100: a helper with two
+returns of different shapes), so `tests/kernels/test_skinny_linear.py` runs this in a subprocess
+(no TRITON_INTERPRET) over every tiling the picker can return. Prints one line per variant:
+`ok <config> regs=<n>` or `FAIL <config> <error>`; exit status 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.skinny_linear import MAX_M, MODE_DOT, _skinny_kernel, m_bucket, pick_skinny_config  # noqa: E402
+
+_SIG = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
+        "counter_ptr": "*i32"}
+_DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "partial_ptr", "counter_ptr", "N", "K",
+              "stride_xm", "stride_wn", "stride_om")
+
+
+def compile_sm90(m: int, fp8: bool, cfg, split: bool, even_k: bool = True) -> int:
+    """Compile one variant as the launcher would specialise it at real shapes; returns its registers."""
+    names = _skinny_kernel.arg_names
+    const = dict(HAS_SCALE=fp8, HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.num_stages,
+                 SUB=cfg.sub,
+                 BLOCK_M=max(16, m_bucket(m)) if cfg.mode == MODE_DOT else m_bucket(m), BLOCK_N=cfg.block_n,
+                 BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
+    sig = {n: "constexpr" if n in const else _SIG.get(n, "i32") for n in names}
+    sig["w_ptr"] = "*fp8e4nv" if fp8 else "*bf16"
+    src = ASTSource(fn=_skinny_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    return int(found.group(1)) if found else -1
+
+
+def main() -> int:
+    import torch
+
+    failed = 0
+    seen = set()
+    for wdtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for m in range(1, MAX_M + 1):
+            for n, k in ((1536, 4096), (57344, 8192)):  # split and not
+                cfg = pick_skinny_config(m, n, k, wdtype, 132)
+                key = (m_bucket(m), wdtype, cfg._replace(split_k=min(cfg.split_k, 2)))
+                if key in seen:
+                    continue
+                seen.add(key)
+                for even_k in (True, False):  # K a multiple of block_k or not (masked tail)
+                    try:
+                        regs = compile_sm90(m, wdtype == torch.float8_e4m3fn, cfg, cfg.split_k > 1, even_k)
+                        print(f"ok {key} even_k={even_k} regs={regs}", flush=True)
+                    except Exception as e:  # noqa: BLE001 - every failure is listed
+                        failed += 1
+                        print(f"FAIL {key} even_k={even_k} {type(e).__name__}: {str(e)[-300:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
