@@ -1,8 +1,8 @@
-"""Int4 linear on the k-chunk layout (`quant_reference.repack_int4_kchunk`) for decode sizes: y = x @ W (+ bias).
+"""Int4 linear on the k-chunk layout (`quant_reference.repack_int4_kchunk`), made for decode: y = x @ W (+ bias).
 
 In: `x [M, K]`, `packed` int32 `[K // 32, N, 4]` (the 32 rows 32c.. of column n in the 16-byte
 vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zeros [G, N]` (group
-`k // group_size`, or one group). Out: `[M, N]` in x's dtype. Two kernels, picked by `KChunkConfig`:
+`k // group_size`, or one group). Out: `[M, N]` in x's dtype. Three paths, picked by `KChunkConfig`:
 
 - `block_m` 1, 2 or 4: `_kchunk_gemv_kernel` (CUDA cores). A `[BLOCK_K // 32, BLOCK_N, 4]` word tile
   keeps each column's words in one thread (one 16-byte load per 32 weights; `COLS` columns a thread,
@@ -12,7 +12,8 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
 - `block_m` >= 16: `_kchunk_dot_kernel` (tensor cores): per nibble j, the tile's `[BLOCK_K // 8,
   BLOCK_N]` weights are dequantised with one FMA (w = f * 16 s - (16 + z) s) into x's dtype and
   multiplied by the matching x columns in `tl.dot`.
-Both split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
+- `block_m` 0 (large M): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
+The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
 
 class KChunkConfig(NamedTuple):
     """One tiling. `block_m` 1, 2 or 4 selects the GEMV (`block_n` = 32 * num_warps * columns a
-    thread), 16 or more the tensor-core kernel."""
+    thread), 16 or more the tensor-core kernel, 0 the dequantise-then-cuBLAS path (the rest unused)."""
 
     block_m: int
     block_n: int
@@ -250,24 +251,70 @@ def _kchunk_dot_kernel(
                 counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
 
+@triton.jit
+def _kchunk_dequant_kernel(
+    w_ptr,  # [K // 32, N, 4] int32
+    scales_ptr,  # [G, N]
+    zeros_ptr,  # [G, N]
+    out_ptr,  # [K, N], the output dtype
+    N, group_size, stride_wc, stride_sg, stride_ok,
+    BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    # The whole weight in x's dtype, one 32-row chunk per program row (large M: cuBLAS multiplies it).
+    c = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, 4)
+    words = tl.load(w_ptr + c * stride_wc + (offs_n * 4)[:, None] + offs_w[None, :], mask=mask_n[:, None],
+                    other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, 4]
+    g_row = (c * 32 // group_size) * stride_sg  # a chunk lies in one group
+    s = tl.load(scales_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    z = tl.load(zeros_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    rows = (c * 32 + offs_w).to(tl.int64)[None, :] * stride_ok  # [1, 4]: nibble j adds 4 j rows
+    for j in tl.static_range(8):
+        w = nibble_float(words, j, ASM) * (s * 16.0) - (z + 16.0) * s
+        tl.store(out_ptr + rows + 4 * j * stride_ok + offs_n[:, None], w.to(out_ptr.dtype.element_ty),
+                 mask=mask_n[:, None])
+
+
+def dequantize_kchunk(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The dense `[K, N]` weight in `dtype` (one launch; large M multiplies it with cuBLAS)."""
+    chunks, n, _ = packed.shape
+    w = torch.empty((chunks * 32, n), device=packed.device, dtype=dtype)
+    block_n = 128
+    _kchunk_dequant_kernel[(chunks, triton.cdiv(n, block_n))](
+        packed, scales, zeros, w, n, group_size, packed.stride(0), scales.stride(0), w.stride(0),
+        BLOCK_N=block_n, ASM=packed.is_cuda, num_warps=4,
+    )
+    return w
+
+
 def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig:
     """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
 
     First guesses from static sm_90 SASS counts (3.9 instructions per weight at one row, no spills),
     to be replaced by `bench/int4_sweep.py`'s findings: M == 1 a 4-warp GEMV with 4 columns a
-    thread; M <= 4 the GEMV with that many rows; above, 16-row tensor-core tiles."""
+    thread; M <= 4 the GEMV with that many rows; to 64, 16- or 64-row tensor-core tiles; above, the
+    weight dequantised once for cuBLAS (prefill: that cost is amortised over the rows)."""
+    if M > 64:
+        return KChunkConfig(0, 0, 0, 1, 0)  # dequantise once, then cuBLAS
     if M == 1:
         bm, bn, bk, warps, target = 1, 512, 128, 4, 2 * num_sms
     elif M == 2:
         bm, bn, bk, warps, target = 2, 256, 64, 4, 2 * num_sms
     elif M <= 4:
         bm, bn, bk, warps, target = 4, 128, 64, 4, 2 * num_sms
-    else:
+    elif M <= 16:
         bm, bn, bk, warps, target = 16, 64, 128, 4, 2 * num_sms
+    else:
+        bm, bn, bk, warps, target = 64, 64, 128, 4, 2 * num_sms
     if bm < 16:
         while bk > 32 and group_size < K and group_size % bk:
             bk //= 2
-    tiles = triton.cdiv(N, bn) * (1 if bm < 16 else triton.cdiv(max(M, 16), bm))
+    # Row tiles of the bucket's largest M: one split (and one compiled variant) for the whole bucket.
+    tiles = triton.cdiv(N, bn) * (1 if bm < 16 else triton.cdiv(16 if M <= 16 else 64, bm))
     return KChunkConfig(bm, bn, bk, _split_for(tiles, triton.cdiv(K, bk), target), warps)
 
 
@@ -292,8 +339,13 @@ def int4_kchunk_linear_impl(
         return out
     if config is None:
         config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132)
-    gemv = config.block_m < 16
     one_group = group_size >= K
+    if not one_group and group_size % 32:
+        raise ValueError(f"the k-chunk layout needs groups of a multiple of 32 rows, got {group_size}")
+    if config.block_m == 0:  # dequantise, then cuBLAS (large M: the dequantise is amortised)
+        w = dequantize_kchunk(packed, scales, zeros, group_size, x.dtype)
+        return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
+    gemv = config.block_m < 16
     if config.block_k % 32:
         raise ValueError(f"block_k must be a multiple of 32, got {config}")
     if gemv:
@@ -303,8 +355,6 @@ def int4_kchunk_linear_impl(
             raise ValueError(f"the k-chunk GEMV needs block_k dividing group_size {group_size}: {config}")
     else:
         assert config.block_k >= 128, config
-        if not one_group and group_size % 32:
-            raise ValueError(f"the k-chunk layout needs groups of a multiple of 32 rows, got {group_size}")
     asm = config.asm and x.is_cuda  # the interpreter runs on CPU tensors, and has no PTX
     split = config.split_k
     tiles = triton.cdiv(N, config.block_n) * (1 if gemv else triton.cdiv(M, config.block_m))

@@ -2,7 +2,7 @@
 compiled on CUDA. Tiny shapes and fp16/fp32 (bf16 arithmetic is wrong in the interpreter); every
 branch: the GEMV at 1, 2 and 4 rows (fewer rows than the program holds), several columns a thread,
 one or two nibbles per shift, FMA tiles or per-nibble sums, split-K, one group per channel with a K tail, the tensor-core kernel with groups smaller than its
-tile, and the load-time repack from GPTQ's layout."""
+tile, the dense dequantisation for large M, and the load-time repack from GPTQ's layout."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ CASES = [
     (torch.float16, 256, 128, 5, KChunkConfig(16, 64, 128, 1, 4)),
     (torch.float16, 512, 64, 16, KChunkConfig(16, 32, 256, 2, 4)),  # groups smaller than the tile, split-K
     (torch.float32, 256, 128, 17, KChunkConfig(16, 64, 128, 1, 4)),  # 2 row tiles
+    (torch.float16, 256, 64, 40, KChunkConfig(64, 32, 128, 2, 4)),
+    (torch.float16, 256, 64, 70, KChunkConfig(0, 0, 0, 1, 0)),  # the dense weight, then a matmul
+    (torch.float32, 160, 160, 3, KChunkConfig(0, 0, 0, 1, 0)),  # one group, dense
 ]
 
 
@@ -85,7 +88,10 @@ def test_gemv_rejects_tiles_across_groups():
 
 
 def test_pick_kchunk_config_buckets():
-    for m in (1, 2, 3, 4, 16):
+    assert pick_kchunk_config(65, 4096, 4096, 128, 132).block_m == 0
+    # one split per bucket: no second compiled variant (USE_SPLIT) as M moves inside it
+    assert len({pick_kchunk_config(m, 4096, 4096, 128, 132) for m in range(17, 65)}) == 1
+    for m in (1, 2, 3, 4, 16, 64):
         cfg = pick_kchunk_config(m, 4096, 4096, 128, 132)
         assert cfg.block_m >= m and cfg.block_k % 32 == 0 and cfg.split_k > 1
         assert cfg.block_m >= 16 or 128 % cfg.block_k == 0
