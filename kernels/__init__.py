@@ -236,6 +236,24 @@ def int4_linear(
     return impl(x, packed, scales, zeros, group_size, bias)
 
 
+def repack_int4_kchunk(qweight: torch.Tensor) -> torch.Tensor:
+    """Load time: GPTQ-order int4 [K // 8, N] -> `int4_kchunk_linear`'s [K // 32, N, 4] (32 rows of a column in 16 bytes)."""
+    return quant_reference.repack_int4_kchunk(qweight)
+
+
+def int4_kchunk_linear(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 (fp32 on CPU)
+    packed: torch.Tensor,  # [K // 32, N, 4] int32 from repack_int4_kchunk: nibble j of word w of [c, n] = row 32c + 4j + w
+    scales: torch.Tensor,  # [num_groups, N], x's dtype
+    zeros: torch.Tensor,  # [num_groups, N], x's dtype (float zero points)
+    group_size: int,  # rows k of group k // group_size; >= K means per channel
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x @ ((q - zeros[g]) * scales[g]) + bias -> [M, N] in x's dtype; the decode-size (M <= 16) int4 kernels."""
+    impl = _mod("int4_kchunk").int4_kchunk_linear if use_triton(x) else quant_reference.int4_kchunk_linear
+    return impl(x, packed, scales, zeros, group_size, bias)
+
+
 def fp8_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] float8_e4m3fn (torch Linear orientation)
@@ -271,9 +289,9 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _OPS = frozenset(
-    ("fp8_linear", "gumbel_sample", "int4_linear", "repack_int4", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear",
-     "quantize_fp8", "rms_norm", "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "skinny_linear",
-     "use_skinny", "write_kv_cache")
+    ("fp8_linear", "gumbel_sample", "int4_kchunk_linear", "int4_linear", "repack_int4", "repack_int4_kchunk",
+     "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear", "quantize_fp8", "rms_norm",
+     "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "skinny_linear", "use_skinny", "write_kv_cache")
 )
 
 
@@ -296,6 +314,7 @@ sys.modules[__name__].__class__ = _KernelsPackage
 __all__ = [
     "fp8_linear",
     "gumbel_sample",
+    "int4_kchunk_linear",
     "int4_linear",
     "lora_expand",
     "lora_num_blocks",
@@ -308,6 +327,7 @@ __all__ = [
     "quant_linear",
     "quantize_fp8",
     "repack_int4",
+    "repack_int4_kchunk",
     "rms_norm",
     "rotary_and_write_kv",
     "rotary_embedding",

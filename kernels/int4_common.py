@@ -1,8 +1,10 @@
 """Device helpers shared by the quantized-linear kernels: code-to-float and the split-K epilogue.
 
 `unit_float` turns one packed field into the exact fp32 1 + q / 2**bits with integer ops only
-(`nibble_float` the same for the repacked int4 words, with an optional one-lop3 form; `unpack_nibbles`
+(`nibble_float` the same for the repacked int4 words, with an optional one-lop3 form, and
+`nibble_pair_floats` two nibbles from one shift; `unpack_nibbles`
 a word tile into its 8 columns per word, `join8` the same column order for any 8 tensors);
+`stack_rows` gathers a GEMV's row accumulators into one tile;
 `finish_tile` writes an fp32 accumulator tile to the output, or meets the other split-K programs
 of its tile through an fp32 workspace and a self-resetting counter (the last one sums in order).
 """
@@ -27,20 +29,45 @@ def unit_float(words, J: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _shifted(words, SHIFT: tl.constexpr):
+    # words << SHIFT, or >> -SHIFT (logical: the words are unsigned)
+    if SHIFT >= 0:
+        moved = words << SHIFT
+    else:
+        moved = words >> (-SHIFT)
+    return moved
+
+
+@triton.jit
 def nibble_float(words, J: tl.constexpr, ASM: tl.constexpr):
     # Nibble J of each uint32 word as the fp32 1 + q / 16 (exact): move it to the top of the
     # mantissa (bits 19-22) and or in 1.0's exponent; no int-to-float conversion. With ASM the
     # and + or is one lop3 (ptxas emits two LOP3s for the plain form: both constants are immediates).
-    SHIFT: tl.constexpr = 19 - 4 * J
-    if SHIFT >= 0:
-        moved = words << SHIFT
-    else:
-        moved = words >> (-SHIFT)  # logical: the words are unsigned
+    moved = _shifted(words, 19 - 4 * J)
     if ASM:
         # lop3 LUT 0xEA = (a & b) | c, b = 0x780000 (mantissa bits 19-22), c = 0x3F800000 (1.0)
         return tl.inline_asm_elementwise("lop3.b32 $0, $1, 7864320, 1065353216, 234;", "=r,r", [moved],
                                          dtype=tl.float32, is_pure=True, pack=1)
     return ((moved & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nibble_pair_floats(words, I: tl.constexpr, ASM: tl.constexpr):
+    # Nibbles 2I and 2I + 1 of each uint32 word as the fp32 pair (1 + q / 256, 1 + q / 16), both exact,
+    # from ONE shift: it moves nibble 2I to mantissa bits 15-18 and nibble 2I + 1 to bits 19-22, and a
+    # lop3 each ors in 1.0's exponent (half the shifts of `nibble_float`). The 1 / 256 term keeps 16
+    # bits of an fp32 sum of such values (enough for bf16/fp16 outputs).
+    moved = _shifted(words, 15 - 8 * I)
+    if ASM:
+        # lop3 LUT 0xEA = (a & b) | c: b = 0x78000 / 0x780000 (mantissa bits 15-18 / 19-22), c = 1.0
+        lo = tl.inline_asm_elementwise("lop3.b32 $0, $1, 491520, 1065353216, 234;", "=r,r", [moved],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+        hi = tl.inline_asm_elementwise("lop3.b32 $0, $1, 7864320, 1065353216, 234;", "=r,r", [moved],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+        return lo, hi
+    lo = ((moved & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)
+    hi = ((moved & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
@@ -57,6 +84,22 @@ def unpack_nibbles(words, ASM: tl.constexpr):
     return join8(nibble_float(words, 0, ASM), nibble_float(words, 1, ASM), nibble_float(words, 2, ASM),
                  nibble_float(words, 3, ASM), nibble_float(words, 4, ASM), nibble_float(words, 5, ASM),
                  nibble_float(words, 6, ASM), nibble_float(words, 7, ASM))
+
+
+@triton.jit
+def stack_rows(acc0, acc1, acc2, acc3, ROWS: tl.constexpr):
+    # The GEMVs' per-row [BLOCK_N] accumulators as one [max(ROWS, 2), BLOCK_N] tile for `finish_tile`
+    # (a 1-row tile repeats row 0, which the store mask drops); returns (tile, its row offsets).
+    offs_m = tl.arange(0, 2 if ROWS == 1 else ROWS)
+    if ROWS == 1:
+        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc0[None, :])
+    elif ROWS == 2:
+        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc1[None, :])
+    else:
+        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc1[None, :])
+        acc = tl.where(offs_m[:, None] == 2, acc2[None, :], acc)
+        acc = tl.where(offs_m[:, None] == 3, acc3[None, :], acc)
+    return acc, offs_m
 
 
 @triton.jit

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_tile, unit_float
+from kernels.int4_common import finish_tile, stack_rows, unit_float
 
 
 @triton.jit
@@ -124,16 +124,6 @@ def int_gemv_kernel(
         if ROWS > 2:
             acc2 += s * (UNIT * d2 - zu * xs2)
             acc3 += s * (UNIT * d3 - zu * xs3)
-    # Stack the rows into one [ROWS, BLOCK_N] tile for the shared epilogue (at least 2 rows:
-    # a 1-row tile repeats row 0, which the store mask drops).
-    offs_m = tl.arange(0, 2 if ROWS == 1 else ROWS)
-    if ROWS == 1:
-        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc0[None, :])
-    elif ROWS == 2:
-        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc1[None, :])
-    else:
-        acc = tl.where(offs_m[:, None] == 0, acc0[None, :], acc1[None, :])
-        acc = tl.where(offs_m[:, None] == 2, acc2[None, :], acc)
-        acc = tl.where(offs_m[:, None] == 3, acc3[None, :], acc)
+    acc, offs_m = stack_rows(acc0, acc1, acc2, acc3, ROWS)
     finish_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
                  partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)

@@ -10,6 +10,10 @@ Each function has exactly the signature of its public op in `kernels/__init__.py
   `[K, N // 8]`, packed along N: nibble j (bits `[4 * j, 4 * j + 4)`) of `packed[k, c]` holds the
   code of column `8 * c + j`; groups are `k // group_size` (act-order rows are sorted at load);
   the same `w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]`.
+- int4 weights in k-chunks for the decode kernels (`repack_int4_kchunk`, once at load): `packed` int32
+  `[K // 32, N, 4]`: the 32 rows `32 c .. 32 c + 31` of column n sit in the 4 words `packed[c, n, :]`
+  (one 16-byte vector), nibble j of word w holding row `32 c + 4 j + w`; groups and dequantisation
+  as above.
 - fp8 weights: `weight` float8_e4m3fn `[N, K]` (torch Linear orientation), `weight_scale` fp32
   scalar (per-tensor) or `[N]` (per-channel): `w = weight * weight_scale`.
 """
@@ -102,13 +106,61 @@ def int4_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """y = x @ ((q - zeros[k // G]) * scales[k // G]) + bias -> `[M, N]` in x's dtype (fp32 math)."""
-    q = unpack_int4_repacked(packed)  # [K, N]
+    return _codes_linear(x, unpack_int4_repacked(packed), scales, zeros, group_size, bias)
+
+
+def _codes_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x @ ((q - zeros[k // G]) * scales[k // G]) + bias in fp32 for codes q [K, N] -> x's dtype."""
     groups = torch.arange(q.shape[0], device=q.device) // group_size
     w = (q.float() - zeros.float()[groups]) * scales.float()[groups]
     y = x.float() @ w
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def repack_int4_kchunk(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ-order int4 `[K // 8, N]` -> the k-chunk layout `[K // 32, N, 4]` (K a multiple of 32).
+
+    One load-time pass. A thread that owns one column reads 32 of its rows with one 16-byte load and
+    sums over them on its own; nibble j of the 4 words holds 4 consecutive rows, so the activations
+    it multiplies are one 4-element vector per nibble."""
+    assert qweight.dtype == torch.int32 and qweight.dim() == 2
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if k % 32:
+        raise ValueError(f"the int4 k-chunk layout needs a multiple of 32 input rows, got {k}")
+    out = torch.empty((k // 32, n, 4), dtype=torch.int32, device=qweight.device)
+    step = 128  # chunks at a time: int64 temporaries of 4096 x N
+    for c in range(0, k // 32, step):
+        q = unpack_int_weight(qweight[4 * c: 4 * (c + step)], 4).to(torch.int64)  # [32 chunks, N]
+        q = q.reshape(-1, 8, 4, n)  # [chunk, j, w, n]: row 32 c + 4 j + w
+        words = (q << (4 * torch.arange(8, device=q.device)).reshape(1, 8, 1, 1)).sum(1)  # [chunk, w, n]
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        out[c: c + words.shape[0]] = words.transpose(1, 2)
+    return out
+
+
+def unpack_int4_kchunk(packed: torch.Tensor) -> torch.Tensor:
+    """`[K // 32, N, 4]` int32 (`repack_int4_kchunk`'s layout) -> the codes `[K, N]` (int32)."""
+    chunks, n, _ = packed.shape
+    shifts = (4 * torch.arange(8, device=packed.device, dtype=torch.int32)).reshape(1, 8, 1, 1)
+    q = (packed.transpose(1, 2)[:, None] >> shifts) & 0xF  # [chunk, j, w, n]
+    return q.reshape(chunks * 32, n)
+
+
+def int4_kchunk_linear(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32
+    packed: torch.Tensor,  # [K // 32, N, 4] int32 (repack_int4_kchunk)
+    scales: torch.Tensor,  # [num_groups, N], x's dtype
+    zeros: torch.Tensor,  # [num_groups, N], x's dtype
+    group_size: int,  # >= K means one group (per channel)
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x @ ((q - zeros[k // G]) * scales[k // G]) + bias -> `[M, N]` in x's dtype (fp32 math)."""
+    return _codes_linear(x, unpack_int4_kchunk(packed), scales, zeros, group_size, bias)
 
 
 def dequantize_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

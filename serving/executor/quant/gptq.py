@@ -11,9 +11,11 @@ Act-order (desc_act) layers whose groups are whole (G rows each) get their rows 
 load, so the kernel reads contiguous groups without g_idx (its fast paths) and the layer gathers
 its input columns in that order (`act_perm`, one index_select per layer).
 int4 layers whose groups are `k // G` (no g_idx left) can be repacked once (`use_fast_int4`) into
-`kernels.int4_linear`'s layout (`packed` [K, N / 8], packed along N) and run there at every M, once
-`REPACKED_INT4` is on (off: measured slower than the general kernel, see below); the rest (int8,
-g_idx kept on a row-parallel rank), and every layer while it is off, stay on `kernels.quant_linear`.
+`kernels.int4_kchunk_linear`'s layout (`kchunk` [K / 32, N, 4]: 32 rows of a column per 16 bytes, for
+its decode GEMV) once `KCHUNK_INT4` is on, or `kernels.int4_linear`'s (`packed` [K, N / 8], packed
+along N) once `REPACKED_INT4` is on (off: measured slower than the general kernel, see below), and run
+there at every M; the rest (int8, g_idx kept on a row-parallel rank), and every layer while both are
+off, stay on `kernels.quant_linear`.
 Tensor parallel: column-parallel layers split N (whole words of qzeros: 8 columns for int4);
 row-parallel layers split K on group boundaries, or, with desc_act, keep every group's scales and
 zeros and their rows' g_idx (a rank's rows may reference any group).
@@ -55,6 +57,9 @@ def _fill_dummy(param: torch.Tensor, gen: torch.Generator, std: float) -> None:
 # `bench/quant_speed.py`) the repacked GEMV ran the 8B's batch-1 linears in 14.5 ms against the general
 # kernel's 2.7 ms (bf16 5.4 ms), and its tiles were slower from M = 64 up; not tuned yet.
 REPACKED_INT4 = False
+# The k-chunk layout (`kernels.int4_kchunk_linear`: 32 rows of a column in 16 bytes) for its decode GEMV;
+# ahead of REPACKED_INT4 when both are on. Off until `bench/int4_sweep.py` shows it ahead of the general kernel.
+KCHUNK_INT4 = False
 
 
 class GroupQuantLinearMethod:
@@ -116,16 +121,20 @@ class GroupQuantLinearMethod:
         self.use_fast_int4(layer)
 
     def use_fast_int4(self, layer: nn.Module) -> None:
-        """Repack an int4 layer without g_idx into the fast kernels' layout: `qweight` [K / 8, N] becomes
-        `packed` [K, N / 8]. Others keep `qweight` (`packed` None) and the general kernel."""
+        """Repack an int4 layer without g_idx into a fast kernel's layout: `qweight` [K / 8, N] becomes
+        `kchunk` [K / 32, N, 4] (KCHUNK_INT4) or `packed` [K, N / 8] (REPACKED_INT4). Others keep
+        `qweight` (`packed` and `kchunk` None) and the general kernel."""
         k, n = layer.qweight.shape[0] * self.pf, layer.qweight.shape[1]
         g = layer.quant_group_size
-        if REPACKED_INT4 and self.bits == 4 and layer.g_idx is None and n % 8 == 0 and \
-                (g >= k or (g % 16 == 0 and g & (g - 1) == 0)):
+        layer.packed = layer.kchunk = None
+        if self.bits != 4 or layer.g_idx is not None:
+            return
+        if KCHUNK_INT4 and k % 32 == 0 and (g >= k or g % 32 == 0):
+            layer.kchunk = nn.Parameter(kernels.repack_int4_kchunk(layer.qweight.data), requires_grad=False)
+            del layer.qweight
+        elif REPACKED_INT4 and n % 8 == 0 and (g >= k or (g % 16 == 0 and g & (g - 1) == 0)):
             layer.packed = nn.Parameter(kernels.repack_int4(layer.qweight.data), requires_grad=False)
             del layer.qweight
-        else:
-            layer.packed = None
 
     def sort_act_order(self, layer: nn.Module) -> None:
         """Rows sorted by group when every group is whole here (not on a row-parallel rank that holds
@@ -146,6 +155,8 @@ class GroupQuantLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.act_perm is not None:
             x = x.index_select(-1, layer.act_perm)  # [M, K] in the rows' sorted order
+        if layer.kchunk is not None:
+            return kernels.int4_kchunk_linear(x, layer.kchunk, layer.scales, layer.zeros, layer.quant_group_size, bias)
         if layer.packed is not None:
             return kernels.int4_linear(x, layer.packed, layer.scales, layer.zeros, layer.quant_group_size, bias)
         return kernels.quant_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.bits,

@@ -201,14 +201,15 @@ def _format_tensors(fmt: Format, w: torch.Tensor, seed: int) -> tuple[dict[str, 
     return tensors, iq.dequantize().t()
 
 
-@pytest.mark.parametrize("repacked", [False, True], ids=["general_int4", "repacked_int4"])
+@pytest.mark.parametrize("int4", ["general", "repacked", "kchunk"])
 @pytest.mark.parametrize("name", list(LAYER_FORMATS))
-def test_packed_and_row_layers_equal_the_dequantised_weights(name, repacked, monkeypatch):
+def test_packed_and_row_layers_equal_the_dequantised_weights(name, int4, monkeypatch):
     """q|k|v from three checkpoint tensors (column-parallel, packed) and a row-parallel layer with bias;
-    int4 on the general kernel (serving's default) and on the repacked one."""
+    int4 on the general kernel, the repacked one and the k-chunk one."""
     from serving.executor.quant import gptq
 
-    monkeypatch.setattr(gptq, "REPACKED_INT4", repacked)
+    monkeypatch.setattr(gptq, "REPACKED_INT4", int4 == "repacked")
+    monkeypatch.setattr(gptq, "KCHUNK_INT4", int4 == "kchunk")
     fmt, quant = LAYER_FORMATS[name], _quant_config(LAYER_FORMATS[name])
     torch.manual_seed(0)
     k_in = 128
@@ -228,12 +229,26 @@ def test_packed_and_row_layers_equal_the_dequantised_weights(name, repacked, mon
     process_weights_after_loading(row)
     if fmt.desc_act:  # whole groups: rows sorted by group at load, the input gathered to match
         assert qkv.g_idx is None and qkv.act_perm is not None and row.act_perm is not None
-    if fmt.method != "fp8":  # repacked int4 runs kernels.int4_linear, the rest the general kernel
-        want = fmt.bits == 4 and repacked
-        assert (qkv.packed is not None) == want and (row.packed is not None) == want
+    if fmt.method != "fp8":  # repacked int4 runs kernels.int4_linear, k-chunk int4 kernels.int4_kchunk_linear
+        for layout in ("repacked", "kchunk"):
+            want = fmt.bits == 4 and int4 == layout
+            attr = "packed" if layout == "repacked" else "kchunk"
+            assert (getattr(qkv, attr) is not None) == want and (getattr(row, attr) is not None) == want
     x = torch.randn(5, k_in)
     torch.testing.assert_close(qkv(x), x @ torch.cat(dense).t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(row(x), x @ w_row.t() + row.bias, rtol=1e-5, atol=1e-5)
+
+
+def _gptq_and_awq_layers(iq) -> list:
+    """The same integers loaded from a GPTQ and an AWQ checkpoint into a row-parallel layer each."""
+    layers = []
+    for fmt, tensors in ((Format("gptq"), gptq_tensors(iq, 4)), (Format("awq"), awq_tensors(iq))):
+        layer = RowParallelLinear(128, 64, quant_method=linear_method(_quant_config(fmt), "o"))
+        for leaf, t in tensors.items():
+            getattr(layer, leaf).weight_loader(getattr(layer, leaf), t)
+        process_weights_after_loading(layer)
+        layers.append(layer)
+    return layers
 
 
 def test_awq_and_gptq_layouts_of_the_same_integers_compute_the_same(monkeypatch):
@@ -242,15 +257,13 @@ def test_awq_and_gptq_layouts_of_the_same_integers_compute_the_same(monkeypatch)
     monkeypatch.setattr(gptq, "REPACKED_INT4", True)  # the same repacked words from either layout
     w = torch.randn(64, 128)
     iq = quantize_rtn(w, 4, 32, sym=False, act_order=False)
-    outs = []
-    for fmt, tensors in ((Format("gptq"), gptq_tensors(iq, 4)), (Format("awq"), awq_tensors(iq))):
-        layer = RowParallelLinear(128, 64, quant_method=linear_method(_quant_config(fmt), "o"))
-        for leaf, t in tensors.items():
-            getattr(layer, leaf).weight_loader(getattr(layer, leaf), t)
-        process_weights_after_loading(layer)
-        outs.append(layer)
+    outs = _gptq_and_awq_layers(iq)
     assert outs[0].packed.shape == (128, 64 // 8)  # int4 without g_idx: repacked for kernels.int4_linear
     assert torch.equal(outs[0].packed, outs[1].packed) and torch.equal(outs[0].zeros, outs[1].zeros)
+    monkeypatch.setattr(gptq, "KCHUNK_INT4", True)  # and the same k-chunk words
+    outs = _gptq_and_awq_layers(iq)
+    assert outs[0].kchunk.shape == (128 // 32, 64, 4) and outs[0].packed is None
+    assert torch.equal(outs[0].kchunk, outs[1].kchunk)
 
 
 def test_checkpoint_shape_mismatch_names_the_tensor():

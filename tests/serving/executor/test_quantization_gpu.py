@@ -95,7 +95,7 @@ def packed_rows_are_contiguous(model_dir: Path) -> bool:
     model = build_model(ModelArgs.from_dict(config), torch.bfloat16, torch.device("cuda"),
                         quant=resolve_quantization(model_dir, config, None))
     load_weights(model, model_dir)
-    words = [p for n, p in model.named_parameters() if n.endswith(("qweight", ".packed"))]
+    words = [p for n, p in model.named_parameters() if n.endswith(("qweight", ".packed", ".kchunk"))]
     return bool(words) and all(p.is_contiguous() for p in words)
 
 
@@ -120,8 +120,13 @@ def test_8b_shape_gptq_int4_dummy_generates(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": list(range(1000, 1000 + n))} for n in (5, 77)], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16]
-    layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj  # int4 repacked [14336, 4096 / 8]
-    assert layer.packed.shape == (14336, 512) and layer.packed.dtype == torch.int32
+    from serving.executor.quant import gptq
+
+    layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj
+    if gptq.KCHUNK_INT4:  # int4 in k-chunks [14336 / 32, 4096, 4]
+        assert layer.kchunk.shape == (448, 4096, 4) and layer.kchunk.dtype == torch.int32
+    elif gptq.REPACKED_INT4:  # int4 repacked [14336, 4096 / 8]
+        assert layer.packed.shape == (14336, 512) and layer.packed.dtype == torch.int32
 
 
 # The issue-27 kernels at the 8B projections (q/o, k/v, gate/up, down, fused qkv and gate_up) and

@@ -1,0 +1,387 @@
+"""Int4 linear on the k-chunk layout (`quant_reference.repack_int4_kchunk`), made for decode: y = x @ W (+ bias).
+
+In: `x [M, K]`, `packed` int32 `[K // 32, N, 4]` (the 32 rows 32c.. of column n in the 16-byte
+vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zeros [G, N]` (group
+`k // group_size`, or one group). Out: `[M, N]` in x's dtype. Three paths, picked by `KChunkConfig`:
+
+- `block_m` 1, 2 or 4: `_kchunk_gemv_kernel` (CUDA cores). A `[BLOCK_K // 32, BLOCK_N, 4]` word tile
+  keeps each column's words in one thread (one 16-byte load per 32 weights; `COLS` columns a thread,
+  so one activation vector serves COLS columns), so the sum over k never leaves the thread. Per
+  weight: a shift and a lop3 give the exact fp32 f = 1 + q / 16, one FMA per row adds f * x; per
+  group and column, s (16 sum x f - (16 + z) sum x) applies the scale and zero point.
+- `block_m` >= 16: `_kchunk_dot_kernel` (tensor cores): per nibble j, the tile's `[BLOCK_K // 8,
+  BLOCK_N]` weights are dequantised with one FMA (w = f * 16 s - (16 + z) s) into x's dtype and
+  multiplied by the matching x columns in `tl.dot`.
+- `block_m` 0 (large M): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
+The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.int4_common import finish_tile, nibble_float, nibble_pair_floats, stack_rows
+from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
+
+
+class KChunkConfig(NamedTuple):
+    """One tiling. `block_m` 1, 2 or 4 selects the GEMV (`block_n` = 32 * num_warps * columns a
+    thread), 16 or more the tensor-core kernel, 0 the dequantise-then-cuBLAS path (the rest unused)."""
+
+    block_m: int
+    block_n: int
+    block_k: int  # a multiple of 32 (the GEMV: dividing the group; tensor cores: >= 128)
+    split_k: int  # 1: no workspace
+    num_warps: int
+    num_stages: int = 1
+    asm: bool = True  # dequantise with an inline-PTX lop3 (CUDA only; the interpreter runs the plain form)
+    pairs: bool = True  # GEMV: two nibbles per shift (`int4_common.nibble_pair_floats`)
+    reduce_each: bool = False  # GEMV: sum each nibble's products at once instead of an FMA tile
+
+
+@triton.jit
+def _x_chunk(x_ptr, row, kk, K, stride_xm, EVEN_K: tl.constexpr):
+    # One row of x at columns kk ([R, 1, 4]) as fp32, zeros past K.
+    if EVEN_K:
+        x = tl.load(x_ptr + row * stride_xm + kk)
+    else:
+        x = tl.load(x_ptr + row * stride_xm + kk, mask=kk < K, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _fma(d, f, x, FIRST: tl.constexpr, REDUCE_EACH: tl.constexpr):
+    # d + f * x: an FMA tile ([R, BLOCK_N, 4], summed once per group), or with REDUCE_EACH the
+    # thread-local sum over the tile's rows at once ([BLOCK_N]; the adds contract into FMA chains).
+    if REDUCE_EACH:
+        p = tl.sum(tl.sum(f * x, axis=2), axis=0)
+    else:
+        p = f * x
+    if FIRST:
+        out = p
+    else:
+        out = d + p
+    return out
+
+
+@triton.jit
+def _row_step(x_ptr, row, kk_lo, kk_hi, K, stride_xm, f_lo, f_hi, d_lo, d_hi, xs_lo, xs_hi,
+              FIRST: tl.constexpr, REDUCE_EACH: tl.constexpr, EVEN_K: tl.constexpr):
+    # One row of x against two nibbles' weights: accumulate x f and the sums of x per accumulator.
+    x_lo = _x_chunk(x_ptr, row, kk_lo, K, stride_xm, EVEN_K)
+    x_hi = _x_chunk(x_ptr, row, kk_hi, K, stride_xm, EVEN_K)
+    d_lo = _fma(d_lo, f_lo, x_lo, FIRST, REDUCE_EACH)
+    d_hi = _fma(d_hi, f_hi, x_hi, FIRST, REDUCE_EACH)
+    if FIRST:
+        xs_lo = x_lo
+        xs_hi = x_hi
+    else:
+        xs_lo += x_lo
+        xs_hi += x_hi
+    return d_lo, d_hi, xs_lo, xs_hi
+
+
+@triton.jit
+def _apply_group(acc, d_lo, d_hi, xs_lo, xs_hi, s, z, LO_UNIT: tl.constexpr, REDUCE_EACH: tl.constexpr):
+    # acc += s (sum_k x q - z sum_k x) from the sums of x f, f = 1 + q / UNIT per accumulator
+    # (hi: UNIT 16; lo: LO_UNIT): sum x q = UNIT (sum x f - sum x).
+    # NOTE: the x sums are never reduced over their size-1 axis: it spans the threads, and a
+    # reduction over it would cost shuffles and a barrier; the [1] sums broadcast against the columns.
+    if not REDUCE_EACH:
+        d_lo = tl.sum(tl.sum(d_lo, axis=2), axis=0)
+        d_hi = tl.sum(tl.sum(d_hi, axis=2), axis=0)
+    x_lo = tl.sum(tl.sum(xs_lo, axis=2), axis=0)
+    x_hi = tl.sum(tl.sum(xs_hi, axis=2), axis=0)
+    return acc + s * (LO_UNIT * d_lo + 16.0 * d_hi - (LO_UNIT + z) * x_lo - (16.0 + z) * x_hi)
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
+def _kchunk_gemv_kernel(
+    x_ptr,  # [M, K], M <= ROWS
+    w_ptr,  # [K // 32, N, 4] int32
+    scales_ptr,  # [G, N]
+    zeros_ptr,  # [G, N]
+    bias_ptr,  # [N] (only read with HAS_BIAS)
+    out_ptr,  # [M, N]
+    partial_ptr,  # [split_k, M, N] fp32 (only with USE_SPLIT)
+    counter_ptr,  # [>= tiles] int32, zero between launches (only with USE_SPLIT)
+    M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_wc, stride_sg, stride_om,
+    ROWS: tl.constexpr,  # 1, 2 or 4 rows of x per program
+    HAS_BIAS: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # 32 * num_warps * columns per thread
+    BLOCK_K: tl.constexpr,  # a multiple of 32 that divides the group: one group per tile
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: x is read without masks
+    PAIRS: tl.constexpr,  # two nibbles per shift (`nibble_pair_floats`), else one (`nibble_float`)
+    REDUCE_EACH: tl.constexpr,  # reduce each nibble's products at once (no FMA tile)
+    ASM: tl.constexpr,
+):
+    R: tl.constexpr = BLOCK_K // 32
+    LO_UNIT: tl.constexpr = 256.0 if PAIRS else 16.0
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_r = tl.arange(0, R)
+    offs_w = tl.arange(0, 4)
+    col_w = (offs_n * 4)[None, :, None] + offs_w[None, None, :]  # [1, BLOCK_N, 4]
+    mask_nw = mask_n[None, :, None]
+    # NOTE: scale and zero offsets that Triton cannot prove contiguous: their loads then take one
+    # column a thread, the columns' own layout, instead of a vector layout that every tile would
+    # convert (through shared memory, with a barrier) to meet the sums.
+    offs_s = tl.where(mask_n, offs_n, 0)
+    num_chunks = K // 32
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    t_start = split * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
+    chunks_end = tl.minimum(num_chunks, t_end * R)  # this split's last chunk + 1
+    # NOTE: rows past M re-read row M - 1 (always valid memory); the epilogue drops them.
+    row1 = tl.minimum(M - 1, 1)
+    row2 = tl.minimum(M - 1, 2)
+    row3 = tl.minimum(M - 1, 3)
+    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    c = t_start * R + offs_r
+    words_next = tl.load(w_ptr + c[:, None, None] * stride_wc + col_w, mask=(c < chunks_end)[:, None, None] & mask_nw,
+                         other=0, eviction_policy="evict_first")
+    for t in range(t_start, t_end):
+        words = words_next.to(tl.uint32, bitcast=True)  # the next tile's words are in flight meanwhile
+        c = t * R + offs_r
+        nxt = c + R
+        words_next = tl.load(w_ptr + nxt[:, None, None] * stride_wc + col_w,
+                             mask=(nxt < chunks_end)[:, None, None] & mask_nw, other=0, eviction_policy="evict_first")
+        k_base = (c * 32)[:, None, None] + offs_w[None, None, :]  # [R, 1, 4]: nibble j adds 4 j
+        # Per row i: d{i}l / d{i}h the x f sums of the lo / hi accumulators, s{i}l / s{i}h the x sums.
+        # The first nibble pair starts them (no zeroing); ROWS picks the rows traced.
+        d0l, d0h, s0l, s0h = 0.0, 0.0, 0.0, 0.0
+        d1l, d1h, s1l, s1h = 0.0, 0.0, 0.0, 0.0
+        d2l, d2h, s2l, s2h = 0.0, 0.0, 0.0, 0.0
+        d3l, d3h, s3l, s3h = 0.0, 0.0, 0.0, 0.0
+        for i in tl.static_range(4):
+            if PAIRS:
+                f_lo, f_hi = nibble_pair_floats(words, i, ASM)  # nibbles 2i (1 + q / 256), 2i + 1 (1 + q / 16)
+            else:
+                f_lo = nibble_float(words, 2 * i, ASM)
+                f_hi = nibble_float(words, 2 * i + 1, ASM)
+            kk_lo = k_base + 8 * i
+            kk_hi = kk_lo + 4
+            d0l, d0h, s0l, s0h = _row_step(x_ptr, 0, kk_lo, kk_hi, K, stride_xm, f_lo, f_hi, d0l, d0h, s0l, s0h,
+                                           i == 0, REDUCE_EACH, EVEN_K)
+            if ROWS > 1:
+                d1l, d1h, s1l, s1h = _row_step(x_ptr, row1, kk_lo, kk_hi, K, stride_xm, f_lo, f_hi, d1l, d1h, s1l,
+                                               s1h, i == 0, REDUCE_EACH, EVEN_K)
+            if ROWS > 2:
+                d2l, d2h, s2l, s2h = _row_step(x_ptr, row2, kk_lo, kk_hi, K, stride_xm, f_lo, f_hi, d2l, d2h, s2l,
+                                               s2h, i == 0, REDUCE_EACH, EVEN_K)
+                d3l, d3h, s3l, s3h = _row_step(x_ptr, row3, kk_lo, kk_hi, K, stride_xm, f_lo, f_hi, d3l, d3h, s3l,
+                                               s3h, i == 0, REDUCE_EACH, EVEN_K)
+        g_row = (t * BLOCK_K // group_size) * stride_sg
+        s = tl.load(scales_ptr + g_row + offs_s, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g_row + offs_s, mask=mask_n, other=0.0).to(tl.float32)
+        acc0 = _apply_group(acc0, d0l, d0h, s0l, s0h, s, z, LO_UNIT, REDUCE_EACH)
+        if ROWS > 1:
+            acc1 = _apply_group(acc1, d1l, d1h, s1l, s1h, s, z, LO_UNIT, REDUCE_EACH)
+        if ROWS > 2:
+            acc2 = _apply_group(acc2, d2l, d2h, s2l, s2h, s, z, LO_UNIT, REDUCE_EACH)
+            acc3 = _apply_group(acc3, d3l, d3h, s3l, s3h, s, z, LO_UNIT, REDUCE_EACH)
+    acc, offs_m = stack_rows(acc0, acc1, acc2, acc3, ROWS)
+    finish_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
+                partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
+def _kchunk_dot_kernel(
+    x_ptr, w_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,  # as the GEMV's, M rows
+    M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_wc, stride_sg, stride_om,
+    HAS_BIAS: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= 128: each nibble's sub-dot has BLOCK_K // 8 >= 16 rows
+    DOT_PRECISION: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    R: tl.constexpr = BLOCK_K // 32
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    offs_r = tl.arange(0, R)
+    offs_w = tl.arange(0, 4)
+    # [R, 4, BLOCK_N] word tiles: merging (r, w) gives the sub-dot's rows 32 r + 4 j + w.
+    word_offs = offs_w[None, :, None] + (offs_n * 4)[None, None, :]
+    sub = tl.arange(0, BLOCK_K // 8)
+    sub_k = (sub // 4) * 32 + sub % 4  # [BLOCK_K // 8]: sub-dot row i is tile row sub_k[i] + 4 j
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    num_chunks = K // 32
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    t_start = split * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
+    for t in range(t_start, t_end):
+        c = t * R + offs_r
+        mask_c = c < num_chunks
+        words = tl.load(w_ptr + c[:, None, None] * stride_wc + word_offs,
+                        mask=mask_c[:, None, None] & mask_n[None, None, :], other=0).to(tl.uint32, bitcast=True)
+        sg = ((c * 32) // group_size)[:, None] * stride_sg + offs_n[None, :]  # each chunk lies in one group
+        sg_mask = mask_c[:, None] & mask_n[None, :]
+        s = tl.load(scales_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
+        su = (s * 16.0)[:, None, :]  # [R, 1, BLOCK_N]
+        cz = ((z + 16.0) * s)[:, None, :]
+        for j in tl.static_range(8):
+            w = (nibble_float(words, j, ASM) * su - cz).to(DTYPE)  # [R, 4, BLOCK_N]
+            w = tl.reshape(w, [BLOCK_K // 8, BLOCK_N])
+            kk = t * BLOCK_K + sub_k + 4 * j
+            xj = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
+            acc = tl.dot(xj, w, acc, input_precision=DOT_PRECISION)
+    finish_tile(acc, offs_m, offs_n, mask_m, mask_n, split, split_k, pid, M, N, bias_ptr, out_ptr, partial_ptr,
+                counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+
+
+@triton.jit
+def _kchunk_dequant_kernel(
+    w_ptr,  # [K // 32, N, 4] int32
+    scales_ptr,  # [G, N]
+    zeros_ptr,  # [G, N]
+    out_ptr,  # [K, N], the output dtype
+    N, group_size, stride_wc, stride_sg, stride_ok,
+    BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    # The whole weight in x's dtype, one 32-row chunk per program row (large M: cuBLAS multiplies it).
+    c = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, 4)
+    words = tl.load(w_ptr + c * stride_wc + (offs_n * 4)[:, None] + offs_w[None, :], mask=mask_n[:, None],
+                    other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, 4]
+    g_row = (c * 32 // group_size) * stride_sg  # a chunk lies in one group
+    s = tl.load(scales_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    z = tl.load(zeros_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    rows = (c * 32 + offs_w).to(tl.int64)[None, :] * stride_ok  # [1, 4]: nibble j adds 4 j rows
+    for j in tl.static_range(8):
+        w = nibble_float(words, j, ASM) * (s * 16.0) - (z + 16.0) * s
+        tl.store(out_ptr + rows + 4 * j * stride_ok + offs_n[:, None], w.to(out_ptr.dtype.element_ty),
+                 mask=mask_n[:, None])
+
+
+def dequantize_kchunk(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The dense `[K, N]` weight in `dtype` (one launch; large M multiplies it with cuBLAS)."""
+    chunks, n, _ = packed.shape
+    w = torch.empty((chunks * 32, n), device=packed.device, dtype=dtype)
+    block_n = 128
+    _kchunk_dequant_kernel[(chunks, triton.cdiv(n, block_n))](
+        packed, scales, zeros, w, n, group_size, packed.stride(0), scales.stride(0), w.stride(0),
+        BLOCK_N=block_n, ASM=packed.is_cuda, num_warps=4,
+    )
+    return w
+
+
+def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig:
+    """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
+
+    First guesses from static sm_90 SASS counts (3.9 instructions per weight at one row, no spills),
+    to be replaced by `bench/int4_sweep.py`'s findings: M == 1 a 4-warp GEMV with 4 columns a
+    thread; M <= 4 the GEMV with that many rows; to 64, 16- or 64-row tensor-core tiles; above, the
+    weight dequantised once for cuBLAS (prefill: that cost is amortised over the rows)."""
+    if M > 64:
+        return KChunkConfig(0, 0, 0, 1, 0)  # dequantise once, then cuBLAS
+    if M == 1:
+        bm, bn, bk, warps, target = 1, 512, 128, 4, 2 * num_sms
+    elif M == 2:
+        bm, bn, bk, warps, target = 2, 256, 64, 4, 2 * num_sms
+    elif M <= 4:
+        bm, bn, bk, warps, target = 4, 128, 64, 4, 2 * num_sms
+    elif M <= 16:
+        bm, bn, bk, warps, target = 16, 64, 128, 4, 2 * num_sms
+    else:
+        bm, bn, bk, warps, target = 64, 64, 128, 4, 2 * num_sms
+    if bm < 16:
+        while bk > 32 and group_size < K and group_size % bk:
+            bk //= 2
+    # Row tiles of the bucket's largest M: one split (and one compiled variant) for the whole bucket.
+    tiles = triton.cdiv(N, bn) * (1 if bm < 16 else triton.cdiv(16 if M <= 16 else 64, bm))
+    return KChunkConfig(bm, bn, bk, _split_for(tiles, triton.cdiv(K, bk), target), warps)
+
+
+def int4_kchunk_linear_impl(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: KChunkConfig | None = None,
+) -> torch.Tensor:
+    """`int4_kchunk_linear` with an explicit tiling (tests and the sweep pass their own)."""
+    M, K = x.shape
+    chunks, N, four = packed.shape
+    assert packed.dtype == torch.int32 and four == 4 and chunks * 32 == K and packed.is_contiguous()
+    assert x.stride(1) == 1 and scales.shape == zeros.shape and scales.shape[1] == N
+    assert scales.stride(1) == 1 and zeros.stride() == scales.stride()
+    assert scales.shape[0] == triton.cdiv(K, group_size), (scales.shape, K, group_size)
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0:
+        return out
+    if config is None:
+        config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+    one_group = group_size >= K
+    if not one_group and group_size % 32:
+        raise ValueError(f"the k-chunk layout needs groups of a multiple of 32 rows, got {group_size}")
+    if config.block_m == 0:  # dequantise, then cuBLAS (large M: the dequantise is amortised)
+        w = dequantize_kchunk(packed, scales, zeros, group_size, x.dtype)
+        return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
+    gemv = config.block_m < 16
+    if config.block_k % 32:
+        raise ValueError(f"block_k must be a multiple of 32, got {config}")
+    if gemv:
+        assert M <= config.block_m and config.block_m in (1, 2, 4), (M, config)
+        assert config.block_n % (32 * config.num_warps) == 0, config
+        if not one_group and group_size % config.block_k:
+            raise ValueError(f"the k-chunk GEMV needs block_k dividing group_size {group_size}: {config}")
+    else:
+        assert config.block_k >= 128, config
+    asm = config.asm and x.is_cuda  # the interpreter runs on CPU tensors, and has no PTX
+    split = config.split_k
+    tiles = triton.cdiv(N, config.block_n) * (1 if gemv else triton.cdiv(M, config.block_m))
+    partial, counters = split_k_workspace(out, split, tiles)
+    bias_arg = bias if bias is not None else scales
+    tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
+    args = (x, packed, scales, zeros, bias_arg, out, partial, counters,
+            M, N, K, group_size, tiles_per_split, split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0))
+    if gemv:
+        _kchunk_gemv_kernel[(tiles, split)](
+            *args, ROWS=config.block_m, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, PAIRS=config.pairs,
+            REDUCE_EACH=config.reduce_each, ASM=asm, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    else:
+        _kchunk_dot_kernel[(tiles, split)](
+            *args, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out
+
+
+def int4_kchunk_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The public op (shapes in `kernels/__init__.py`): y = x @ dequantised W + bias, tiling by M."""
+    return int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias)

@@ -1,0 +1,99 @@
+"""The k-chunk int4 kernels (`kernels/int4_kchunk.py`) vs the torch references: interpreter on CPU,
+compiled on CUDA. Tiny shapes and fp16/fp32 (bf16 arithmetic is wrong in the interpreter); every
+branch: the GEMV at 1, 2 and 4 rows (fewer rows than the program holds), several columns a thread,
+one or two nibbles per shift, FMA tiles or per-nibble sums, split-K, one group per channel with a K tail, the tensor-core kernel with groups smaller than its
+tile, the dense dequantisation for large M, and the load-time repack from GPTQ's layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_helpers import make_int_weight
+
+from kernels import quant_reference
+from kernels.int4_kchunk import KChunkConfig, int4_kchunk_linear, int4_kchunk_linear_impl, pick_kchunk_config
+
+CASES = [
+    # (dtype, K, group_size, M, config); block_m < 16 is the GEMV
+    (torch.float32, 256, 128, 1, KChunkConfig(1, 64, 64, 1, 2)),
+    (torch.float16, 256, 64, 1, KChunkConfig(1, 128, 64, 3, 2)),  # 2 columns a thread, split-K
+    (torch.float16, 256, 128, 2, KChunkConfig(2, 64, 128, 2, 1)),
+    (torch.float16, 256, 64, 3, KChunkConfig(4, 32, 32, 4, 1)),  # 3 of 4 rows
+    (torch.float16, 160, 160, 1, KChunkConfig(1, 64, 64, 2, 2)),  # one group, a K tail
+    (torch.float16, 256, 128, 1, KChunkConfig(1, 64, 64, 3, 2, pairs=False)),  # one nibble per shift
+    (torch.float16, 256, 64, 4, KChunkConfig(4, 64, 64, 2, 2, reduce_each=True)),  # no FMA tile
+    (torch.float32, 160, 160, 2, KChunkConfig(2, 32, 32, 1, 1, pairs=False, reduce_each=True)),
+    (torch.float16, 256, 128, 5, KChunkConfig(16, 64, 128, 1, 4)),
+    (torch.float16, 512, 64, 16, KChunkConfig(16, 32, 256, 2, 4)),  # groups smaller than the tile, split-K
+    (torch.float32, 256, 128, 17, KChunkConfig(16, 64, 128, 1, 4)),  # 2 row tiles
+    (torch.float16, 256, 64, 40, KChunkConfig(64, 32, 128, 2, 4)),
+    (torch.float16, 256, 64, 70, KChunkConfig(0, 0, 0, 1, 0)),  # the dense weight, then a matmul
+    (torch.float32, 160, 160, 3, KChunkConfig(0, 0, 0, 1, 0)),  # one group, dense
+]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def test_repack_matches_gptq_layout():
+    w = make_int_weight(96, 24, 4, 32, False, torch.float32, seed=1)
+    packed = quant_reference.repack_int4_kchunk(w.qweight)
+    assert packed.shape == (3, 24, 4) and packed.dtype == torch.int32
+    codes = quant_reference.unpack_int_weight(w.qweight, 4)
+    assert torch.equal(quant_reference.unpack_int4_kchunk(packed), codes)
+    # the documented layout itself: nibble j of word w of packed[c, n] is row 32 c + 4 j + w
+    for c, n, word, j in ((0, 0, 0, 0), (2, 5, 3, 7), (1, 23, 1, 4)):
+        assert (int(packed[c, n, word]) >> (4 * j)) & 0xF == int(codes[32 * c + 4 * j + word, n])
+    x = torch.randn(3, 96)
+    assert _rel_err(quant_reference.int4_kchunk_linear(x, packed, w.scales, w.zeros, 32), x @ w.dense) < 1e-6
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant_reference.repack_int4_kchunk(w.qweight[:3])
+
+
+@pytest.mark.parametrize("dtype, K, group_size, M, config", CASES)
+def test_int4_kchunk_linear_matches_reference(device, dtype, K, group_size, M, config):
+    N = 72  # the last column tile is partial
+    w = make_int_weight(K, N, 4, group_size, False, dtype, seed=M + K)
+    packed = quant_reference.repack_int4_kchunk(w.qweight).to(device)
+    x = torch.randn(M, K).to(dtype).to(device)
+    bias = torch.randn(N).to(dtype).to(device)
+    ref = x.double() @ w.dense.double().to(device) + bias.double()
+    scales, zeros = w.scales.to(device), w.zeros.to(device)
+    for _ in range(2):  # the second call checks that split-K counters reset themselves
+        out = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config=config)
+        assert out.dtype == dtype and out.shape == (M, N)
+        assert _rel_err(out, ref) < (2e-3 if dtype == torch.float16 else 1e-5)
+    no_bias = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, None, config=config)
+    assert _rel_err(no_bias, ref - bias.double()) < (2e-3 if dtype == torch.float16 else 1e-5)
+
+
+def test_public_launcher_and_strided_x(device):
+    K, N, M = 128, 64, 3
+    w = make_int_weight(K, N, 4, 64, False, torch.float16, seed=5)
+    packed = quant_reference.repack_int4_kchunk(w.qweight).to(device)
+    wide = torch.randn(M, K + 32).to(torch.float16).to(device)
+    x = wide[:, :K]
+    out = int4_kchunk_linear(x, packed, w.scales.to(device), w.zeros.to(device), 64)
+    want = quant_reference.int4_kchunk_linear(x, packed, w.scales.to(device), w.zeros.to(device), 64)
+    assert _rel_err(out, want) < 2e-3
+
+
+def test_gemv_rejects_tiles_across_groups():
+    w = make_int_weight(128, 64, 4, 32, False, torch.float16, seed=2)
+    packed = quant_reference.repack_int4_kchunk(w.qweight)
+    with pytest.raises(ValueError, match="dividing group_size"):
+        int4_kchunk_linear_impl(torch.randn(1, 128).half(), packed, w.scales, w.zeros, 32,
+                                config=KChunkConfig(1, 64, 64, 1, 2))
+
+
+def test_pick_kchunk_config_buckets():
+    assert pick_kchunk_config(65, 4096, 4096, 128, 132).block_m == 0
+    # one split per bucket: no second compiled variant (USE_SPLIT) as M moves inside it
+    assert len({pick_kchunk_config(m, 4096, 4096, 128, 132) for m in range(17, 65)}) == 1
+    for m in (1, 2, 3, 4, 16, 64):
+        cfg = pick_kchunk_config(m, 4096, 4096, 128, 132)
+        assert cfg.block_m >= m and cfg.block_k % 32 == 0 and cfg.split_k > 1
+        assert cfg.block_m >= 16 or 128 % cfg.block_k == 0
+    assert pick_kchunk_config(1, 4096, 4096, 32, 132).block_k == 32
+    assert pick_kchunk_config(1, 4096, 14336, 14336, 132).block_k == 128  # per channel
