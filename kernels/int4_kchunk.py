@@ -294,20 +294,22 @@ def dequantize_kchunk(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.T
 def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig:
     """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
 
-    First guesses from static sm_90 SASS counts (3.9 instructions per weight at one row, no spills),
-    to be replaced by `bench/int4_sweep.py`'s findings: M == 1 a 4-warp GEMV with 4 columns a
-    thread; M <= 4 the GEMV with that many rows; to 64, 16- or 64-row tensor-core tiles; above, the
-    weight dequantised once for cuBLAS (prefill: that cost is amortised over the rows)."""
+    From `bench/int4_sweep.py` on an H100 (bench/RESULTS.md run 36, the 8B shapes, group 128): M <= 2
+    the GEMV with M rows, 256 columns and 128-row tiles split to ~2 programs per SM, or for very wide
+    N (gate_up, 28,672) 512 columns and 64-row tiles split to ~4 per SM (M = 1: qkv 11.0, o 8.9,
+    gate_up 28.1, down 19.9 us; the general kernel 13.7 / 11.2 / 35.9 / 23.7); M = 3-16 16-row
+    tensor-core tiles of 64 columns split to ~4 programs per SM, 3 stages from M = 5 (M = 16: 17.0 /
+    12.6 / 54.8 / 31.1 us against 23.2 / 19.7 / 72.5 / 41.5); to 64, 64-row tiles (not measured);
+    above, the weight dequantised once for cuBLAS (prefill: that cost is amortised over the rows)."""
     if M > 64:
         return KChunkConfig(0, 0, 0, 1, 0)  # dequantise once, then cuBLAS
-    if M == 1:
-        bm, bn, bk, warps, target = 1, 512, 128, 4, 2 * num_sms
-    elif M == 2:
-        bm, bn, bk, warps, target = 2, 256, 64, 4, 2 * num_sms
-    elif M <= 4:
-        bm, bn, bk, warps, target = 4, 128, 64, 4, 2 * num_sms
+    stages = 1
+    if M <= 2:
+        wide = N >= 16384
+        bm, bn, bk, warps, target = M, 512 if wide else 256, 64 if wide else 128, 4, (4 if wide else 2) * num_sms
     elif M <= 16:
-        bm, bn, bk, warps, target = 16, 64, 128, 4, 2 * num_sms
+        bm, bn, bk, warps, target = 16, 64, 128, 4, 4 * num_sms
+        stages = 1 if M <= 4 else 3
     else:
         bm, bn, bk, warps, target = 64, 64, 128, 4, 2 * num_sms
     if bm < 16:
@@ -315,7 +317,7 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int) ->
             bk //= 2
     # Row tiles of the bucket's largest M: one split (and one compiled variant) for the whole bucket.
     tiles = triton.cdiv(N, bn) * (1 if bm < 16 else triton.cdiv(16 if M <= 16 else 64, bm))
-    return KChunkConfig(bm, bn, bk, _split_for(tiles, triton.cdiv(K, bk), target), warps)
+    return KChunkConfig(bm, bn, bk, _split_for(tiles, triton.cdiv(K, bk), target), warps, stages)
 
 
 def int4_kchunk_linear_impl(

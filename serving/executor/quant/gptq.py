@@ -58,8 +58,10 @@ def _fill_dummy(param: torch.Tensor, gen: torch.Generator, std: float) -> None:
 # kernel's 2.7 ms (bf16 5.4 ms), and its tiles were slower from M = 64 up; not tuned yet.
 REPACKED_INT4 = False
 # The k-chunk layout (`kernels.int4_kchunk_linear`: 32 rows of a column in 16 bytes) for its decode GEMV;
-# ahead of REPACKED_INT4 when both are on. Off until `bench/int4_sweep.py` shows it ahead of the general kernel.
-KCHUNK_INT4 = False
+# ahead of REPACKED_INT4 when both are on. On: `bench/int4_sweep.py` on an H100 (bench/RESULTS.md run 36) ran
+# the 8B's batch-1 linears in 2.17 ms against the general kernel's 2.71 (bf16 5.51), and M = 16 in 3.70
+# against 5.02. Layers with act-order (g_idx) keep the general kernel.
+KCHUNK_INT4 = True
 
 
 class GroupQuantLinearMethod:

@@ -254,6 +254,7 @@ def _gptq_and_awq_layers(iq) -> list:
 def test_awq_and_gptq_layouts_of_the_same_integers_compute_the_same(monkeypatch):
     from serving.executor.quant import gptq
 
+    monkeypatch.setattr(gptq, "KCHUNK_INT4", False)  # the repacked words first (k-chunk goes ahead of them)
     monkeypatch.setattr(gptq, "REPACKED_INT4", True)  # the same repacked words from either layout
     w = torch.randn(64, 128)
     iq = quantize_rtn(w, 4, 32, sym=False, act_order=False)
