@@ -90,7 +90,13 @@ def test_gemv_rejects_tiles_across_groups():
 def test_pick_kchunk_config_buckets():
     assert pick_kchunk_config(65, 4096, 4096, 128, 132).block_m == 0
     # one split per bucket: no second compiled variant (USE_SPLIT) as M moves inside it
-    assert len({pick_kchunk_config(m, 4096, 4096, 128, 132) for m in range(17, 65)}) == 1
+    for lo, hi in ((3, 4), (5, 16), (17, 64)):
+        assert len({pick_kchunk_config(m, 4096, 4096, 128, 132).split_k for m in range(lo, hi + 1)}) == 1
+    # the sweep's winners at the 8B shapes (H100, 132 SMs)
+    assert pick_kchunk_config(1, 6144, 4096, 128, 132) == KChunkConfig(1, 256, 128, 11, 4)
+    assert pick_kchunk_config(1, 28672, 4096, 128, 132) == KChunkConfig(1, 512, 64, 10, 4)
+    assert pick_kchunk_config(2, 4096, 14336, 128, 132) == KChunkConfig(2, 256, 128, 16, 4)
+    assert pick_kchunk_config(16, 28672, 4096, 128, 132) == KChunkConfig(16, 64, 128, 2, 4, 3)
     for m in (1, 2, 3, 4, 16, 64):
         cfg = pick_kchunk_config(m, 4096, 4096, 128, 132)
         assert cfg.block_m >= m and cfg.block_k % 32 == 0 and cfg.split_k > 1
