@@ -54,14 +54,22 @@ def _fmt_size(n: int) -> str:
 
 # ---- micro: one process per GPU ----------------------------------------------------------------
 
+def _join(rank: int, world: int, init_file: str) -> torch.device:
+    """This spawned rank's GPU, in the default NCCL group of `world` ranks."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=device)
+    return device
+
+
 def _micro_rank(rank: int, world: int, init_file: str, degrees: list[int], out_file: str) -> None:
     import torch.distributed as dist
 
     from serving.executor.custom_all_reduce import CustomAllReduce, default_policy
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=device)
+    device = _join(rank, world, init_file)
     rows = []
     for degree in degrees:
         group = dist.new_group(list(range(degree)))  # every rank calls new_group, the members use it
@@ -294,9 +302,7 @@ def _fused_rank(rank: int, world: int, init_file: str, degrees: list[int], out_f
     import kernels
     from serving.executor.custom_all_reduce import CustomAllReduce, default_policy
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=device)
+    device = _join(rank, world, init_file)
     rows = []
     for degree in degrees:
         group = dist.new_group(list(range(degree)))

@@ -165,6 +165,7 @@ class CustomAllReduce:
         self._two_shot_out = getattr(ops, "two_shot_all_reduce_out", None) if self.world_size in (2, 4, 8) else None
         # per dtype enabled (enable_fused_norm): the receive buffer, its handle, the kernel's PeerBuffers
         self._fused: dict[torch.dtype, tuple[torch.Tensor, object, object]] = {}
+        self._fused_kernel = None  # kernels.all_reduce_norm.all_reduce_rms_norm, set by enable_fused_norm
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device,
@@ -263,8 +264,9 @@ class CustomAllReduce:
         by every rank once, before any CUDA-graph capture. Returns whether it is on (the same on
         every rank); any failure leaves it off with one log line, and `fused_rms_norm` then
         declines every call."""
-        from kernels.all_reduce_norm import PeerBuffers, reset_buffer
+        from kernels.all_reduce_norm import PeerBuffers, all_reduce_rms_norm, reset_buffer
 
+        self._fused_kernel = all_reduce_rms_norm  # the launcher, imported once (kernels load lazily)
         env = os.environ if env is None else env
         text = env.get(FUSED_NORM_ENV, "").strip()
         if text and not text.isdigit():
@@ -325,9 +327,7 @@ class CustomAllReduce:
         the same answer on every rank, which then all-reduce and norm separately."""
         if not self.fused_takes(x):
             return None
-        from kernels.all_reduce_norm import all_reduce_rms_norm
-
-        return all_reduce_rms_norm(x, weight, eps, residual, unit_offset, self._fused[x.dtype][2])
+        return self._fused_kernel(x, weight, eps, residual, unit_offset, self._fused[x.dtype][2])
 
     def fused_takes(self, x: torch.Tensor) -> bool:
         """Whether `fused_rms_norm` runs the fused kernel for `x` (the same on every rank)."""
