@@ -106,9 +106,26 @@ OTHER_ARCHS = {
 }
 
 
+# The oracle's own Gemma semantics moved between transformers releases: on the lent GPU machine (transformers
+# 5.17) its Gemma and Gemma 2 logits differ from 5.23's (the version requirements.txt pins, which ours equals
+# exactly on CPU) on both of that machine's devices alike (prompt logprobs, max error 1.1e-3 Gemma, 2.7 Gemma 2;
+# bench/RESULTS.md run 41), so an older oracle is no oracle for these two.
+GEMMA_ORACLE = "5.23"
+
+
+def _oracle_too_old(name: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return name in ("gemma", "gemma2") and Version(transformers.__version__) < Version(GEMMA_ORACLE)
+
+
 @pytest.mark.parametrize("name", sorted(OTHER_ARCHS))
 def test_fp32_greedy_other_architectures(tmp_path, name):
     from model_fixtures import build_tiny_model
+
+    if _oracle_too_old(name):
+        pytest.skip(f"transformers < {GEMMA_ORACLE} computes {name} differently from the pinned oracle")
 
     empty = tmp_path / "no-tokenizer"
     empty.mkdir()
