@@ -137,6 +137,16 @@ def e4m3_words_to_f16(words, ASM: tl.constexpr):
 
 
 @triton.jit
+def f32_to_f16_sat(x, ASM: tl.constexpr):
+    # fp32 -> fp16 clamped to +-65504 (no inf from a large activation): ASM one cvt.rn.satfinite.f16x2.f32
+    # per pair; otherwise (the CPU interpreter) clamp and cast.
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+    return tl.clamp(x, -F16_MAX, F16_MAX).to(tl.float16)
+
+
+@triton.jit
 def _x_row(x_row_ptr, k0, offs_k, K, EVEN_K: tl.constexpr):
     # x[row, k0 + offs_k] as a [1, BLOCK_K] fp32 row (x_row_ptr: the row's start, row clamped below M).
     ptrs = x_row_ptr + k0 + offs_k
@@ -217,7 +227,7 @@ def _fp8_gemv_kernel(
                     xt = tl.load(x_rows + cols[None, :])
                 else:
                     xt = tl.load(x_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
-                x16 = tl.clamp(xt.to(tl.float32), -F16_MAX, F16_MAX).to(tl.float16)
+                x16 = f32_to_f16_sat(xt.to(tl.float32), ASM_CVT)
                 w16 = e4m3_words_to_f16(_w_tile(w_rows, k0, offs_kw, K, EVEN_K), ASM_CVT)
                 acc = tl.dot(x16, tl.trans(w16), acc)
         y = acc
@@ -325,6 +335,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         raise ValueError("fp8_gemv: an fp32 scale of 1 or N elements is required")
     if not 1 <= M <= config.max_m():
         raise ValueError(f"fp8_gemv: M = {M} rows, {MODE_NAMES[config.mode]} takes 1 to {config.max_m()}")
+    if K % 4:
+        raise ValueError(f"fp8_gemv: K = {K} is not a multiple of 4 (the weight is read as int32 words)")
     if config.unroll not in (1, 2, 4):
         raise ValueError(f"fp8_gemv: unroll {config.unroll} is not 1, 2 or 4")
     if x.stride(1) != 1:

@@ -30,6 +30,7 @@ _TRITON_MODULES = (
     "kernels.int4_matmul",
     "kernels.int4_repacked",
     "kernels.skinny_linear",
+    "kernels.fp8_gemv",
     "kernels.fp8_matmul",
     "kernels.all_reduce_norm",
 )
