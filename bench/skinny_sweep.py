@@ -227,7 +227,7 @@ def gemv_families(m: int) -> list[tuple]:
     """(mode, block_n, block_k, unroll, warps, stages) worth timing at M rows (FMA modes up to 4)."""
     A, R, D = gemv.MODE_ACC, gemv.MODE_ROWSUM, gemv.MODE_DOT16
     dots = [(D, 128, 128, 1, 4, 3), (D, 256, 128, 1, 4, 3), (D, 256, 64, 2, 4, 3), (D, 256, 64, 1, 4, 4),
-            (D, 512, 64, 1, 8, 3), (D, 256, 128, 1, 4, 2)]
+            (D, 512, 64, 1, 8, 3), (D, 256, 128, 1, 4, 2), (D, 512, 128, 1, 8, 2), (D, 128, 128, 1, 4, 5)]
     if m == 1:
         return [(A, 16, 512, 1, 4, 1), (A, 16, 512, 2, 4, 1), (A, 32, 256, 2, 4, 1), (A, 64, 128, 2, 4, 1),
                 (A, 32, 512, 1, 8, 1), (R, 512, 32, 2, 4, 1), (R, 256, 64, 2, 4, 1), (R, 512, 32, 2, 8, 1),
