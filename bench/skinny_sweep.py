@@ -105,7 +105,7 @@ def _warm_one(job: tuple) -> str:
             w, s = torch.randn(n, k, device="cuda", dtype=BF16), None
         else:
             w, s = quant_reference.quantize_fp8(torch.randn(n, k, device="cuda"))
-        skinny_linear_impl(x, w, s, None, SkinnyConfig(*cfg))
+        skinny_linear_impl(x, w, s, None, cfg)
         torch.cuda.synchronize()
         return ""
     except Exception as e:  # noqa: BLE001 - reported by the timing pass too
@@ -413,7 +413,7 @@ def main() -> None:
             for m in ms:
                 for cfg in candidates(m, n, k, itemsize, num_sms) + [pick_skinny_config(m, n, k, wdtype, num_sms)]:
                     k_warm = 4096 if k % cfg.block_k == 0 else k
-                    jobs.append((m_bucket(m), itemsize, k_warm, tuple(cfg._replace(split_k=min(cfg.split_k, 2)))))
+                    jobs.append((m_bucket(m), itemsize, k_warm, cfg._replace(split_k=min(cfg.split_k, 2))))
         prewarm(jobs, args.jobs)
     rows: list = []
     for i, (model, tp, proj, k, n, dtype) in enumerate(cases):

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8_gemv
+from kernels.fp8_gemv import GemvConfig
 from kernels.int4_common import finish_tile
 from kernels.int4_matmul import _num_sms, split_k_workspace
 
@@ -220,6 +222,12 @@ _CUBLAS_WINS: tuple[tuple[int, int, int, int, int], ...] = (
 )
 
 
+# FP8 weights per M bucket where `kernels/fp8_gemv.py` beats the table above: (mode, block_n, block_k,
+# unroll, warps, stages, programs per SM wanted). Empty until `bench/skinny_sweep.py --fp8-gemv` has
+# measured the tilings on an H100.
+_GEMV_TABLE: dict[int, tuple[int, ...]] = {}
+
+
 def m_bucket(M: int) -> int:
     """The power of two >= M (1..16) that names M's compiled variant."""
     assert 1 <= M <= MAX_M, M
@@ -241,8 +249,13 @@ def config_for(M: int, N: int, K: int, mode: int, block_n: int, block_k: int, wa
     return SkinnyConfig(mode, block_n, block_k, split, warps, stages, sub)
 
 
-def pick_skinny_config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> SkinnyConfig:
-    """The tiling for one call, from shapes alone: the table's entry for M's bucket, split-K from N, K."""
+def pick_skinny_config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> SkinnyConfig | GemvConfig:
+    """The tiling for one call, from shapes alone: the table's entry for M's bucket, split-K from N, K
+    (a `GemvConfig`, run by `kernels/fp8_gemv.py`, where `_GEMV_TABLE` has FP8's bucket)."""
+    gemv = _GEMV_TABLE.get(m_bucket(M)) if weight_dtype == torch.float8_e4m3fn else None
+    if gemv is not None:
+        mode, bn, bk, unroll, warps, stages, per_sm = gemv
+        return fp8_gemv.gemv_config(N, K, mode, bn, bk, unroll, warps, stages, per_sm, num_sms)
     mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight_dtype.itemsize, 2))]
     return config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
 
@@ -276,9 +289,10 @@ def cublas_wins(M: int, N: int, K: int, itemsize: int) -> bool:
 
 def skinny_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None = None,
-    config: SkinnyConfig | None = None,
+    config: SkinnyConfig | GemvConfig | None = None,
 ) -> torch.Tensor:
-    """`skinny_linear` with an explicit tiling (tests and the sweep pass their own)."""
+    """`skinny_linear` with an explicit tiling (tests and the sweep pass their own); a `GemvConfig`
+    runs `kernels/fp8_gemv.py` (FP8 weights only)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     M, K = x.shape
@@ -300,6 +314,8 @@ def skinny_linear_impl(
     if config is None:
         num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
         config = pick_skinny_config(M, N, K, weight.dtype, num_sms)
+    if isinstance(config, GemvConfig):
+        return fp8_gemv.fp8_gemv(x, weight, scale, bias, config)
     assert config.sub == 1 or (config.mode != MODE_DOT and config.num_stages > 1 and config.block_k % config.sub == 0)
     block_m = max(16, m_bucket(M)) if config.mode == MODE_DOT else m_bucket(M)
     tiles = triton.cdiv(N, config.block_n)
