@@ -22,6 +22,8 @@ Three ways to multiply (`SkinnyConfig.mode`):
 - `MODE_DOT` (tensor cores): the weight tile (converted to x's dtype: e4m3 is exact in bf16/fp16)
   feeds `tl.dot` with x padded to 16 rows; Triton's pipeliner keeps `num_stages` tiles in flight.
 The per-channel scale multiplies the fp32 sums once, before the bias.
+FP8 weights at M <= 4 go to `kernels/fp8_gemv.py` instead (the picker returns its `GemvConfig`): word
+loads, inline-asm e4m3 conversion, fp16 tensor cores from M = 2; measured faster on every 8B shape.
 `pick_skinny_config` chooses the tiling from shapes alone (one compiled variant per M bucket) and
 `use_skinny` says per shape whether this kernel or cuBLAS runs; both read the tables below, which
 `bench/skinny_sweep.py` measures.
@@ -194,8 +196,7 @@ def _skinny_kernel(
 # From `bench/skinny_sweep.py` on an H100 (G1, triton 3.6; the tiling with the best geometric mean of
 # best-time / time over the 24 per-rank shapes of Llama-3-8B/70B at TP 1/2/4): tensor-core tiles for
 # every bucket but FP8 at M = 1, which keeps the old `fp8_skinny` GEMV's tiling (run 30: 111 us per
-# 8B layer against G1's best tensor-core tiles' 122). The FMA variants were not measured on a GPU yet
-# (G1 could not compile them; fixed since and compiled for sm_90 by the CPU tests).
+# 8B layer against G1's best tensor-core tiles' 122). FP8 at M = 1-4 now takes `_GEMV_TABLE` below.
 _TABLE: dict[tuple[int, int], tuple[int, ...]] = {
     (1, 2): (MODE_DOT, 64, 128, 4, 4, 4),
     (2, 2): (MODE_DOT, 64, 128, 4, 4, 4),
@@ -213,19 +214,30 @@ _TABLE: dict[tuple[int, int], tuple[int, ...]] = {
 # (weight bytes per element, smallest M, largest M, smallest N, largest N * K); anything else at
 # M <= 16 runs the skinny kernel. H100 sweep G1 (sums over the 24 shapes):
 # - bf16 / fp16: the best tiling only ties cuBLAS (8B TP4 layer 52.1 -> 51.7 us): cuBLAS everywhere;
-# - FP8, M >= 2: the picked tiles beat the _scaled_mm path by ~20 % overall (M = 2: 1157 -> 944 us)
-#   but lose 4-13 % on gate_up at 8B TP1/TP2 and 70B TP4 (N 14336-28672, N * K < 2**27), which keep it.
-# FP8 at M = 1 always runs the skinny GEMV (run 30: 154 -> 111 us per 8B layer).
+# - FP8, M = 5-16: the picked tiles beat the _scaled_mm path by ~20 % overall (G1, M = 8/16) but lose
+#   4-13 % on gate_up at 8B TP1/TP2 and 70B TP4 (N 14336-28672, N * K < 2**27), which keep it.
+# FP8 at M = 1-4 always runs `kernels/fp8_gemv.py` (F1: faster than _scaled_mm on every 8B shape,
+# gate_up included: TP1 M = 2 53.3 -> 50.3 us, M = 4 52.8 -> 48.3).
 _CUBLAS_WINS: tuple[tuple[int, int, int, int, int], ...] = (
     (2, 1, MAX_M, 0, 1 << 62),
-    (1, 2, MAX_M, 14336, 1 << 27),
+    (1, 5, MAX_M, 14336, 1 << 27),
 )
 
 
 # FP8 weights per M bucket where `kernels/fp8_gemv.py` beats the table above: (mode, block_n, block_k,
-# unroll, warps, stages, programs per SM wanted). Empty until `bench/skinny_sweep.py --fp8-gemv` has
-# measured the tilings on an H100.
-_GEMV_TABLE: dict[int, tuple[int, ...]] = {}
+# unroll, warps, stages, programs per SM wanted). From `bench/skinny_sweep.py --fp8-gemv` on an H100
+# (F1, triton 3.6, 2026-11-27; the tiling with the least sum over one 8B layer's four linears at
+# TP 1 + TP 2, CUDA graphs from HBM, copy 2,976 GB/s). One 8B layer, us, TP1 / TP2, against the path
+# used before (the skinny kernel's old tiles, cuBLAS `_scaled_mm` for gate_up at M >= 2):
+# - M = 1: un-reduced fp32 FMAs, 16 rows x 512 bytes, register prefetch: 113.2 -> 88.8 / 68.4 -> 51.6
+#   (best tiling per shape: 87.9 / 51.1; gate_up at 2,684 GB/s, down 2,437; bf16 cuBLAS 184.1 / 91.8);
+# - M = 2: fp16 tensor cores, 128 x 128 tiles, 3 stages: 119.7 -> 104.9 / 72.6 -> 61.0;
+# - M = 3-4: the same tiles: 118.3 -> 102.5 / 73.5 -> 61.2.
+_GEMV_TABLE: dict[int, tuple[int, ...]] = {
+    1: (fp8_gemv.MODE_ACC, 16, 512, 1, 4, 1, 2),
+    2: (fp8_gemv.MODE_DOT16, 128, 128, 1, 4, 3, 1),
+    4: (fp8_gemv.MODE_DOT16, 128, 128, 1, 4, 3, 1),
+}
 
 
 def m_bucket(M: int) -> int:
