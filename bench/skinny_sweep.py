@@ -238,11 +238,28 @@ def gemv_families(m: int) -> list[tuple]:
     return [(R, 128, 32, 2, 4, 1), (R, 128, 64, 2, 4, 1), (A, 64, 128, 1, 8, 1)] + dots
 
 
+def gemv_families_f2(m: int) -> list[tuple]:
+    """Round 2 (after F1): the winners' neighbours: pipelining depth, narrower programs, finer split targets."""
+    A, D = gemv.MODE_ACC, gemv.MODE_DOT16
+    if m == 1:
+        return [(A, 16, 512, 1, 4, 1), (A, 16, 512, 1, 4, 2), (A, 16, 512, 1, 4, 3), (A, 16, 512, 1, 4, 4),
+                (A, 32, 256, 1, 4, 1), (A, 32, 256, 1, 4, 3), (A, 8, 512, 1, 2, 1), (A, 16, 256, 1, 2, 1),
+                (A, 8, 512, 1, 4, 1)]
+    return [(D, 128, 128, 1, 4, 3), (D, 128, 128, 1, 4, 4), (D, 128, 128, 1, 4, 2), (D, 128, 64, 2, 4, 3),
+            (D, 64, 128, 1, 4, 3), (D, 128, 256, 1, 4, 3), (A, 32, 256, 1, 4, 3)]
+
+
+GEMV_SETS = {"f1": (gemv_families, (1, 2, 4), (2, 4, 8)), "f2": (gemv_families_f2, (0.5, 1, 1.5, 2), (1, 1.5, 2, 3))}
+GEMV_SET = "f1"
+
+
 def gemv_candidates(m: int, n: int, k: int, num_sms: int) -> list:
-    """Every family at a few split-K targets (programs per SM; the big-tile dot16 fits 1-2 per SM)."""
+    """Every family of the chosen set at a few split-K targets (programs per SM; the big-tile dot16 fits
+    1-2 per SM)."""
+    families, dot_per_sm, fma_per_sm = GEMV_SETS[GEMV_SET]
     out = []
-    for fam in gemv_families(m):
-        for per_sm in ((1, 2, 4) if fam[0] == gemv.MODE_DOT16 else (2, 4, 8)):
+    for fam in families(m):
+        for per_sm in (dot_per_sm if fam[0] == gemv.MODE_DOT16 else fma_per_sm):
             cfg = gemv.gemv_config(n, k, *fam, per_sm, num_sms)
             if cfg not in out:
                 out.append(cfg)
@@ -375,6 +392,7 @@ def main_gemv(args, num_sms: int, bw: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp8-gemv", action="store_true", help="kernels/fp8_gemv.py's tilings at the 8B shapes")
+    ap.add_argument("--gemv-set", default="f1", choices=sorted(GEMV_SETS), help="--fp8-gemv: which tilings")
     ap.add_argument("--json", default=None)
     ap.add_argument("--models", default="8b,70b")
     ap.add_argument("--tp", default="1,2,4")
@@ -394,6 +412,8 @@ def main() -> None:
         if args.ms == "1,2,4,8,16":
             args.ms = "1,2,4"
         BUDGET_S = args.budget_s
+        global GEMV_SET
+        GEMV_SET = args.gemv_set
         main_gemv(args, num_sms, bw)
         return
     BUDGET_S = args.budget_s
