@@ -321,6 +321,12 @@ def gemv_config(N: int, K: int, mode: int, block_n: int, block_k: int, unroll: i
     return GemvConfig(mode, block_n, block_k, unroll, split, warps, stages, cvt)
 
 
+def word_aligned(weight: torch.Tensor) -> bool:
+    """True when the FP8 weight's rows can be read as int32 words (what `fp8_gemv` needs)."""
+    return (weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0
+            and weight.storage_offset() % 4 == 0)
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              config: GemvConfig) -> torch.Tensor:
     """y = x @ (weight * scale).T + bias with an explicit tiling (the picker in `kernels/skinny_linear.py`
@@ -335,14 +341,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         raise ValueError("fp8_gemv: an fp32 scale of 1 or N elements is required")
     if not 1 <= M <= config.max_m():
         raise ValueError(f"fp8_gemv: M = {M} rows, {MODE_NAMES[config.mode]} takes 1 to {config.max_m()}")
-    if K % 4:
-        raise ValueError(f"fp8_gemv: K = {K} is not a multiple of 4 (the weight is read as int32 words)")
+    if not word_aligned(weight):
+        raise ValueError(f"fp8_gemv: weight rows (K = {K}, strides {weight.stride()}, offset "
+                         f"{weight.storage_offset()}) cannot be read as int32 words")
     if config.unroll not in (1, 2, 4):
         raise ValueError(f"fp8_gemv: unroll {config.unroll} is not 1, 2 or 4")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if weight.stride(1) != 1:
-        raise ValueError("fp8_gemv: weight rows must be contiguous")
     assert bias is None or bias.shape == (N,)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if N == 0:

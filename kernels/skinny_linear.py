@@ -326,6 +326,9 @@ def skinny_linear_impl(
     if config is None:
         num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
         config = pick_skinny_config(M, N, K, weight.dtype, num_sms)
+        if isinstance(config, GemvConfig) and not fp8_gemv.word_aligned(weight):
+            mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), 1)]  # rows not readable as words
+            config = config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
     if isinstance(config, GemvConfig):
         return fp8_gemv.fp8_gemv(x, weight, scale, bias, config)
     assert config.sub == 1 or (config.mode != MODE_DOT and config.num_stages > 1 and config.block_k % config.sub == 0)

@@ -89,3 +89,5 @@ def test_fp8_gemv_rejects_bad_input(device):
         fp8_gemv(x[:, :32], q, scale, None, cfg)
     with pytest.raises(ValueError, match="float8"):
         fp8_gemv(x, q.float(), scale, None, cfg)
+    with pytest.raises(ValueError, match="words"):  # a column slice starting mid-word
+        fp8_gemv(x[:, :60], q[:, 2:62], scale, None, cfg)
