@@ -23,7 +23,8 @@ Three ways to multiply (`SkinnyConfig.mode`):
   feeds `tl.dot` with x padded to 16 rows; Triton's pipeliner keeps `num_stages` tiles in flight.
 The per-channel scale multiplies the fp32 sums once, before the bias.
 FP8 weights at M <= 4 go to `kernels/fp8_gemv.py` instead (the picker returns its `GemvConfig`): word
-loads, inline-asm e4m3 conversion, fp16 tensor cores from M = 2; measured faster on every 8B shape.
+loads, inline-asm e4m3 conversion, fp32 FMAs at M = 1-2, fp16 tensor cores at 3-4; measured faster on
+every 8B shape.
 `pick_skinny_config` chooses the tiling from shapes alone (one compiled variant per M bucket) and
 `use_skinny` says per shape whether this kernel or cuBLAS runs; both read the tables below, which
 `bench/skinny_sweep.py` measures.
@@ -216,8 +217,8 @@ _TABLE: dict[tuple[int, int], tuple[int, ...]] = {
 # - bf16 / fp16: the best tiling only ties cuBLAS (8B TP4 layer 52.1 -> 51.7 us): cuBLAS everywhere;
 # - FP8, M = 5-16: the picked tiles beat the _scaled_mm path by ~20 % overall (G1, M = 8/16) but lose
 #   4-13 % on gate_up at 8B TP1/TP2 and 70B TP4 (N 14336-28672, N * K < 2**27), which keep it.
-# FP8 at M = 1-4 always runs `kernels/fp8_gemv.py` (F1: faster than _scaled_mm on every 8B shape,
-# gate_up included: TP1 M = 2 53.3 -> 50.3 us, M = 4 52.8 -> 48.3).
+# FP8 at M = 1-4 always runs `kernels/fp8_gemv.py` (F1/F2: faster than _scaled_mm on every 8B shape,
+# gate_up included: TP1 M = 2 52.8 -> 49.8 us, M = 4 54.6 -> 49.8 in F2).
 _CUBLAS_WINS: tuple[tuple[int, int, int, int, int], ...] = (
     (2, 1, MAX_M, 0, 1 << 62),
     (1, 5, MAX_M, 14336, 1 << 27),
@@ -226,16 +227,18 @@ _CUBLAS_WINS: tuple[tuple[int, int, int, int, int], ...] = (
 
 # FP8 weights per M bucket where `kernels/fp8_gemv.py` beats the table above: (mode, block_n, block_k,
 # unroll, warps, stages, programs per SM wanted). From `bench/skinny_sweep.py --fp8-gemv` on an H100
-# (F1, triton 3.6, 2026-11-27; the tiling with the least sum over one 8B layer's four linears at
-# TP 1 + TP 2, CUDA graphs from HBM, copy 2,976 GB/s). One 8B layer, us, TP1 / TP2, against the path
-# used before (the skinny kernel's old tiles, cuBLAS `_scaled_mm` for gate_up at M >= 2):
-# - M = 1: un-reduced fp32 FMAs, 16 rows x 512 bytes, register prefetch: 113.2 -> 88.8 / 68.4 -> 51.6
-#   (best tiling per shape: 87.9 / 51.1; gate_up at 2,684 GB/s, down 2,437; bf16 cuBLAS 184.1 / 91.8);
-# - M = 2: fp16 tensor cores, 128 x 128 tiles, 3 stages: 119.7 -> 104.9 / 72.6 -> 61.0;
-# - M = 3-4: the same tiles: 118.3 -> 102.5 / 73.5 -> 61.2.
+# (triton 3.6, 2026-11-27, copy ~2,970 GB/s; F1 swept every family, F2 the winners' neighbours; the tiling
+# with the least sum over one 8B layer's four linears at TP 1 + TP 2, CUDA graphs from HBM). One 8B layer,
+# us, TP1 / TP2, against the path used before (the skinny kernel's old tiles; `_scaled_mm` for gate_up at
+# M >= 2) and bf16 cuBLAS:
+# - M = 1: un-reduced fp32 FMAs, 16 rows x 512 bytes, 4-stage smem pipeline, no split at 8B (F2: 87.9 /
+#   49.9; before 113.2 / 68.4 in F1; bf16 184.1 / 91.8; gate_up 43.6 us = 2,690 GB/s, down 23.8);
+# - M = 2: the same FMAs, 32 x 256 tiles, 3 stages (F2: 99.4 / 57.2; before 119.7 / 72.6 in F1);
+# - M = 3-4: fp16 tensor cores, 128 x 128 tiles, 3 stages (F1: 102.5 / 61.2, F2: 105.8 / 62.1; before
+#   118.3 / 73.5 in F1).
 _GEMV_TABLE: dict[int, tuple[int, ...]] = {
-    1: (fp8_gemv.MODE_ACC, 16, 512, 1, 4, 1, 2),
-    2: (fp8_gemv.MODE_DOT16, 128, 128, 1, 4, 3, 1),
+    1: (fp8_gemv.MODE_ACC, 16, 512, 1, 4, 4, 1),
+    2: (fp8_gemv.MODE_ACC, 32, 256, 1, 4, 3, 1),
     4: (fp8_gemv.MODE_DOT16, 128, 128, 1, 4, 3, 1),
 }
 
