@@ -22,6 +22,9 @@ Three ways to multiply (`SkinnyConfig.mode`):
 - `MODE_DOT` (tensor cores): the weight tile (converted to x's dtype: e4m3 is exact in bf16/fp16)
   feeds `tl.dot` with x padded to 16 rows; Triton's pipeliner keeps `num_stages` tiles in flight.
 The per-channel scale multiplies the fp32 sums once, before the bias.
+FP8 weights at M <= 4 go to `kernels/fp8_gemv.py` instead (the picker returns its `GemvConfig`): word
+loads, inline-asm e4m3 conversion, fp32 FMAs at M = 1-2, fp16 tensor cores at 3-4; measured faster on
+every 8B shape.
 `pick_skinny_config` chooses the tiling from shapes alone (one compiled variant per M bucket) and
 `use_skinny` says per shape whether this kernel or cuBLAS runs; both read the tables below, which
 `bench/skinny_sweep.py` measures.
@@ -36,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8_gemv
+from kernels.fp8_gemv import GemvConfig
 from kernels.int4_common import finish_tile
 from kernels.int4_matmul import _num_sms, split_k_workspace
 
@@ -192,8 +197,7 @@ def _skinny_kernel(
 # From `bench/skinny_sweep.py` on an H100 (G1, triton 3.6; the tiling with the best geometric mean of
 # best-time / time over the 24 per-rank shapes of Llama-3-8B/70B at TP 1/2/4): tensor-core tiles for
 # every bucket but FP8 at M = 1, which keeps the old `fp8_skinny` GEMV's tiling (run 30: 111 us per
-# 8B layer against G1's best tensor-core tiles' 122). The FMA variants were not measured on a GPU yet
-# (G1 could not compile them; fixed since and compiled for sm_90 by the CPU tests).
+# 8B layer against G1's best tensor-core tiles' 122). FP8 at M = 1-4 now takes `_GEMV_TABLE` below.
 _TABLE: dict[tuple[int, int], tuple[int, ...]] = {
     (1, 2): (MODE_DOT, 64, 128, 4, 4, 4),
     (2, 2): (MODE_DOT, 64, 128, 4, 4, 4),
@@ -211,13 +215,32 @@ _TABLE: dict[tuple[int, int], tuple[int, ...]] = {
 # (weight bytes per element, smallest M, largest M, smallest N, largest N * K); anything else at
 # M <= 16 runs the skinny kernel. H100 sweep G1 (sums over the 24 shapes):
 # - bf16 / fp16: the best tiling only ties cuBLAS (8B TP4 layer 52.1 -> 51.7 us): cuBLAS everywhere;
-# - FP8, M >= 2: the picked tiles beat the _scaled_mm path by ~20 % overall (M = 2: 1157 -> 944 us)
-#   but lose 4-13 % on gate_up at 8B TP1/TP2 and 70B TP4 (N 14336-28672, N * K < 2**27), which keep it.
-# FP8 at M = 1 always runs the skinny GEMV (run 30: 154 -> 111 us per 8B layer).
+# - FP8, M = 5-16: the picked tiles beat the _scaled_mm path by ~20 % overall (G1, M = 8/16) but lose
+#   4-13 % on gate_up at 8B TP1/TP2 and 70B TP4 (N 14336-28672, N * K < 2**27), which keep it.
+# FP8 at M = 1-4 always runs `kernels/fp8_gemv.py` (F1/F2: faster than _scaled_mm on every 8B shape,
+# gate_up included: TP1 M = 2 52.8 -> 49.8 us, M = 4 54.6 -> 49.8 in F2).
 _CUBLAS_WINS: tuple[tuple[int, int, int, int, int], ...] = (
     (2, 1, MAX_M, 0, 1 << 62),
-    (1, 2, MAX_M, 14336, 1 << 27),
+    (1, 5, MAX_M, 14336, 1 << 27),
 )
+
+
+# FP8 weights per M bucket where `kernels/fp8_gemv.py` beats the table above: (mode, block_n, block_k,
+# unroll, warps, stages, programs per SM wanted). From `bench/skinny_sweep.py --fp8-gemv` on an H100
+# (triton 3.6, 2026-11-27, copy ~2,970 GB/s; F1 swept every family, F2 the winners' neighbours; the tiling
+# with the least sum over one 8B layer's four linears at TP 1 + TP 2, CUDA graphs from HBM). One 8B layer,
+# us, TP1 / TP2, against the path used before (the skinny kernel's old tiles; `_scaled_mm` for gate_up at
+# M >= 2) and bf16 cuBLAS:
+# - M = 1: un-reduced fp32 FMAs, 16 rows x 512 bytes, 4-stage smem pipeline, no split at 8B (F2: 87.9 /
+#   49.9; before 113.2 / 68.4 in F1; bf16 184.1 / 91.8; gate_up 43.6 us = 2,690 GB/s, down 23.8);
+# - M = 2: the same FMAs, 32 x 256 tiles, 3 stages (F2: 99.4 / 57.2; before 119.7 / 72.6 in F1);
+# - M = 3-4: fp16 tensor cores, 128 x 128 tiles, 3 stages (F1: 102.5 / 61.2, F2: 105.8 / 62.1; before
+#   118.3 / 73.5 in F1).
+_GEMV_TABLE: dict[int, tuple[int, ...]] = {
+    1: (fp8_gemv.MODE_ACC, 16, 512, 1, 4, 4, 1),
+    2: (fp8_gemv.MODE_ACC, 32, 256, 1, 4, 3, 1),
+    4: (fp8_gemv.MODE_DOT16, 128, 128, 1, 4, 3, 1),
+}
 
 
 def m_bucket(M: int) -> int:
@@ -241,8 +264,13 @@ def config_for(M: int, N: int, K: int, mode: int, block_n: int, block_k: int, wa
     return SkinnyConfig(mode, block_n, block_k, split, warps, stages, sub)
 
 
-def pick_skinny_config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> SkinnyConfig:
-    """The tiling for one call, from shapes alone: the table's entry for M's bucket, split-K from N, K."""
+def pick_skinny_config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> SkinnyConfig | GemvConfig:
+    """The tiling for one call, from shapes alone: the table's entry for M's bucket, split-K from N, K
+    (a `GemvConfig`, run by `kernels/fp8_gemv.py`, where `_GEMV_TABLE` has FP8's bucket)."""
+    gemv = _GEMV_TABLE.get(m_bucket(M)) if weight_dtype == torch.float8_e4m3fn else None
+    if gemv is not None:
+        mode, bn, bk, unroll, warps, stages, per_sm = gemv
+        return fp8_gemv.gemv_config(N, K, mode, bn, bk, unroll, warps, stages, per_sm, num_sms)
     mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight_dtype.itemsize, 2))]
     return config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
 
@@ -276,9 +304,10 @@ def cublas_wins(M: int, N: int, K: int, itemsize: int) -> bool:
 
 def skinny_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None = None,
-    config: SkinnyConfig | None = None,
+    config: SkinnyConfig | GemvConfig | None = None,
 ) -> torch.Tensor:
-    """`skinny_linear` with an explicit tiling (tests and the sweep pass their own)."""
+    """`skinny_linear` with an explicit tiling (tests and the sweep pass their own); a `GemvConfig`
+    runs `kernels/fp8_gemv.py` (FP8 weights only)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     M, K = x.shape
@@ -300,6 +329,11 @@ def skinny_linear_impl(
     if config is None:
         num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
         config = pick_skinny_config(M, N, K, weight.dtype, num_sms)
+        if isinstance(config, GemvConfig) and not fp8_gemv.word_aligned(weight):
+            mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), 1)]  # rows not readable as words
+            config = config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
+    if isinstance(config, GemvConfig):
+        return fp8_gemv.fp8_gemv(x, weight, scale, bias, config)
     assert config.sub == 1 or (config.mode != MODE_DOT and config.num_stages > 1 and config.block_k % config.sub == 0)
     block_m = max(16, m_bucket(M)) if config.mode == MODE_DOT else m_bucket(M)
     tiles = triton.cdiv(N, config.block_n)

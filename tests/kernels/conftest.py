@@ -29,6 +29,7 @@ _TRITON_MODULES = (
     "kernels.int4_gemv",
     "kernels.int4_matmul",
     "kernels.int4_repacked",
+    "kernels.fp8_gemv",  # before skinny_linear, which imports its GemvConfig
     "kernels.skinny_linear",
     "kernels.fp8_matmul",
     "kernels.all_reduce_norm",

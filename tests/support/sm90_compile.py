@@ -1,4 +1,4 @@
-"""Compile `kernels/skinny_linear.py`'s kernel for sm_90 without a GPU (Triton's bundled ptxas).
+"""Compile the skinny kernels (`kernels/skinny_linear.py`, `kernels/fp8_gemv.py`) for sm_90 without a GPU.
 
 The CPU interpreter accepts programs the compiler rejects (G1 on the H100: a helper with two
 returns of different shapes), so `tests/kernels/test_skinny_linear.py` runs this in a subprocess
@@ -21,6 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from kernels.fp8_gemv import GemvConfig, _fp8_gemv_kernel, block_m_for  # noqa: E402
 from kernels.skinny_linear import MAX_M, MODE_DOT, _skinny_kernel, m_bucket, pick_skinny_config  # noqa: E402
 
 _SIG = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
@@ -31,6 +32,8 @@ _DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "partial_ptr
 
 def compile_sm90(m: int, fp8: bool, cfg, split: bool, even_k: bool = True) -> int:
     """Compile one variant as the launcher would specialise it at real shapes; returns its registers."""
+    if isinstance(cfg, GemvConfig):
+        return _compile_gemv(m, cfg, split, even_k)
     names = _skinny_kernel.arg_names
     const = dict(HAS_SCALE=fp8, HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.num_stages,
                  SUB=cfg.sub,
@@ -42,6 +45,25 @@ def compile_sm90(m: int, fp8: bool, cfg, split: bool, even_k: bool = True) -> in
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return _registers(kernel)
+
+
+def _compile_gemv(m: int, cfg: GemvConfig, split: bool, even_k: bool) -> int:
+    # kernels/fp8_gemv.py's kernel, with the inline-asm conversions the GPU runs
+    names = _fp8_gemv_kernel.arg_names
+    const = dict(HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.stages, UNROLL=cfg.unroll,
+                 BLOCK_M=block_m_for(m, cfg.mode), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ASM_CVT=bool(cfg.cvt))
+    sig = {n: "constexpr" if n in const else _SIG.get(n, "i32") for n in names}
+    sig["w_ptr"] = "*i32"
+    src = ASTSource(fn=_fp8_gemv_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.stages))
+    assert kernel.metadata.shared <= 227 * 1024, f"{cfg.short()}: {kernel.metadata.shared} bytes of shared memory"
+    return _registers(kernel)
+
+
+def _registers(kernel) -> int:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -60,7 +82,8 @@ def main() -> int:
         for m in range(1, MAX_M + 1):
             for n, k in ((1536, 4096), (57344, 8192)):  # split and not
                 cfg = pick_skinny_config(m, n, k, wdtype, 132)
-                key = (m_bucket(m), wdtype, cfg._replace(split_k=min(cfg.split_k, 2)))
+                bucket = block_m_for(m, cfg.mode) if isinstance(cfg, GemvConfig) else m_bucket(m)
+                key = (bucket, wdtype, cfg._replace(split_k=min(cfg.split_k, 2)))
                 if key in seen:
                     continue
                 seen.add(key)
