@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_tile, nibble_float, nibble_pair_floats, stack_rows
+from kernels.int4_common import finish_tile, grouped_tile, nibble_float, nibble_pair_floats, stack_rows
+from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
 from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
 
 
@@ -41,6 +42,9 @@ class KChunkConfig(NamedTuple):
     asm: bool = True  # dequantise with an inline-PTX lop3 (CUDA only; the interpreter runs the plain form)
     pairs: bool = True  # GEMV: two nibbles per shift (`int4_common.nibble_pair_floats`)
     reduce_each: bool = False  # GEMV: sum each nibble's products at once instead of an FMA tile
+    group_m: int = 1  # tensor cores: row tiles per band of the program order (L2 reuse of weight tiles)
+    gemm: bool = False  # tensor cores: `int4_kchunk_gemm` (one dot per K tile, natural row order)
+    swap: bool = False  # `int4_kchunk_gemm`: multiply W^T x^T (the weights as the MMA's A operand)
 
 
 @triton.jit
@@ -204,6 +208,7 @@ def _kchunk_dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= 128: each nibble's sub-dot has BLOCK_K // 8 >= 16 rows
+    GROUP_M: tl.constexpr,  # row tiles per band of the program order (1: row-major)
     DOT_PRECISION: tl.constexpr,
     ASM: tl.constexpr,
 ):
@@ -211,13 +216,7 @@ def _kchunk_dot_kernel(
     R: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_r = tl.arange(0, R)
     offs_w = tl.arange(0, 4)
     # [R, 4, BLOCK_N] word tiles: merging (r, w) gives the sub-dot's rows 32 r + 4 j + w.
@@ -355,8 +354,10 @@ def int4_kchunk_linear_impl(
         assert config.block_n % (32 * config.num_warps) == 0, config
         if not one_group and group_size % config.block_k:
             raise ValueError(f"the k-chunk GEMV needs block_k dividing group_size {group_size}: {config}")
+    elif config.gemm:
+        assert config.block_m >= 16 and config.group_m >= 1, config
     else:
-        assert config.block_k >= 128, config
+        assert config.block_k >= 128 and config.group_m >= 1 and not config.swap, config
     asm = config.asm and x.is_cuda  # the interpreter runs on CPU tensors, and has no PTX
     split = config.split_k
     tiles = triton.cdiv(N, config.block_n) * (1 if gemv else triton.cdiv(M, config.block_m))
@@ -371,10 +372,17 @@ def int4_kchunk_linear_impl(
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, PAIRS=config.pairs,
             REDUCE_EACH=config.reduce_each, ASM=asm, num_warps=config.num_warps, num_stages=config.num_stages,
         )
+    elif config.gemm:
+        _kchunk_gemm_kernel[(tiles, split)](
+            *args, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            SWAP=config.swap, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     else:
         _kchunk_dot_kernel[(tiles, split)](
             *args, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )

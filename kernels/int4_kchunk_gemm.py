@@ -1,0 +1,96 @@
+"""Int4 GEMM on the k-chunk layout for many rows (decode batches above 64, prefill): tensor cores, no dense copy.
+
+Same operands as `kernels/int4_kchunk.py` (`packed` int32 `[K // 32, N, 4]`: nibble j of word w of
+`packed[c, n]` is row 32c + 4j + w; `scales`/`zeros [G, N]`), torch reference
+`quant_reference.int4_kchunk_linear`. Per K tile of BLOCK_K rows, each program loads the
+`[BLOCK_N, BLOCK_K // 32, 4]` words (16 bytes a column and chunk), dequantises the 8 nibbles
+(shift + lop3 + one FMA a weight, as the decode kernels do), and puts them back in natural row order:
+`tl.join` appends the nibble index j after the word index w, and swapping those two axes (both held
+by one thread: a register renaming, no data movement) gives row 32r + 4j + w at its place. So ONE
+`tl.dot` per K tile multiplies the weight tile by a contiguous x tile, unlike
+`_kchunk_dot_kernel`'s 8 sub-dots on x columns gathered 4 out of every 32.
+
+SWAP computes the transposed product, out^T tile = W^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]:
+the dequantised weights are then the MMA's A operand, which Hopper's wgmma reads from registers,
+and BLOCK_M (the rows of x) becomes the MMA's N, which may be as small as 16. GROUP_M orders the
+programs in bands of GROUP_M row tiles so that consecutive programs share weight tiles in L2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.int4_common import finish_tile, grouped_tile, nibble_float
+
+
+@triton.jit
+def _natural_tile(words, su, cz, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    # words [BN, R, 4] uint32, su / cz [BN, R, 1] fp32 -> W^T [BN, 32 R] in DTYPE, column 32r + 4j + w
+    # = nibble j of word w (w = q * 16 s * (1 + q / 16) - (16 + z) s = (q - z) s).
+    f0 = nibble_float(words, 0, ASM) * su - cz
+    f1 = nibble_float(words, 1, ASM) * su - cz
+    f2 = nibble_float(words, 2, ASM) * su - cz
+    f3 = nibble_float(words, 3, ASM) * su - cz
+    f4 = nibble_float(words, 4, ASM) * su - cz
+    f5 = nibble_float(words, 5, ASM) * su - cz
+    f6 = nibble_float(words, 6, ASM) * su - cz
+    f7 = nibble_float(words, 7, ASM) * su - cz
+    # Nested joins append three size-2 axes, j's bits 2, 1, 0 (see `int4_common.join8`): [BN, R, 4, 2, 2, 2].
+    t = tl.join(tl.join(tl.join(f0.to(DTYPE), f4.to(DTYPE)), tl.join(f2.to(DTYPE), f6.to(DTYPE))),
+                tl.join(tl.join(f1.to(DTYPE), f5.to(DTYPE)), tl.join(f3.to(DTYPE), f7.to(DTYPE))))
+    BN: tl.constexpr = words.shape[0]
+    R: tl.constexpr = words.shape[1]
+    t = tl.reshape(t, [BN, R, 4, 8])  # (n, r, w, j)
+    t = tl.permute(t, (0, 1, 3, 2))  # (n, r, j, w)
+    return tl.reshape(t, [BN, R * 32])
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
+def _kchunk_gemm_kernel(
+    x_ptr, w_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,  # as `_kchunk_gemv_kernel`'s
+    M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_wc, stride_sg, stride_om,
+    HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of 32
+    GROUP_M: tl.constexpr,  # row tiles per band of the program order (1: row-major)
+    SWAP: tl.constexpr,  # multiply W^T x^T (weights as the MMA's A operand)
+):
+    pid = tl.program_id(0)
+    offs_m, offs_n, mask_m, mask_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_K // 32)  # the tile's chunks
+    word_offs = (offs_n * 4)[:, None, None] + tl.arange(0, 4)[None, None, :]  # [BN, 1, 4]
+    x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    num_chunks = K // 32
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    t_start = tl.program_id(1) * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
+    for t in range(t_start, t_end):
+        c = t * (BLOCK_K // 32) + offs_r
+        mask_c = c < num_chunks
+        words = tl.load(w_ptr + c[None, :, None] * stride_wc + word_offs,
+                        mask=mask_n[:, None, None] & mask_c[None, :, None], other=0).to(tl.uint32, bitcast=True)
+        sg = offs_n[:, None] + ((c * 32) // group_size)[None, :] * stride_sg  # [BN, R]: a chunk lies in one group
+        sg_mask = mask_n[:, None] & mask_c[None, :]
+        s = tl.load(scales_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
+        su = (s * 16.0)[:, :, None]
+        cz = ((z + 16.0) * s)[:, :, None]
+        w_t = _natural_tile(words, su, cz, x_ptr.dtype.element_ty, ASM)  # [BN, BK]
+        kk = t * BLOCK_K + offs_k
+        mask_k = kk < K
+        if SWAP:
+            x_t = tl.load(x_rows[None, :] + kk[:, None], mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            acc = tl.dot(w_t, x_t, acc, input_precision=DOT_PRECISION)
+        else:
+            x = tl.load(x_rows[:, None] + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w_t), acc, input_precision=DOT_PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
+    finish_tile(acc, offs_m, offs_n, mask_m, mask_n, tl.program_id(1), split_k, pid, M, N, bias_ptr, out_ptr, partial_ptr,
+                counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
