@@ -17,7 +17,8 @@ weight copies (`bench/quant_kernels.time_us`). Last: the batch-1 linear layers o
 `--large` sweeps the tensor-core paths for many rows instead (M = 64, 128, 256, 512, 2048, about
 3 minutes): per shape and M, bf16 cuBLAS, today's dequantise-then-cuBLAS (`KChunkConfig` block_m 0:
 a bf16 copy of the weight per call) and each `large_configs` candidate (`_kchunk_dot_kernel` with
-bigger tiles, `int4_kchunk_gemm` with and without SWAP), split-K to reach one program per SM:
+bigger tiles, `int4_kchunk_gemm` with one dot per K tile or one per nibble), split-K to reach one
+program per SM:
 µs, TFLOP/s, GB/s (int4 bytes), ratio to bf16 and relative error; then the 8B step totals per M.
 """
 
@@ -41,7 +42,9 @@ from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
 from bench.quant_kernels import _copies, int4_weights, time_us  # noqa: E402
 from bench.quant_speed import _rel, _try  # noqa: E402
 from kernels import quant_reference  # noqa: E402
-from kernels.int4_kchunk import KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config  # noqa: E402
+from kernels.int4_kchunk import (  # noqa: E402
+    GEMM_JOIN, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config,
+)
 from kernels.int4_matmul import _split_for, pick_config, quant_linear_impl  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -82,29 +85,33 @@ LARGE_MS = (64, 128, 256, 512, 2048)
 
 def large_configs(m: int) -> list[KChunkConfig]:
     """Tensor-core candidates for one M of `--large` (split_k 0: filled in per shape). D: `_kchunk_dot_kernel`
-    (8 sub-dots a K tile), G: `int4_kchunk_gemm` (one dot), GS: the same with SWAP (W^T x^T)."""
+    (8 sub-dots, the weights as the MMA's B operand); J / N: `int4_kchunk_gemm` (W^T x^T, the weights
+    as the A operand) with one dot per K tile (GEMM_JOIN) or one per nibble (GEMM_NIBBLES)."""
     C = KChunkConfig
 
     def D(bm, bn, bk, w, st, gm=1):
         return C(bm, bn, bk, 0, w, st, group_m=gm)
 
-    def G(bm, bn, bk, w, st, gm=1, swap=False):
-        return C(bm, bn, bk, 0, w, st, group_m=gm, gemm=True, swap=swap)
+    def J(bm, bn, bk, w, st, gm=1):
+        return C(bm, bn, bk, 0, w, st, group_m=gm, gemm=GEMM_JOIN)
+
+    def N(bm, bn, bk, w, st, gm=1):
+        return C(bm, bn, bk, 0, w, st, group_m=gm, gemm=GEMM_NIBBLES)
 
     if m <= 64:
-        return [D(64, 64, 128, 4, 1), D(64, 128, 128, 4, 3), G(64, 128, 64, 4, 3), G(64, 128, 128, 4, 3),
-                G(64, 128, 64, 4, 3, swap=True), G(64, 256, 64, 8, 3, swap=True), G(64, 128, 128, 4, 4, swap=True)]
+        return [D(64, 128, 128, 4, 3), J(64, 128, 64, 4, 3), J(64, 64, 64, 4, 3), N(64, 128, 128, 4, 3),
+                N(64, 128, 128, 4, 4), N(64, 64, 128, 4, 3), N(64, 256, 128, 8, 3), N(64, 128, 256, 4, 2)]
     if m <= 128:
-        return [G(128, 128, 64, 8, 3), G(128, 128, 128, 8, 3), G(128, 128, 64, 8, 3, swap=True),
-                G(64, 128, 64, 4, 3, swap=True), G(64, 128, 64, 4, 3), G(128, 64, 64, 4, 4),
-                D(128, 128, 128, 8, 3), D(64, 128, 128, 4, 3)]
+        return [J(64, 128, 64, 4, 3), J(128, 128, 64, 8, 3), J(64, 64, 64, 4, 4), N(64, 128, 128, 4, 3),
+                N(128, 128, 128, 8, 3), N(128, 128, 128, 4, 3), N(64, 256, 128, 8, 3), N(64, 64, 128, 4, 3),
+                N(128, 64, 128, 4, 4)]
     if m <= 256:
-        return [G(128, 128, 64, 8, 3), G(128, 256, 64, 8, 3), G(128, 128, 128, 8, 3), G(128, 128, 64, 8, 3, swap=True),
-                G(256, 128, 64, 8, 3, swap=True), G(128, 128, 64, 8, 4, gm=8), D(128, 128, 128, 8, 3),
-                G(64, 128, 64, 4, 3, swap=True)]
-    return [G(128, 128, 64, 8, 3, gm=8), G(128, 256, 64, 8, 3, gm=8), G(256, 128, 64, 8, 3, gm=8),
-            G(128, 128, 128, 8, 3, gm=8), G(128, 256, 64, 8, 4, gm=8), G(256, 128, 64, 8, 3, gm=8, swap=True),
-            G(128, 128, 64, 8, 3, gm=8, swap=True), D(128, 128, 128, 8, 3, gm=8)]
+        return [J(64, 128, 64, 4, 3), J(128, 128, 64, 8, 3), N(64, 128, 128, 4, 3), N(128, 128, 128, 8, 3),
+                N(128, 128, 128, 4, 3), N(256, 128, 128, 8, 3), N(128, 256, 128, 8, 3), N(128, 64, 128, 4, 4),
+                N(256, 64, 128, 4, 3)]
+    return [J(128, 128, 64, 8, 3, gm=8), N(128, 128, 128, 8, 3, gm=8), N(256, 128, 128, 8, 3, gm=8),
+            N(128, 256, 128, 8, 3, gm=8), N(128, 128, 128, 4, 4, gm=8), N(64, 128, 128, 4, 3, gm=8),
+            N(256, 128, 128, 8, 4, gm=8), N(128, 128, 256, 8, 2, gm=8), N(256, 64, 128, 4, 3, gm=8)]
 
 
 def with_splits(cfg: KChunkConfig, m: int, n: int, k: int, num_sms: int, quick: bool) -> list[KChunkConfig]:
@@ -207,7 +214,7 @@ def _short(cfg: KChunkConfig) -> str:
     """The fields that matter for the tensor-core paths."""
     if cfg.block_m == 0:
         return "dequantise+cuBLAS"
-    kind = ("GS" if cfg.swap else "G") if cfg.gemm else "D"
+    kind = {0: "D", GEMM_JOIN: "J", GEMM_NIBBLES: "N"}[cfg.gemm]
     return (f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
             f" g{cfg.group_m}")
 

@@ -29,6 +29,10 @@ from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
 from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
 
 
+GEMM_JOIN = 1  # `int4_kchunk_gemm`: one dot per K tile on the weights put back in natural row order
+GEMM_NIBBLES = 2  # `int4_kchunk_gemm`: one dot per nibble, each on an elementwise function of the words
+
+
 class KChunkConfig(NamedTuple):
     """One tiling. `block_m` 1, 2 or 4 selects the GEMV (`block_n` = 32 * num_warps * columns a
     thread), 16 or more the tensor-core kernel, 0 the dequantise-then-cuBLAS path (the rest unused)."""
@@ -43,8 +47,7 @@ class KChunkConfig(NamedTuple):
     pairs: bool = True  # GEMV: two nibbles per shift (`int4_common.nibble_pair_floats`)
     reduce_each: bool = False  # GEMV: sum each nibble's products at once instead of an FMA tile
     group_m: int = 1  # tensor cores: row tiles per band of the program order (L2 reuse of weight tiles)
-    gemm: bool = False  # tensor cores: `int4_kchunk_gemm` (one dot per K tile, natural row order)
-    swap: bool = False  # `int4_kchunk_gemm`: multiply W^T x^T (the weights as the MMA's A operand)
+    gemm: int = 0  # tensor cores: `int4_kchunk_gemm` (W^T x^T) with GEMM_JOIN or GEMM_NIBBLES, else 0
 
 
 @triton.jit
@@ -355,9 +358,10 @@ def int4_kchunk_linear_impl(
         if not one_group and group_size % config.block_k:
             raise ValueError(f"the k-chunk GEMV needs block_k dividing group_size {group_size}: {config}")
     elif config.gemm:
-        assert config.block_m >= 16 and config.group_m >= 1, config
+        assert config.gemm in (GEMM_JOIN, GEMM_NIBBLES) and config.block_m >= 16 and config.group_m >= 1, config
+        assert config.gemm == GEMM_JOIN or config.block_k % 128 == 0, config
     else:
-        assert config.block_k >= 128 and config.group_m >= 1 and not config.swap, config
+        assert config.block_k >= 128 and config.group_m >= 1, config
     asm = config.asm and x.is_cuda  # the interpreter runs on CPU tensors, and has no PTX
     split = config.split_k
     tiles = triton.cdiv(N, config.block_n) * (1 if gemv else triton.cdiv(M, config.block_m))
@@ -376,7 +380,7 @@ def int4_kchunk_linear_impl(
         _kchunk_gemm_kernel[(tiles, split)](
             *args, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-            SWAP=config.swap, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
+            NIBBLES=config.gemm == GEMM_NIBBLES, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     else:

@@ -10,10 +10,14 @@ by one thread: a register renaming, no data movement) gives row 32r + 4j + w at 
 `tl.dot` per K tile multiplies the weight tile by a contiguous x tile, unlike
 `_kchunk_dot_kernel`'s 8 sub-dots on x columns gathered 4 out of every 32.
 
-SWAP computes the transposed product, out^T tile = W^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]:
-the dequantised weights are then the MMA's A operand, which Hopper's wgmma reads from registers,
-and BLOCK_M (the rows of x) becomes the MMA's N, which may be as small as 16. GROUP_M orders the
-programs in bands of GROUP_M row tiles so that consecutive programs share weight tiles in L2.
+It computes the transposed product, out^T tile = W^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]:
+the dequantised weights are then the MMA's A operand, which Hopper's wgmma reads from registers
+(x @ W, with the weights as the B operand that wgmma reads from shared memory, does not compile
+with Triton 3.6: "Illegal shared layout" in TritonGPUOptimizeDotOperands), and BLOCK_M (the rows
+of x) becomes the MMA's N, which may be as small as 16. NIBBLES keeps the 8 sub-dots instead (one
+per nibble, x rows gathered 4 of every 32) but with each nibble's weights an elementwise function
+of one [BLOCK_N, BLOCK_K // 8] word tile. GROUP_M orders the programs in bands of GROUP_M row tiles
+so that consecutive programs share weight tiles in L2.
 """
 
 from __future__ import annotations
@@ -46,51 +50,64 @@ def _natural_tile(words, su, cz, DTYPE: tl.constexpr, ASM: tl.constexpr):
     return tl.reshape(t, [BN, R * 32])
 
 
+@triton.jit
+def _chunk_scales(scales_ptr, zeros_ptr, offs_n, mask_n, c, mask_c, group_size, stride_sg):
+    # (16 s, (16 + z) s) of chunks c ([BN, C] fp32): w = q 16 s (1 + q / 16)... = f 16 s - (16 + z) s.
+    sg = offs_n[:, None] + ((c * 32) // group_size)[None, :] * stride_sg  # a chunk lies in one group
+    sg_mask = mask_n[:, None] & mask_c[None, :]
+    s = tl.load(scales_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
+    return s * 16.0, (z + 16.0) * s
+
+
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
 def _kchunk_gemm_kernel(
     x_ptr, w_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,  # as `_kchunk_gemv_kernel`'s
     M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_wc, stride_sg, stride_om,
     HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # a multiple of 32
+    BLOCK_K: tl.constexpr,  # a multiple of 32 (NIBBLES: of 128, so that a sub-dot has >= 16 rows)
     GROUP_M: tl.constexpr,  # row tiles per band of the program order (1: row-major)
-    SWAP: tl.constexpr,  # multiply W^T x^T (weights as the MMA's A operand)
+    NIBBLES: tl.constexpr,  # 8 sub-dots a K tile, one per nibble, instead of one on the reordered tile
 ):
+    R: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
     offs_m, offs_n, mask_m, mask_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_K // 32)  # the tile's chunks
-    word_offs = (offs_n * 4)[:, None, None] + tl.arange(0, 4)[None, None, :]  # [BN, 1, 4]
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     num_chunks = K // 32
     num_k_tiles = tl.cdiv(K, BLOCK_K)
     t_start = tl.program_id(1) * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
-    for t in range(t_start, t_end):
-        c = t * (BLOCK_K // 32) + offs_r
-        mask_c = c < num_chunks
-        words = tl.load(w_ptr + c[None, :, None] * stride_wc + word_offs,
-                        mask=mask_n[:, None, None] & mask_c[None, :, None], other=0).to(tl.uint32, bitcast=True)
-        sg = offs_n[:, None] + ((c * 32) // group_size)[None, :] * stride_sg  # [BN, R]: a chunk lies in one group
-        sg_mask = mask_n[:, None] & mask_c[None, :]
-        s = tl.load(scales_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + sg, mask=sg_mask, other=0.0).to(tl.float32)
-        su = (s * 16.0)[:, :, None]
-        cz = ((z + 16.0) * s)[:, :, None]
-        w_t = _natural_tile(words, su, cz, x_ptr.dtype.element_ty, ASM)  # [BN, BK]
-        kk = t * BLOCK_K + offs_k
-        mask_k = kk < K
-        if SWAP:
-            x_t = tl.load(x_rows[None, :] + kk[:, None], mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+    if NIBBLES:
+        # [BN, 4R] word tiles, column q = 4 r + w: nibble j's weights are an elementwise function of
+        # them (rows 32 r + 4 j + w), so their conversion to the MMA's register layout is one of the words.
+        q = tl.arange(0, 4 * R)
+        word_offs = (offs_n * 4)[:, None] + (q % 4)[None, :]
+        for t in range(t_start, t_end):
+            c = t * R + q // 4  # [4R]
+            mask_c = c < num_chunks
+            words = tl.load(w_ptr + c[None, :] * stride_wc + word_offs, mask=mask_n[:, None] & mask_c[None, :],
+                            other=0).to(tl.uint32, bitcast=True)
+            su, cz = _chunk_scales(scales_ptr, zeros_ptr, offs_n, mask_n, c, mask_c, group_size, stride_sg)
+            for j in tl.static_range(8):
+                w_j = (nibble_float(words, j, ASM) * su - cz).to(x_ptr.dtype.element_ty)  # [BN, 4R]
+                kk = c * 32 + 4 * j + q % 4
+                x_j = tl.load(x_rows[None, :] + kk[:, None], mask=(kk < K)[:, None] & mask_m[None, :], other=0.0)
+                acc = tl.dot(w_j, x_j, acc, input_precision=DOT_PRECISION)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_r = tl.arange(0, R)  # the tile's chunks
+        word_offs = (offs_n * 4)[:, None, None] + tl.arange(0, 4)[None, None, :]  # [BN, 1, 4]
+        for t in range(t_start, t_end):
+            c = t * R + offs_r
+            mask_c = c < num_chunks
+            words = tl.load(w_ptr + c[None, :, None] * stride_wc + word_offs,
+                            mask=mask_n[:, None, None] & mask_c[None, :, None], other=0).to(tl.uint32, bitcast=True)
+            su, cz = _chunk_scales(scales_ptr, zeros_ptr, offs_n, mask_n, c, mask_c, group_size, stride_sg)
+            w_t = _natural_tile(words, su[:, :, None], cz[:, :, None], x_ptr.dtype.element_ty, ASM)  # [BN, BK]
+            kk = t * BLOCK_K + offs_k
+            x_t = tl.load(x_rows[None, :] + kk[:, None], mask=(kk < K)[:, None] & mask_m[None, :], other=0.0)
             acc = tl.dot(w_t, x_t, acc, input_precision=DOT_PRECISION)
-        else:
-            x = tl.load(x_rows[:, None] + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w_t), acc, input_precision=DOT_PRECISION)
-    if SWAP:
-        acc = tl.trans(acc)
-    finish_tile(acc, offs_m, offs_n, mask_m, mask_n, tl.program_id(1), split_k, pid, M, N, bias_ptr, out_ptr, partial_ptr,
-                counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+    finish_tile(tl.trans(acc), offs_m, offs_n, mask_m, mask_n, tl.program_id(1), split_k, pid, M, N, bias_ptr,
+                out_ptr, partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)

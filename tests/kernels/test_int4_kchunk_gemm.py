@@ -2,7 +2,8 @@
 with bigger tiles and grouped program order) vs the fp64 product of the dequantised weight: interpreter
 on CPU with fp32 x (bf16 arithmetic is wrong in the interpreter), compiled on CUDA. Rows past one tile
 (65..130), N and K that the tiles do not divide, groups of 32 / 128 rows or one group, bias, split-K,
-SWAP (W^T x^T) and GROUP_M bands; and every tiling the picker or the sweep can pick compiled for sm_90."""
+one dot per K tile or one per nibble, and GROUP_M bands; and every tiling the picker or the sweep can
+pick compiled for sm_90."""
 
 from __future__ import annotations
 
@@ -12,21 +13,26 @@ from quant_helpers import make_int_weight
 from sm90_compile import run_script
 
 from kernels import quant_reference
-from kernels.int4_kchunk import KChunkConfig, int4_kchunk_linear_impl
+from kernels.int4_kchunk import GEMM_JOIN, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl
 
 
-def G(bm, bn, bk, split=1, group_m=1, swap=False):
-    return KChunkConfig(bm, bn, bk, split, 4, 1, group_m=group_m, gemm=True, swap=swap)
+def J(bm, bn, bk, split=1, group_m=1):
+    return KChunkConfig(bm, bn, bk, split, 4, 1, group_m=group_m, gemm=GEMM_JOIN)
+
+
+def N(bm, bn, bk, split=1, group_m=1):
+    return KChunkConfig(bm, bn, bk, split, 4, 1, group_m=group_m, gemm=GEMM_NIBBLES)
 
 
 CASES = [
     # (K, group_size, M, N, config)
-    (256, 128, 65, 72, G(32, 32, 64)),  # 3 row tiles, the last with 1 row; a partial column tile
-    (256, 128, 70, 72, G(32, 32, 64, swap=True)),
-    (224, 32, 97, 40, G(32, 32, 128, split=2, group_m=2)),  # K tail (224 = 128 + 96), groups inside a tile
-    (224, 32, 130, 40, G(64, 32, 128, split=2, group_m=3, swap=True)),
-    (160, 160, 100, 72, G(32, 64, 64, group_m=2)),  # one group, K tail
-    (160, 160, 66, 100, G(16, 64, 32, swap=True)),  # one chunk a K tile
+    (256, 128, 65, 72, J(32, 32, 64)),  # 3 row tiles, the last with 1 row; a partial column tile
+    (256, 128, 70, 72, N(32, 32, 128)),
+    (224, 32, 97, 40, J(32, 32, 128, split=2, group_m=2)),  # K tail (224 = 128 + 96), groups inside a tile
+    (224, 32, 130, 40, N(64, 32, 128, split=2, group_m=3)),
+    (160, 160, 100, 72, J(32, 64, 64, group_m=2)),  # one group, K tail
+    (160, 160, 66, 100, J(16, 64, 32)),  # one chunk a K tile
+    (480, 160, 90, 40, N(16, 32, 256, split=2)),  # groups across tiles, K tail inside the last
     (256, 64, 129, 72, KChunkConfig(32, 32, 128, 1, 4, group_m=2)),  # the 8-sub-dot kernel, grouped order
     (288, 32, 80, 40, KChunkConfig(64, 32, 128, 3, 4, group_m=4)),  # its K tail, split-K
 ]

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sm90_compile import compile_variant, resources  # noqa: E402
 
-from kernels.int4_kchunk import KChunkConfig, _kchunk_dot_kernel, pick_kchunk_config  # noqa: E402
+from kernels.int4_kchunk import GEMM_NIBBLES, KChunkConfig, _kchunk_dot_kernel, pick_kchunk_config  # noqa: E402
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel  # noqa: E402
 
 _SIG = {"x_ptr": "*bf16", "w_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16", "bias_ptr": "*bf16",
@@ -32,7 +32,7 @@ def compile_sm90(cfg: KChunkConfig, split: bool) -> tuple[int, int, int, bool]:
     const = dict(HAS_BIAS=True, USE_SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  GROUP_M=cfg.group_m, DOT_PRECISION="tf32", ASM=True)
     if cfg.gemm:
-        const["SWAP"] = cfg.swap
+        const["NIBBLES"] = cfg.gemm == GEMM_NIBBLES
     kernel = compile_variant(_kchunk_gemm_kernel if cfg.gemm else _kchunk_dot_kernel, const, _SIG, _DIVISIBLE,
                              cfg.num_warps, cfg.num_stages)
     regs, stack = resources(kernel)
