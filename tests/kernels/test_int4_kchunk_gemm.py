@@ -13,7 +13,7 @@ from quant_helpers import make_int_weight
 from sm90_compile import run_script
 
 from kernels import quant_reference
-from kernels.int4_kchunk import GEMM_JOIN, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl
+from kernels.int4_kchunk import DENSE, GEMM_JOIN, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config
 
 
 def J(bm, bn, bk, split=1, group_m=1):
@@ -66,3 +66,20 @@ def test_picked_and_swept_tilings_compile_for_sm90():
     # returns above 16 rows, and the sweep's candidates, for sm_90 (Triton's ptxas, no GPU needed).
     out = run_script("kchunk_sm90_compile.py")
     assert out.count("ok ") >= 20 and "wgmma=False" not in out
+
+
+def test_pick_many_rows_buckets():
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # the 8B's qkv, o, gate_up, down
+    for n, k in shapes:
+        # one compiled variant per bucket: the same config for every M inside it
+        for lo, hi in ((17, 64), (65, 128), (129, 256), (257, 4096)):
+            assert len({pick_kchunk_config(m, n, k, 128, 132) for m in range(lo, hi + 1)}) == 1, (n, k, lo)
+        cfg = pick_kchunk_config(64, n, k, 128, 132)
+        assert cfg.gemm == GEMM_JOIN and cfg.block_m == 64  # no dense copy of the weight up to 64 rows
+        assert pick_kchunk_config(300, n, k, 128, 132) == DENSE  # prefill: dequantise once, then cuBLAS
+    # where the sweep found the GEMM ahead of dequantise + cuBLAS (H100 run I1)
+    assert pick_kchunk_config(128, 28672, 4096, 128, 132) == KChunkConfig(128, 128, 64, 1, 8, 3, gemm=GEMM_JOIN)
+    assert pick_kchunk_config(100, 4096, 14336, 128, 132).gemm == GEMM_JOIN
+    assert pick_kchunk_config(100, 4096, 4096, 128, 132) == DENSE  # o: dequantise + cuBLAS won at 128
+    assert pick_kchunk_config(256, 28672, 4096, 128, 132).gemm == GEMM_JOIN
+    assert pick_kchunk_config(256, 6144, 4096, 128, 132) == DENSE
