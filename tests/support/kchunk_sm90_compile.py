@@ -3,7 +3,11 @@
 The CPU interpreter accepts programs the compiler rejects, so `tests/kernels/test_int4_kchunk_gemm.py`
 runs this in a subprocess (no TRITON_INTERPRET) over every tensor-core tiling `pick_kchunk_config`
 can return above 16 rows and every `bench/int4_sweep.py --large` candidate. Prints one line per
-variant: `ok <config> regs=<n> stack=<spill bytes> smem=<bytes> wgmma=<bool>` or `FAIL <config> <error>`; exit status 1 if any failed.
+variant: `ok <config> regs=<n> stack=<spill bytes> smem=<bytes> wgmma=<bool>` or `FAIL <config> <error>`
+(a compile error, or more shared memory than an sm_90 block has); exit status 1 if any failed.
+NOTE: it compiles with the Triton installed here; the H100 box runs Triton 3.6, which rejected
+tilings that 3.7 compiles (x @ W with the weights as the B operand), so run it there too
+(`PYTHONPATH=<triton 3.6 install>:. python tests/support/kchunk_sm90_compile.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from sm90_compile import compile_variant, resources  # noqa: E402
 from kernels.int4_kchunk import GEMM_NIBBLES, KChunkConfig, _kchunk_dot_kernel, pick_kchunk_config  # noqa: E402
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel  # noqa: E402
 
+H100_SMEM = 232448  # bytes of shared memory a block may use on sm_90
 _SIG = {"x_ptr": "*bf16", "w_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16", "bias_ptr": "*bf16",
         "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}
 _DIVISIBLE = ("x_ptr", "w_ptr", "scales_ptr", "zeros_ptr", "bias_ptr", "out_ptr", "partial_ptr", "counter_ptr",
@@ -64,6 +69,8 @@ def main() -> int:
         for split in (False, True):
             try:
                 regs, stack, smem, wgmma = compile_sm90(cfg, split)
+                if smem > H100_SMEM:  # Triton raises OutOfResources only at launch
+                    raise RuntimeError(f"shared memory {smem} > the H100's {H100_SMEM} bytes a block")
                 print(f"ok {i} {tuple(cfg)} split={split} regs={regs} stack={stack} smem={smem} wgmma={wgmma}",
                       flush=True)
             except Exception as e:  # noqa: BLE001 - every failure is listed
