@@ -2,7 +2,7 @@
 
 One command (one H100/H200, about 2-3 minutes, mostly Triton compiles):
 
-  python3 bench/int4_sweep.py [--json PATH] [--quick]
+  python3 bench/int4_sweep.py [--json PATH] [--quick] [--large]
 
 For the 8B engine projections (qkv 4096 x 6144, o 4096 x 4096, gate_up 4096 x 28672, down
 14336 x 4096) and M = 1, 2, 4, 16 it prints one line per candidate: µs, effective GB/s (int4 bytes
@@ -13,6 +13,13 @@ today). Candidates: `kernels/int4_kchunk.KChunkConfig` tilings, each at the spli
 reach 1, 2 and 4 programs per SM. Timings replay a CUDA graph of calls rotating over >= 256 MB of
 weight copies (`bench/quant_kernels.time_us`). Last: the batch-1 linear layers of one 8B token
 (32 layers) for bf16, the general kernel and the best k-chunk tiling per shape.
+
+`--large` sweeps the tensor-core paths for many rows instead (M = 64, 128, 256, 512, 2048, about
+3 minutes): per shape and M, bf16 cuBLAS, today's dequantise-then-cuBLAS (`KChunkConfig` block_m 0:
+a bf16 copy of the weight per call) and each `large_configs` candidate (`_kchunk_dot_kernel` with
+bigger tiles, `int4_kchunk_gemm` with one dot per K tile or one per nibble), split-K to reach one
+program per SM:
+µs, TFLOP/s, GB/s (int4 bytes), ratio to bf16 and relative error; then the 8B step totals per M.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
 from bench.quant_kernels import _copies, int4_weights, time_us  # noqa: E402
 from bench.quant_speed import _rel, _try  # noqa: E402
 from kernels import quant_reference  # noqa: E402
-from kernels.int4_kchunk import KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config  # noqa: E402
+from kernels.int4_kchunk import (  # noqa: E402
+    GEMM_JOIN, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config,
+)
 from kernels.int4_matmul import _split_for, pick_config, quant_linear_impl  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -71,6 +80,39 @@ def base_configs(m: int, quick: bool) -> list[KChunkConfig]:
     return out[:3] if quick else out
 
 
+LARGE_MS = (64, 128, 256, 512, 2048)
+
+
+def large_configs(m: int) -> list[KChunkConfig]:
+    """Tensor-core candidates for one M of `--large` (split_k 0: filled in per shape). D: `_kchunk_dot_kernel`
+    (8 sub-dots, the weights as the MMA's B operand); J / N: `int4_kchunk_gemm` (W^T x^T, the weights
+    as the A operand) with one dot per K tile (GEMM_JOIN) or one per nibble (GEMM_NIBBLES)."""
+    C = KChunkConfig
+
+    def D(bm, bn, bk, w, st, gm=1):
+        return C(bm, bn, bk, 0, w, st, group_m=gm)
+
+    def J(bm, bn, bk, w, st, gm=1):
+        return C(bm, bn, bk, 0, w, st, group_m=gm, gemm=GEMM_JOIN)
+
+    def N(bm, bn, bk, w, st, gm=1):
+        return C(bm, bn, bk, 0, w, st, group_m=gm, gemm=GEMM_NIBBLES)
+
+    # Run I1 (H100): J beat D everywhere and N (run I2) almost everywhere; these vary J's warps, stages and tiles.
+    if m <= 64:
+        return [J(64, 128, 64, 4, 3), J(64, 128, 64, 8, 3), J(64, 128, 64, 4, 4), J(64, 128, 64, 4, 2),
+                J(32, 128, 64, 4, 3), J(64, 128, 32, 4, 4), J(64, 256, 64, 8, 4), N(64, 256, 128, 8, 3),
+                D(64, 128, 128, 4, 3)]
+    if m <= 128:
+        return [J(128, 128, 64, 8, 3), J(64, 128, 64, 4, 3), J(64, 128, 64, 8, 3), J(128, 128, 64, 8, 4),
+                J(128, 256, 64, 8, 3), J(64, 128, 64, 4, 4), J(128, 64, 64, 4, 3), J(128, 128, 32, 8, 4)]
+    if m <= 256:
+        return [J(128, 128, 64, 8, 3), J(64, 128, 64, 4, 3), J(128, 128, 64, 8, 4), J(128, 256, 64, 8, 3),
+                J(64, 128, 64, 8, 3), J(256, 128, 64, 8, 3), J(128, 128, 32, 8, 4)]
+    return [J(128, 128, 64, 8, 3, gm=8), J(128, 256, 64, 8, 3, gm=8), J(128, 128, 64, 8, 4, gm=8),
+            J(128, 128, 32, 8, 4, gm=8), J(64, 128, 64, 4, 3, gm=8), J(128, 256, 32, 8, 4, gm=8)]
+
+
 def with_splits(cfg: KChunkConfig, m: int, n: int, k: int, num_sms: int, quick: bool) -> list[KChunkConfig]:
     tiles = triton.cdiv(n, cfg.block_n) * (1 if cfg.block_m < 16 else triton.cdiv(m, cfg.block_m))
     k_tiles = triton.cdiv(k, cfg.block_k)
@@ -78,11 +120,42 @@ def with_splits(cfg: KChunkConfig, m: int, n: int, k: int, num_sms: int, quick: 
     return [cfg._replace(split_k=s) for s in sorted(splits)]
 
 
+def time_configs(x, ref, w4, configs, default, row, t16, base, nbytes, flops, label) -> list:
+    """Check and time each k-chunk tiling on x (w4: rotating (GPTQ words, k-chunks, scales, zeros)),
+    print a line each and append it to row["kchunk"], then the fastest kernel (not dequantise+cuBLAS);
+    returns [(us, config)] of the kernels that ran, fastest first."""
+    p0, s0, z0 = w4[0][1:]
+    t_base, base_name = base
+    results = []
+    for cfg in dict.fromkeys(configs):
+        err = _try(lambda c=cfg: _rel(int4_kchunk_linear_impl(x, p0, s0, z0, GROUP, None, c), ref))
+        t = _try(lambda c=cfg: time_us([lambda w=w: int4_kchunk_linear_impl(x, w[1], w[2], w[3], GROUP, None, c)
+                                        for w in w4])) if isinstance(err, float) else err
+        ok = isinstance(t, float)
+        tag = " (default)" if cfg == default else ""
+        if ok:
+            results.append((t, cfg))
+            bad = "  WRONG" if err > 1e-2 else ""
+            print(f"  {label(cfg)}{tag}: {t:.1f} us {flops / t / 1e6:,.1f} TFLOP/s {nbytes / t / 1e3:,.0f} GB/s "
+                  f"x{t / t16:.2f} bf16 x{t / t_base:.2f} {base_name} err {err:.1e}{bad}", flush=True)
+        else:
+            print(f"  {label(cfg)}{tag}: FAIL {t}", flush=True)
+        row["kchunk"].append({"config": list(cfg), "us": t if ok else None, "err": err if ok else None,
+                              "tflops": flops / t / 1e6 if ok else None, "gbs": nbytes / t / 1e3 if ok else None,
+                              "error": None if ok else t, "default": cfg == default})
+    results = sorted((r for r in results if r[1].block_m), key=lambda r: r[0])
+    if results:
+        t, c = results[0]
+        print(f"  best {label(c)} {t:.1f} us = {flops / t / 1e6:,.1f} TFLOP/s {nbytes / t / 1e3:,.0f} GB/s, "
+              f"x{t / t16:.2f} bf16, x{t / t_base:.2f} {base_name}", flush=True)
+    return results
+
+
 def run_shape(name: str, k: int, n: int, num_sms: int, quick: bool, report: dict) -> dict:
     """Every M for one projection; returns {M: (bf16 us, general us, best k-chunk (us, config))}."""
     w16 = [torch.randn(n, k, device="cuda", dtype=BF16) / 64 for _ in range(_copies(k * n * 2))]
     w4 = [(q, quant_reference.repack_int4_kchunk(q), s, z) for q, s, z in int4_weights(k, n, GROUP, _copies(k * n // 2))]
-    q0, p0, s0, z0 = w4[0]
+    q0, _, s0, z0 = w4[0]
     best = {}
     for m in MS:
         x = torch.randn(m, k, device="cuda", dtype=BF16)
@@ -98,33 +171,70 @@ def run_shape(name: str, k: int, n: int, num_sms: int, quick: bool, report: dict
                "general_config": list(old_cfg), "kchunk": []}
         default = pick_kchunk_config(m, n, k, GROUP, num_sms)
         cands = [c for base in base_configs(m, quick) for c in with_splits(base, m, n, k, num_sms, quick)]
-        results = []
-        for cfg in dict.fromkeys([default, *cands]):
-            err = _try(lambda c=cfg: _rel(int4_kchunk_linear_impl(x, p0, s0, z0, GROUP, None, c), ref))
-            t = _try(lambda c=cfg: time_us([lambda w=w: int4_kchunk_linear_impl(x, w[1], w[2], w[3], GROUP, None, c)
-                                            for w in w4])) if isinstance(err, float) else err
-            ok = isinstance(t, float)
-            tag = " (default)" if cfg == default else ""
-            if ok:
-                results.append((t, cfg))
-                bad = "  WRONG" if err > 1e-2 else ""
-                print(f"  {tuple(cfg)}{tag}: {t:.1f} us {nbytes / t / 1e3:,.0f} GB/s x{t / t16:.2f} bf16 "
-                      f"x{t / t_old:.2f} general err {err:.1e}{bad}", flush=True)
-            else:
-                print(f"  {tuple(cfg)}{tag}: FAIL {t}", flush=True)
-            row["kchunk"].append({"config": list(cfg), "us": t if ok else None, "err": err if ok else None,
-                                  "gbs": nbytes / t / 1e3 if ok else None, "error": None if ok else t,
-                                  "default": cfg == default})
-        results.sort(key=lambda r: r[0])
-        if results:
-            t, c = results[0]
-            print(f"  best {tuple(c)} {t:.1f} us = {nbytes / t / 1e3:,.0f} GB/s, x{t / t16:.2f} bf16, "
-                  f"x{t / t_old:.2f} general", flush=True)
+        results = time_configs(x, ref, w4, [default, *cands], default, row, t16, (t_old, "general"), nbytes,
+                               2 * m * k * n, lambda c: str(tuple(c)))
         best[m] = (t16, t_old, results[0] if results else None)
         report["rows"].append(row)
     del w16, w4
     torch.cuda.empty_cache()
     return best
+
+
+def run_large_shape(name: str, k: int, n: int, num_sms: int, report: dict) -> dict:
+    """`--large` for one projection; returns {M: (bf16 us, dequantise+cuBLAS us, best (us, config) or None)}."""
+    w16 = [torch.randn(n, k, device="cuda", dtype=BF16) / 64 for _ in range(_copies(k * n * 2))]
+    w4 = [(q, quant_reference.repack_int4_kchunk(q), s, z) for q, s, z in int4_weights(k, n, GROUP, _copies(k * n // 2))]
+    q0, _, s0, z0 = w4[0]
+    dense = KChunkConfig(0, 0, 0, 1, 0)
+    best = {}
+    for m in LARGE_MS:
+        x = torch.randn(m, k, device="cuda", dtype=BF16)
+        ref = quant_reference.quant_linear(x, q0, s0, z0, None, 4, GROUP)
+        nbytes, flops = int4_bytes(m, k, n), 2 * m * k * n
+        t16 = time_us([lambda w=w: F.linear(x, w) for w in w16])
+        t_dq = time_us([lambda w=w: int4_kchunk_linear_impl(x, w[1], w[2], w[3], GROUP, None, dense) for w in w4])
+        print(f"\n## {name} K={k} N={n} M={m}: bf16 {t16:.1f} us ({flops / t16 / 1e6:,.0f} TFLOP/s); dequantise+cuBLAS "
+              f"{t_dq:.1f} us (x{t_dq / t16:.2f} bf16)", flush=True)
+        row = {"name": name, "K": k, "N": n, "M": m, "bf16_us": t16, "dequant_cublas_us": t_dq, "kchunk": []}
+        default = pick_kchunk_config(m, n, k, GROUP, num_sms)
+        cands = []
+        for cfg in large_configs(m):
+            tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+            cands.append(cfg._replace(split_k=_split_for(tiles, triton.cdiv(k, cfg.block_k), num_sms)))
+        results = time_configs(x, ref, w4, [default, *cands], default, row, t16, (t_dq, "dq"), nbytes, flops, _short)
+        best[m] = (t16, t_dq, results[0] if results else None)
+        report["rows"].append(row)
+    del w16, w4
+    torch.cuda.empty_cache()
+    return best
+
+
+def _short(cfg: KChunkConfig) -> str:
+    """The fields that matter for the tensor-core paths."""
+    if cfg.block_m == 0:
+        return "dequantise+cuBLAS"
+    kind = {0: "D", GEMM_JOIN: "J", GEMM_NIBBLES: "N"}[cfg.gemm]
+    return (f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
+            f" g{cfg.group_m}")
+
+
+def large(num_sms: int, json_path: str, report: dict, t0: float) -> None:
+    totals = {m: [0.0, 0.0, 0.0] for m in LARGE_MS}
+    for name, k, n in SHAPES:
+        best = run_large_shape(name, k, n, num_sms, report)
+        for m, (t16, t_dq, b) in best.items():
+            totals[m][0] += t16 * NUM_LAYERS / 1e3
+            totals[m][1] += t_dq * NUM_LAYERS / 1e3
+            totals[m][2] += (b[0] if b else float("nan")) * NUM_LAYERS / 1e3
+        print(f"# {name} done: {time.perf_counter() - t0:.0f} s", flush=True)
+        _write(json_path, report)
+    print("\n# linear layers of one 8B step (qkv, o, gate_up, down x 32 layers), ms")
+    for m in LARGE_MS:
+        b16, dq, new = totals[m]
+        print(f"M={m}: bf16 {b16:.3f}; dequantise+cuBLAS {dq:.3f} (x{dq / b16:.2f}); tensor-core best {new:.3f} "
+              f"(x{new / b16:.2f} bf16, x{new / dq:.2f} dequantise+cuBLAS)", flush=True)
+    report["per_step_ms"] = {str(m): {"bf16": totals[m][0], "dequant_cublas": totals[m][1], "kchunk_best": totals[m][2]}
+                             for m in LARGE_MS}
 
 
 def _write(path: str, report: dict) -> None:
@@ -138,6 +248,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="")
     ap.add_argument("--quick", action="store_true", help="three tilings per M at one split (a smoke run)")
+    ap.add_argument("--large", action="store_true", help="the tensor-core paths at M = 64..2048 instead")
     args = ap.parse_args()
     t0 = time.perf_counter()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -146,6 +257,11 @@ def main() -> None:
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:,.0f} GB/s", flush=True)
     report: dict = {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "rows": []}
+    if args.large:
+        large(num_sms, args.json, report, t0)
+        _write(args.json, report)
+        print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
+        return
     totals = {m: [0.0, 0.0, 0.0] for m in MS}
     for name, k, n in SHAPES:
         best = run_shape(name, k, n, num_sms, args.quick, report)

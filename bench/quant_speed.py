@@ -6,15 +6,18 @@ One command (one H100/H200):
 
 1. Per-kernel table, M = 1, 16, 64, 256, 2048 over q/o (4096 x 4096), k/v (4096 x 1024), gate/up
    (4096 x 14336), down (14336 x 4096) and the fused qkv / gate_up the engine runs: µs of bf16
-   `F.linear`; int4 g128 old (`kernels.int4_matmul`, GPTQ layout) and new (`kernels.int4_repacked`,
-   repacked); FP8 old (`scaled_mm_linear`: quantise + `_scaled_mm`) and new (`kernels.fp8_linear`,
-   one-launch kernel up to 16 rows); each new kernel's GB/s and TFLOP/s against the copy and bf16
-   matmul ceilings measured in the same run, and its relative error against the torch reference.
+   `F.linear`; "old" is what serving ran before issue 27's kernels, "new" what it runs now: int4 g128
+   old `kernels.int4_matmul` (GPTQ layout: GEMV, tiles to 64 rows, dequantise + cuBLAS above), new
+   `kernels.int4_kchunk_linear` (the k-chunk layout repacked at load, `pick_kchunk_config` per M, as
+   `serving/executor/quant/gptq.py` calls it); FP8 old `scaled_mm_linear` (quantise + `_scaled_mm`),
+   new `kernels.fp8_linear`; each new kernel's GB/s and TFLOP/s against the copy and bf16 matmul
+   ceilings measured in the same run, and its relative error against the torch reference.
    Timings replay a CUDA graph of calls rotating over >= 256 MB of weight copies (weights from HBM).
 2. Batch-1 decode ms/token of the 8B shape, bf16 / GPTQ int4 g128 / FP8, through the offline API
    (`bench/latency.py`, random weights, one process); `--workload` adds the reference workload's
    tokens/s for the three (`bench/offline.py`).
-3. `--sweep` (last): candidate tilings of the new kernels at o and gate_up per M (default and best three).
+3. `--sweep` (last): candidate tilings of the new FP8 kernel at o and gate_up per M (default and best
+   three); the int4 tilings have their own sweep, `bench/int4_sweep.py` (`--large` above 64 rows).
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ from bench.quant_kernels import _copies, int4_weights, time_us  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.fp8_matmul import scaled_mm_linear  # noqa: E402
 from kernels.int4_matmul import quant_linear_impl  # noqa: E402
-from kernels.int4_repacked import Int4Config, int4_linear_impl, pick_int4_config  # noqa: E402
 from kernels.skinny_linear import MAX_M, pick_skinny_config, skinny_linear_impl  # noqa: E402
 from bench.skinny_sweep import candidates as skinny_candidates  # noqa: E402
 
@@ -75,86 +77,42 @@ def _try(fn):
         return f"{type(e).__name__}: {str(e)[:160]}"
 
 
-def int4_candidates(m: int, n: int, k: int, num_sms: int) -> list[Int4Config]:
-    def split(cfg: Int4Config, per_sm: float) -> Int4Config:
-        tiles = triton.cdiv(n, cfg.block_n) * (1 if cfg.block_m == 1 else triton.cdiv(m, cfg.block_m))
-        k_tiles = triton.cdiv(k, cfg.block_k)
-        target = int(per_sm * num_sms)
-        s = 1 if tiles >= target else max(1, min(k_tiles, triton.cdiv(target, tiles), 64))
-        return cfg._replace(split_k=triton.cdiv(k_tiles, triton.cdiv(k_tiles, s)))
-
-    if m == 1:
-        base = [Int4Config(1, 256 * w, bk, 0, w, 1) for w, bk in ((2, 32), (4, 16), (4, 32), (4, 64), (8, 32))]
-        base.append(Int4Config(1, 1024, 32, 0, 4, 1, asm=False))  # the plain and + or, for comparison
-        base.append(Int4Config(1, 2048, 16, 0, 4, 1))  # 2 adjacent words a thread
-        base.append(Int4Config(16, 64, 128, 0, 4, 4))  # tensor cores at one row
-        return [split(c, p) for c in base for p in (1, 2, 4)]
-    if m <= 16:
-        base = [Int4Config(16, bn, bk, 0, w, s) for bn, bk, w, s in
-                ((64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 4), (256, 64, 4, 3), (64, 256, 4, 3))]
-        base.append(Int4Config(16, 128, 128, 0, 4, 4, asm=False))
-        return [split(c, p) for c in base for p in (1, 2, 4)]
-    if m <= 64:
-        base = [Int4Config(bm, bn, bk, 0, w, s) for bm, bn, bk, w, s in
-                ((64, 128, 64, 8, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3))]
-        return [split(c, p) for c in base for p in (1, 2)]
-    # 256-row tiles dequantise each weight tile once for twice the rows
-    big = ((256, 128, 32, 8, 4), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3)) if m >= 2048 else ((256, 64, 64, 8, 3),)
-    return [split(Int4Config(bm, bn, bk, 0, w, s), p) for bm, bn, bk, w, s in
-            ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4),
-             (128, 128, 128, 8, 3), *big) for p in ((1, 0) if m >= 2048 else (1,))]
-
-
 def make_weights(k: int, n: int):
-    """Rotating copies: bf16 [N, K]; int4 (GPTQ qweight, repacked, scales, zeros); fp8 (weight, scale)."""
+    """Rotating copies: bf16 [N, K]; int4 (GPTQ qweight, k-chunks, scales, zeros); fp8 (weight, scale)."""
     w16 = [torch.randn(n, k, device="cuda", dtype=BF16) / 64 for _ in range(_copies(k * n * 2))]
-    w4 = [(q, kernels.repack_int4(q), s, z) for q, s, z in int4_weights(k, n, GROUP, _copies(k * n // 2))]
+    w4 = [(q, kernels.repack_int4_kchunk(q), s, z) for q, s, z in int4_weights(k, n, GROUP, _copies(k * n // 2))]
     w8 = [kernels.quantize_fp8(w) for w in (w16 * 8)[: _copies(k * n)]]
     return w16, w4, w8
 
 
 def sweep(num_sms: int, report: dict) -> None:
-    print("\n# sweep of the new kernels: default and best three per shape and M (µs)", flush=True)
+    print("\n# sweep of the new FP8 kernel: default and best three per shape and M (µs)", flush=True)
     for name, k, n in PROJECTIONS:
         if name not in SWEPT:
             continue
-        _, w4, w8 = make_weights(k, n)
+        _, _, w8 = make_weights(k, n)
         for m in MS:
+            if m > MAX_M:
+                continue
             x = torch.randn(m, k, device="cuda", dtype=BF16)
-            rows = []
-            for cfg in dict.fromkeys(int4_candidates(m, n, k, num_sms)):
-                t = _try(lambda c=cfg: time_us([lambda w=w: int4_linear_impl(x, w[1], w[2], w[3], GROUP, None, c)
-                                                for w in w4]))
-                rows.append(("int4", cfg, t))
-            if m <= MAX_M:
-                for cfg in skinny_candidates(m, n, k, 1, num_sms):
-                    t = _try(lambda c=cfg: time_us([lambda w=w: skinny_linear_impl(x, w[0], w[1], None, c)
-                                                    for w in w8]))
-                    rows.append(("fp8", cfg, t))
-            for kind, default in (("int4", pick_int4_config(m, n, k, GROUP, num_sms)),
-                                  ("fp8", pick_skinny_config(m, n, k, torch.float8_e4m3fn, num_sms) if m <= MAX_M else None)):
-                if default is None:
-                    continue
-                timed = sorted((r for r in rows if r[0] == kind and isinstance(r[2], float)), key=lambda r: r[2])
-                fails = [r for r in rows if r[0] == kind and not isinstance(r[2], float)]
-                d = next((r[2] for r in rows if r[0] == kind and r[1] == default), None)
-                if d is None:
-                    fn = int4_linear_impl if kind == "int4" else skinny_linear_impl
-                    ws = w4 if kind == "int4" else w8
-                    if kind == "int4":
-                        d = _try(lambda: time_us([lambda w=w: fn(x, w[1], w[2], w[3], GROUP, None, default) for w in ws]))
-                    else:
-                        d = _try(lambda: time_us([lambda w=w: fn(x, w[0], w[1], None, default) for w in ws]))
-                d_s = f"{d:.1f}" if isinstance(d, float) else d
-                print(f"{kind} {name} K={k} N={n} M={m}: default {tuple(default)} {d_s}; best "
-                      + "; ".join(f"{tuple(c)} {t:.1f}" for _, c, t in timed[:3])
-                      + (f"; {len(fails)} failed, e.g. {tuple(fails[0][1])}: {fails[0][2]}" if fails else ""),
-                      flush=True)
-                report.setdefault("sweep", []).append({"kind": kind, "name": name, "K": k, "N": n, "M": m,
-                                                       "default": [list(default), d],
-                                                       "best": [[list(c), t] for _, c, t in timed[:5]],
-                                                       "failed": [[list(c), t] for _, c, t in fails[:3]]})
-        del w4, w8
+            rows = [(cfg, _try(lambda c=cfg: time_us([lambda w=w: skinny_linear_impl(x, w[0], w[1], None, c)
+                                                      for w in w8])))
+                    for cfg in skinny_candidates(m, n, k, 1, num_sms)]
+            default = pick_skinny_config(m, n, k, torch.float8_e4m3fn, num_sms)
+            timed = sorted((r for r in rows if isinstance(r[1], float)), key=lambda r: r[1])
+            fails = [r for r in rows if not isinstance(r[1], float)]
+            d = next((t for c, t in rows if c == default), None)
+            if d is None:
+                d = _try(lambda: time_us([lambda w=w: skinny_linear_impl(x, w[0], w[1], None, default) for w in w8]))
+            d_s = f"{d:.1f}" if isinstance(d, float) else d
+            print(f"fp8 {name} K={k} N={n} M={m}: default {tuple(default)} {d_s}; best "
+                  + "; ".join(f"{tuple(c)} {t:.1f}" for c, t in timed[:3])
+                  + (f"; {len(fails)} failed, e.g. {tuple(fails[0][0])}: {fails[0][1]}" if fails else ""), flush=True)
+            report.setdefault("sweep", []).append({"kind": "fp8", "name": name, "K": k, "N": n, "M": m,
+                                                   "default": [list(default), d],
+                                                   "best": [[list(c), t] for c, t in timed[:5]],
+                                                   "failed": [[list(c), t] for c, t in fails[:3]]})
+        del w8
         torch.cuda.empty_cache()
 
 
@@ -172,11 +130,11 @@ def table(bw: float, tflops: float, report: dict) -> None:
             x = torch.randn(m, k, device="cuda", dtype=BF16)
             t16 = time_us([lambda w=w: F.linear(x, w) for w in w16])
             t4o = _try(lambda: time_us([lambda w=w: quant_linear_impl(x, w[0], w[2], w[3], None, 4, GROUP) for w in w4]))
-            t4n = _try(lambda: time_us([lambda w=w: kernels.int4_linear(x, w[1], w[2], w[3], GROUP) for w in w4]))
+            t4n = _try(lambda: time_us([lambda w=w: kernels.int4_kchunk_linear(x, w[1], w[2], w[3], GROUP) for w in w4]))
             t8o = _try(lambda: time_us([lambda w=w: scaled_mm_linear(x, w[0], w[1]) for w in w8]))
             t8n = _try(lambda: time_us([lambda w=w: kernels.fp8_linear(x, w[0], w[1]) for w in w8]))
             q, p, s, z = w4[0]
-            e4 = _try(lambda: _rel(kernels.int4_linear(x, p, s, z, GROUP),
+            e4 = _try(lambda: _rel(kernels.int4_kchunk_linear(x, p, s, z, GROUP),
                                    quant_reference.quant_linear(x, q, s, z, None, 4, GROUP)))
             e8 = _try(lambda: _rel(kernels.fp8_linear(x, *w8[0]), quant_reference.fp8_linear(x, *w8[0])))
             row = {"proj": name, "K": k, "N": n, "M": m, "bf16_us": t16, "int4_old_us": t4o, "int4_new_us": t4n,

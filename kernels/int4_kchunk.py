@@ -2,7 +2,7 @@
 
 In: `x [M, K]`, `packed` int32 `[K // 32, N, 4]` (the 32 rows 32c.. of column n in the 16-byte
 vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zeros [G, N]` (group
-`k // group_size`, or one group). Out: `[M, N]` in x's dtype. Three paths, picked by `KChunkConfig`:
+`k // group_size`, or one group). Out: `[M, N]` in x's dtype. Four paths, picked by `KChunkConfig`:
 
 - `block_m` 1, 2 or 4: `_kchunk_gemv_kernel` (CUDA cores). A `[BLOCK_K // 32, BLOCK_N, 4]` word tile
   keeps each column's words in one thread (one 16-byte load per 32 weights; `COLS` columns a thread,
@@ -12,7 +12,9 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
 - `block_m` >= 16: `_kchunk_dot_kernel` (tensor cores): per nibble j, the tile's `[BLOCK_K // 8,
   BLOCK_N]` weights are dequantised with one FMA (w = f * 16 s - (16 + z) s) into x's dtype and
   multiplied by the matching x columns in `tl.dot`.
-- `block_m` 0 (large M): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
+- `gemm` set (many rows): `kernels/int4_kchunk_gemm.py`, tensor cores with the dequantised weights
+  as the MMA's register operand (out^T = W^T x^T), no copy of the weight.
+- `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 """
 
@@ -24,8 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_tile, nibble_float, nibble_pair_floats, stack_rows
+from kernels.int4_common import finish_tile, grouped_tile, nibble_float, nibble_pair_floats, stack_rows
+from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
 from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
+
+
+GEMM_JOIN = 1  # `int4_kchunk_gemm`: one dot per K tile on the weights put back in natural row order
+GEMM_NIBBLES = 2  # `int4_kchunk_gemm`: one dot per nibble, each on an elementwise function of the words
 
 
 class KChunkConfig(NamedTuple):
@@ -41,6 +48,8 @@ class KChunkConfig(NamedTuple):
     asm: bool = True  # dequantise with an inline-PTX lop3 (CUDA only; the interpreter runs the plain form)
     pairs: bool = True  # GEMV: two nibbles per shift (`int4_common.nibble_pair_floats`)
     reduce_each: bool = False  # GEMV: sum each nibble's products at once instead of an FMA tile
+    group_m: int = 1  # tensor cores: row tiles per band of the program order (L2 reuse of weight tiles)
+    gemm: int = 0  # tensor cores: `int4_kchunk_gemm` (W^T x^T) with GEMM_JOIN or GEMM_NIBBLES, else 0
 
 
 @triton.jit
@@ -204,6 +213,7 @@ def _kchunk_dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= 128: each nibble's sub-dot has BLOCK_K // 8 >= 16 rows
+    GROUP_M: tl.constexpr,  # row tiles per band of the program order (1: row-major)
     DOT_PRECISION: tl.constexpr,
     ASM: tl.constexpr,
 ):
@@ -211,13 +221,7 @@ def _kchunk_dot_kernel(
     R: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_r = tl.arange(0, R)
     offs_w = tl.arange(0, 4)
     # [R, 4, BLOCK_N] word tiles: merging (r, w) gives the sub-dot's rows 32 r + 4 j + w.
@@ -291,6 +295,32 @@ def dequantize_kchunk(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return w
 
 
+DENSE = KChunkConfig(0, 0, 0, 1, 0)  # dequantise the whole weight once, then cuBLAS
+
+
+def _many_rows_config(M: int, N: int, K: int, num_sms: int) -> KChunkConfig:
+    """M > 16: `int4_kchunk_gemm` (GEMM_JOIN) where it beat dequantise + cuBLAS in `bench/int4_sweep.py
+    --large` on an H100 (run I1, the 8B shapes, group 128), else DENSE. µs, k-chunk GEMM / dequantise +
+    cuBLAS / bf16 cuBLAS (qkv 4096 x 6144, o 4096 x 4096, gate_up 4096 x 28672, down 14336 x 4096):
+    M = 64, 64-row tiles of 128 columns: 32.8 / 41.8 / 24.4, 24.7 / 23.7 / 15.2, 87.4 / 196.5 / 90.2,
+    62.7 / 101.6 / 47.7 (the 8-sub-dot kernel it replaces: 49.0, 31.5, 163.6, -); M = 128: 45.1 / 44.6,
+    32.7 / 27.3 (o: dequantise wins), 104.4 (128-row tiles, 8 warps) / 199.8, 94.6 / 108.6; M = 256 only
+    gate_up's 203 / 213 (qkv 84 / 49, o 47 / 30, down 136 / 111); from 512 up dequantise + cuBLAS, as
+    prefill (M = 2048: 1.12-1.17x bf16, the GEMM 2.2x: ~350 TFLOP/s against cuBLAS's ~780)."""
+    wide = N >= 16384
+    if M <= 64:
+        top, bm, bn, warps = 64, 64, 128, 4
+    elif M <= 128 and N * K >= 6144 * 4096:
+        top, bm, bn, warps = 128, (128 if wide else 64), 128, (8 if wide else 4)
+    elif M <= 256 and wide:
+        top, bm, bn, warps = 256, 128, 128, 8
+    else:
+        return DENSE
+    # Row tiles of the bucket's largest M: one split (and one compiled variant) for the whole bucket.
+    tiles = triton.cdiv(N, bn) * triton.cdiv(top, bm)
+    return KChunkConfig(bm, bn, 64, _split_for(tiles, triton.cdiv(K, 64), num_sms), warps, 3, gemm=GEMM_JOIN)
+
+
 def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig:
     """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
 
@@ -299,24 +329,23 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int) ->
     N (gate_up, 28,672) 512 columns and 64-row tiles split to ~4 per SM (M = 1: qkv 11.0, o 8.9,
     gate_up 28.1, down 19.9 us; the general kernel 13.7 / 11.2 / 35.9 / 23.7); M = 3-16 16-row
     tensor-core tiles of 64 columns split to ~4 programs per SM, 3 stages from M = 5 (M = 16: 17.0 /
-    12.6 / 54.8 / 31.1 us against 23.2 / 19.7 / 72.5 / 41.5); to 64, 64-row tiles (not measured);
-    above, the weight dequantised once for cuBLAS (prefill: that cost is amortised over the rows)."""
-    if M > 64:
-        return KChunkConfig(0, 0, 0, 1, 0)  # dequantise once, then cuBLAS
+    12.6 / 54.8 / 31.1 us against 23.2 / 19.7 / 72.5 / 41.5); above, `_many_rows_config`: the
+    k-chunk GEMM up to 64 rows, to 128 or 256 rows on the larger weights, else the weight
+    dequantised once for cuBLAS (there, prefill, that cost is amortised over the rows)."""
+    if M > 16:
+        return _many_rows_config(M, N, K, num_sms)
     stages = 1
     if M <= 2:
         wide = N >= 16384
         bm, bn, bk, warps, target = M, 512 if wide else 256, 64 if wide else 128, 4, (4 if wide else 2) * num_sms
-    elif M <= 16:
+    else:
         bm, bn, bk, warps, target = 16, 64, 128, 4, 4 * num_sms
         stages = 1 if M <= 4 else 3
-    else:
-        bm, bn, bk, warps, target = 64, 64, 128, 4, 2 * num_sms
     if bm < 16:
         while bk > 32 and group_size < K and group_size % bk:
             bk //= 2
     # Row tiles of the bucket's largest M: one split (and one compiled variant) for the whole bucket.
-    tiles = triton.cdiv(N, bn) * (1 if bm < 16 else triton.cdiv(16 if M <= 16 else 64, bm))
+    tiles = triton.cdiv(N, bn)  # one row tile
     return KChunkConfig(bm, bn, bk, _split_for(tiles, triton.cdiv(K, bk), target), warps, stages)
 
 
@@ -344,7 +373,7 @@ def int4_kchunk_linear_impl(
     one_group = group_size >= K
     if not one_group and group_size % 32:
         raise ValueError(f"the k-chunk layout needs groups of a multiple of 32 rows, got {group_size}")
-    if config.block_m == 0:  # dequantise, then cuBLAS (large M: the dequantise is amortised)
+    if config.block_m == 0:  # DENSE: dequantise, then cuBLAS (large M: the dequantise is amortised)
         w = dequantize_kchunk(packed, scales, zeros, group_size, x.dtype)
         return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
     gemv = config.block_m < 16
@@ -355,8 +384,11 @@ def int4_kchunk_linear_impl(
         assert config.block_n % (32 * config.num_warps) == 0, config
         if not one_group and group_size % config.block_k:
             raise ValueError(f"the k-chunk GEMV needs block_k dividing group_size {group_size}: {config}")
+    elif config.gemm:
+        assert config.gemm in (GEMM_JOIN, GEMM_NIBBLES) and config.block_m >= 16 and config.group_m >= 1, config
+        assert config.gemm == GEMM_JOIN or config.block_k % 128 == 0, config
     else:
-        assert config.block_k >= 128, config
+        assert config.block_k >= 128 and config.group_m >= 1, config
     asm = config.asm and x.is_cuda  # the interpreter runs on CPU tensors, and has no PTX
     split = config.split_k
     tiles = triton.cdiv(N, config.block_n) * (1 if gemv else triton.cdiv(M, config.block_m))
@@ -371,10 +403,17 @@ def int4_kchunk_linear_impl(
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, PAIRS=config.pairs,
             REDUCE_EACH=config.reduce_each, ASM=asm, num_warps=config.num_warps, num_stages=config.num_stages,
         )
+    elif config.gemm:
+        _kchunk_gemm_kernel[(tiles, split)](
+            *args, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            NIBBLES=config.gemm == GEMM_NIBBLES, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     else:
         _kchunk_dot_kernel[(tiles, split)](
             *args, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_tile, unit_float
+from kernels.int4_common import finish_tile, grouped_tile, unit_float
 from kernels.int4_gemv import int_gemv_kernel
 
 
@@ -63,18 +63,7 @@ def _int_matmul_kernel(
     pid = tl.program_id(0)
     split = tl.program_id(1)
     # Grouped ordering: GROUP_M row tiles walk the same column tiles while their weights sit in L2.
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
-    pid_n = (pid % num_pid_in_group) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
@@ -122,7 +111,7 @@ def _int_matmul_kernel(
                 w = (f * (s * UNIT)[None, :] - ((z + UNIT) * s)[None, :]).to(DTYPE)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
 
-    finish_tile(acc, offs_m, offs_n, mask_m, mask_n, split, split_k, pid_m * num_pid_n + pid_n, M, N, bias_ptr,
+    finish_tile(acc, offs_m, offs_n, mask_m, mask_n, split, split_k, pid, M, N, bias_ptr,
                  out_ptr, partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
 

@@ -30,47 +30,57 @@ _DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "partial_ptr
               "stride_xm", "stride_wn", "stride_om")
 
 
-def compile_sm90(m: int, fp8: bool, cfg, split: bool, even_k: bool = True) -> int:
-    """Compile one variant as the launcher would specialise it at real shapes; returns its registers."""
-    if isinstance(cfg, GemvConfig):
-        return _compile_gemv(m, cfg, split, even_k)
-    names = _skinny_kernel.arg_names
-    const = dict(HAS_SCALE=fp8, HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.num_stages,
-                 SUB=cfg.sub,
-                 BLOCK_M=max(16, m_bucket(m)) if cfg.mode == MODE_DOT else m_bucket(m), BLOCK_N=cfg.block_n,
-                 BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
-    sig = {n: "constexpr" if n in const else _SIG.get(n, "i32") for n in names}
-    sig["w_ptr"] = "*fp8e4nv" if fp8 else "*bf16"
-    src = ASTSource(fn=_skinny_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    return _registers(kernel)
+def compile_variant(fn, const: dict, types: dict, divisible: tuple, num_warps: int, num_stages: int):
+    """Compile the Triton kernel `fn` for sm_90 with these constexprs, argument types (default i32)
+    and arguments assumed divisible by 16, as a launch at real shapes would specialise it."""
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in names})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def _compile_gemv(m: int, cfg: GemvConfig, split: bool, even_k: bool) -> int:
-    # kernels/fp8_gemv.py's kernel, with the inline-asm conversions the GPU runs
-    names = _fp8_gemv_kernel.arg_names
-    const = dict(HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.stages, UNROLL=cfg.unroll,
-                 BLOCK_M=block_m_for(m, cfg.mode), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ASM_CVT=bool(cfg.cvt))
-    sig = {n: "constexpr" if n in const else _SIG.get(n, "i32") for n in names}
-    sig["w_ptr"] = "*i32"
-    src = ASTSource(fn=_fp8_gemv_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.stages))
-    assert kernel.metadata.shared <= 227 * 1024, f"{cfg.short()}: {kernel.metadata.shared} bytes of shared memory"
-    return _registers(kernel)
-
-
-def _registers(kernel) -> int:
+def resources(kernel) -> tuple[int, int]:
+    """(registers a thread, spill stack bytes) of a compiled kernel, from cuobjdump."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+)", usage)
-    return int(found.group(1)) if found else -1
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1
+
+
+def run_script(script: str) -> str:
+    """Run a compile script of tests/support in a process without TRITON_INTERPRET (tests call this);
+    fails with its output unless it exits 0; returns its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "support", script)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def compile_sm90(m: int, fp8: bool, cfg, split: bool, even_k: bool = True) -> int:
+    """Compile one variant as the launcher would specialise it at real shapes; returns its registers."""
+    if isinstance(cfg, GemvConfig):
+        return _compile_gemv(m, cfg, split, even_k)
+    const = dict(HAS_SCALE=fp8, HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.num_stages,
+                 SUB=cfg.sub,
+                 BLOCK_M=max(16, m_bucket(m)) if cfg.mode == MODE_DOT else m_bucket(m), BLOCK_N=cfg.block_n,
+                 BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
+    types = dict(_SIG, w_ptr="*fp8e4nv" if fp8 else "*bf16")
+    kernel = compile_variant(_skinny_kernel, const, types, _DIVISIBLE, cfg.num_warps, cfg.num_stages)
+    return resources(kernel)[0]
+
+
+def _compile_gemv(m: int, cfg: GemvConfig, split: bool, even_k: bool) -> int:
+    # kernels/fp8_gemv.py's kernel, with the inline-asm conversions the GPU runs
+    const = dict(HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.stages, UNROLL=cfg.unroll,
+                 BLOCK_M=block_m_for(m, cfg.mode), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ASM_CVT=bool(cfg.cvt))
+    kernel = compile_variant(_fp8_gemv_kernel, const, dict(_SIG, w_ptr="*i32"), _DIVISIBLE, cfg.num_warps, cfg.stages)
+    assert kernel.metadata.shared <= 227 * 1024, f"{cfg.short()}: {kernel.metadata.shared} bytes of shared memory"
+    return resources(kernel)[0]
 
 
 def main() -> int:
