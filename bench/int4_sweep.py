@@ -98,7 +98,8 @@ def large_configs(m: int) -> list[KChunkConfig]:
     def N(bm, bn, bk, w, st, gm=1):
         return C(bm, bn, bk, 0, w, st, group_m=gm, gemm=GEMM_NIBBLES)
 
-    # Run I1 (H100): J beat D everywhere and N (run I2) almost everywhere; these vary J's warps, stages and tiles.
+    # bench/RESULTS.md run 41 (H100): J beat D everywhere and N (run 42) almost everywhere;
+    # these vary J's warps, stages and tiles.
     if m <= 64:
         return [J(64, 128, 64, 4, 3), J(64, 128, 64, 8, 3), J(64, 128, 64, 4, 4), J(64, 128, 64, 4, 2),
                 J(32, 128, 64, 4, 3), J(64, 128, 32, 4, 4), J(64, 256, 64, 8, 4), N(64, 256, 128, 8, 3),

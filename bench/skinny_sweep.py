@@ -239,7 +239,8 @@ def gemv_families(m: int) -> list[tuple]:
 
 
 def gemv_families_f2(m: int) -> list[tuple]:
-    """Round 2 (after F1): the winners' neighbours: pipelining depth, narrower programs, finer split targets."""
+    """Round 2 (after RESULTS run 41): the winners' neighbours: pipelining depth, narrower programs,
+    finer split targets."""
     A, D = gemv.MODE_ACC, gemv.MODE_DOT16
     if m == 1:
         return [(A, 16, 512, 1, 4, 1), (A, 16, 512, 1, 4, 2), (A, 16, 512, 1, 4, 3), (A, 16, 512, 1, 4, 4),

@@ -300,7 +300,7 @@ DENSE = KChunkConfig(0, 0, 0, 1, 0)  # dequantise the whole weight once, then cu
 
 def _many_rows_config(M: int, N: int, K: int, num_sms: int) -> KChunkConfig:
     """M > 16: `int4_kchunk_gemm` (GEMM_JOIN) where it beat dequantise + cuBLAS in `bench/int4_sweep.py
-    --large` on an H100 (run I1, the 8B shapes, group 128), else DENSE. µs, k-chunk GEMM / dequantise +
+    --large` on an H100 (RESULTS run 41, the 8B shapes, group 128), else DENSE. µs, k-chunk GEMM / dequantise +
     cuBLAS / bf16 cuBLAS (qkv 4096 x 6144, o 4096 x 4096, gate_up 4096 x 28672, down 14336 x 4096):
     M = 64, 64-row tiles of 128 columns: 32.8 / 41.8 / 24.4, 24.7 / 23.7 / 15.2, 87.4 / 196.5 / 90.2,
     62.7 / 101.6 / 47.7 (the 8-sub-dot kernel it replaces: 49.0, 31.5, 163.6, -); M = 128: 45.1 / 44.6,

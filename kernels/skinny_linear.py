@@ -217,8 +217,8 @@ _TABLE: dict[tuple[int, int], tuple[int, ...]] = {
 # - bf16 / fp16: the best tiling only ties cuBLAS (8B TP4 layer 52.1 -> 51.7 us): cuBLAS everywhere;
 # - FP8, M = 5-16: the picked tiles beat the _scaled_mm path by ~20 % overall (G1, M = 8/16) but lose
 #   4-13 % on gate_up at 8B TP1/TP2 and 70B TP4 (N 14336-28672, N * K < 2**27), which keep it.
-# FP8 at M = 1-4 always runs `kernels/fp8_gemv.py` (F1/F2: faster than _scaled_mm on every 8B shape,
-# gate_up included: TP1 M = 2 52.8 -> 49.8 us, M = 4 54.6 -> 49.8 in F2).
+# FP8 at M = 1-4 always runs `kernels/fp8_gemv.py` (bench/RESULTS.md runs 41-42: faster than _scaled_mm on
+# every 8B shape, gate_up included: TP1 M = 2 52.8 -> 49.8 us, M = 4 54.6 -> 49.8 in run 42).
 _CUBLAS_WINS: tuple[tuple[int, int, int, int, int], ...] = (
     (2, 1, MAX_M, 0, 1 << 62),
     (1, 5, MAX_M, 14336, 1 << 27),
@@ -227,15 +227,15 @@ _CUBLAS_WINS: tuple[tuple[int, int, int, int, int], ...] = (
 
 # FP8 weights per M bucket where `kernels/fp8_gemv.py` beats the table above: (mode, block_n, block_k,
 # unroll, warps, stages, programs per SM wanted). From `bench/skinny_sweep.py --fp8-gemv` on an H100
-# (triton 3.6, 2026-11-27, copy ~2,970 GB/s; F1 swept every family, F2 the winners' neighbours; the tiling
+# (triton 3.6, 2026-11-27, copy ~2,970 GB/s; run 41 swept every family, run 42 the winners' neighbours; the tiling
 # with the least sum over one 8B layer's four linears at TP 1 + TP 2, CUDA graphs from HBM). One 8B layer,
 # us, TP1 / TP2, against the path used before (the skinny kernel's old tiles; `_scaled_mm` for gate_up at
 # M >= 2) and bf16 cuBLAS:
-# - M = 1: un-reduced fp32 FMAs, 16 rows x 512 bytes, 4-stage smem pipeline, no split at 8B (F2: 87.9 /
-#   49.9; before 113.2 / 68.4 in F1; bf16 184.1 / 91.8; gate_up 43.6 us = 2,690 GB/s, down 23.8);
-# - M = 2: the same FMAs, 32 x 256 tiles, 3 stages (F2: 99.4 / 57.2; before 119.7 / 72.6 in F1);
-# - M = 3-4: fp16 tensor cores, 128 x 128 tiles, 3 stages (F1: 102.5 / 61.2, F2: 105.8 / 62.1; before
-#   118.3 / 73.5 in F1).
+# - M = 1: un-reduced fp32 FMAs, 16 rows x 512 bytes, 4-stage smem pipeline, no split at 8B (run 42: 87.9 /
+#   49.9; before 113.2 / 68.4 in run 41; bf16 184.1 / 91.8; gate_up 43.6 us = 2,690 GB/s, down 23.8);
+# - M = 2: the same FMAs, 32 x 256 tiles, 3 stages (run 42: 99.4 / 57.2; before 119.7 / 72.6 in run 41);
+# - M = 3-4: fp16 tensor cores, 128 x 128 tiles, 3 stages (run 41: 102.5 / 61.2, run 42: 105.8 / 62.1; before
+#   118.3 / 73.5 in run 41).
 _GEMV_TABLE: dict[int, tuple[int, ...]] = {
     1: (fp8_gemv.MODE_ACC, 16, 512, 1, 4, 4, 1),
     2: (fp8_gemv.MODE_ACC, 32, 256, 1, 4, 3, 1),

@@ -138,7 +138,8 @@ def test_pick_and_use_skinny():
         wide = pick_skinny_config(1, 57344, 8192, wdtype, 132)
         assert narrow.split_k > 1 and wide.split_k == 1
         assert use_skinny(1, 4096, 4096, wdtype, torch.device("cpu")) is False  # the CPU keeps torch
-    # FP8 at M <= 4: kernels/fp8_gemv.py's tilings (F1, F2), FMA at M = 1-2, fp16 tensor cores at 3-4
+    # FP8 at M <= 4: kernels/fp8_gemv.py's tilings (bench/RESULTS.md runs 41-42), FMA at M = 1-2,
+    # fp16 tensor cores at 3-4
     assert [pick_skinny_config(m, 4096, 4096, FP8, 132).mode for m in (1, 2, 3, 4)] == [MODE_ACC] * 2 + [MODE_DOT16] * 2
     assert isinstance(pick_skinny_config(5, 4096, 4096, FP8, 132), SkinnyConfig)
     assert isinstance(pick_skinny_config(1, 4096, 4096, torch.bfloat16, 132), SkinnyConfig)
@@ -146,7 +147,7 @@ def test_pick_and_use_skinny():
         skinny_linear_impl(torch.randn(1, 128), torch.randn(8, 128).bfloat16(), None, None,
                            SkinnyConfig(MODE_FMA, 8, 128, 1, 4, 1, 2))
     assert use_skinny(1, 4096, 4096, torch.float32, torch.device("cpu")) is False
-    # the measured rules (H100 sweeps G1, F1): bf16 keeps cuBLAS; FP8 runs skinny at M <= 4 everywhere
+    # the measured rules (H100 sweeps, RESULTS runs 36, 41): bf16 keeps cuBLAS; FP8 runs skinny at M <= 4 everywhere
     # (fp8_gemv) and at M >= 5 except the mid-size wide gate_up shapes
     assert all(cublas_wins(m, 6144, 4096, 2) for m in (1, 7, 16))
     assert not any(cublas_wins(m, n, k, 1) for k, n in ((4096, 28672), (4096, 1536), (8192, 57344)) for m in (1, 2, 4))

@@ -60,9 +60,9 @@ REPACKED_INT4 = False
 # The k-chunk layout (`kernels.int4_kchunk_linear`: 32 rows of a column in 16 bytes) for its decode GEMV;
 # ahead of REPACKED_INT4 when both are on. On: `bench/int4_sweep.py` on an H100 (bench/RESULTS.md run 36) ran
 # the 8B's batch-1 linears in 2.17 ms against the general kernel's 2.71 (bf16 5.51), and M = 16 in 3.70
-# against 5.02; `--large` (run I1): M = 64 in 6.64 ms against dequantise + cuBLAS's 11.63 (bf16 5.68), M = 128
-# in 8.86 against 12.17 (`int4_kchunk_gemm`, no bf16 copy of the weight). Layers with act-order (g_idx)
-# keep the general kernel.
+# against 5.02; `--large` (bench/RESULTS.md run 41): M = 64 in 6.64 ms against dequantise + cuBLAS's
+# 11.63 (bf16 5.68), M = 128 in 8.86 against 12.17 (`int4_kchunk_gemm`, no bf16 copy of the weight).
+# Layers with act-order (g_idx) keep the general kernel.
 KCHUNK_INT4 = True
 
 
