@@ -160,15 +160,26 @@ def _degrees(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def _engine_modes(tp: int, custom_modes: tuple[str, ...]) -> list[tuple[str, dict]]:
-    """(result-key suffix, engine options) per all-reduce mode an engine of degree `tp` runs in."""
+def _engine_modes(tp: int, custom_modes: tuple[str, ...], prefetch: tuple[str, ...] = ("on",)
+                  ) -> list[tuple[str, dict]]:
+    """(result-key suffix, engine options) per all-reduce mode an engine of degree `tp` runs in, each
+    with the L2 weight prefetch (models/weight_prefetch.py) on and/or off (suffix `_nopf`)."""
     if tp == 1:
-        return [("", {})]
-    modes = {"on": ("_custom", {"disable_custom_all_reduce": False}),
-             "off": ("_nccl", {"disable_custom_all_reduce": True}),
-             # the custom all-reduce without the fused all-reduce + add + RMSNorm (its switch: an env var)
-             "unfused": ("_unfused", {"disable_custom_all_reduce": False, "env": {"OPEN_LMI_FUSED_NORM_MAX_KB": "0"}})}
-    return [modes[m] for m in custom_modes]
+        base = [("", {})]
+    else:
+        modes = {"on": ("_custom", {"disable_custom_all_reduce": False}),
+                 "off": ("_nccl", {"disable_custom_all_reduce": True}),
+                 # the custom all-reduce without the fused all-reduce + add + RMSNorm (its switch: an env var)
+                 "unfused": ("_unfused", {"disable_custom_all_reduce": False,
+                                          "env": {"OPEN_LMI_FUSED_NORM_MAX_KB": "0"}})}
+        base = [modes[m] for m in custom_modes]
+    out = []
+    for pf in prefetch:
+        for suffix, opts in base:
+            if pf == "off":
+                suffix, opts = suffix + "_nopf", {**opts, "env": {**opts.get("env", {}), "OPEN_LMI_L2_PREFETCH_MB": "0"}}
+            out.append((suffix, opts))
+    return out
 
 
 def part_agree(args) -> dict:  # noqa: ANN001
@@ -184,7 +195,7 @@ def part_agree(args) -> dict:  # noqa: ANN001
     for budget in _degrees(args.agree_budgets):
         toks = {}
         for tp in (1, *tps):
-            for suffix, opts in _engine_modes(tp, args.custom_ar):
+            for suffix, opts in _engine_modes(tp, args.custom_ar, args.prefetch):
                 llm = engine(path, tp=tp, load_format="auto", dtype="float32", max_num_seqs=16,
                              max_num_batched_tokens=budget, gpu_memory_utilization=0.5, **opts)
                 toks[f"tp{tp}{suffix}"] = [list(o.outputs[0].token_ids)
@@ -205,7 +216,7 @@ def part_tp(args, shape: str, tps: tuple[int, ...]) -> dict:  # noqa: ANN001
     prompts, out_lens = reference_workload()
     out = {"copy_gbs": bw, "matmul_tflops": tflops}
     for tp in tps:
-        for suffix, opts in _engine_modes(tp, args.custom_ar):
+        for suffix, opts in _engine_modes(tp, args.custom_ar, args.prefetch):
             t0 = time.perf_counter()
             llm = engine(model_dir, tp=tp, **opts)
             load_s = time.perf_counter() - t0
@@ -303,10 +314,15 @@ def main() -> None:
     ap.add_argument("--custom-ar", default="on", help="on, off, unfused (custom all-reduce, not fused with the "
                     "norm) or a list: TP > 1 engines with / without "
                     "the custom all-reduce")
+    ap.add_argument("--prefetch", default="on", help="on, off or on,off: the L2 weight prefetch of decode steps "
+                    "(OPEN_LMI_L2_PREFETCH_MB=0 for off; result keys end _nopf)")
     ap.add_argument("--no-workload", dest="workload", action="store_false",
                     help="tp8b / tp70b: batch-1 decode only, no reference workload")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    args.prefetch = tuple(m.strip() for m in args.prefetch.split(","))
+    if not args.prefetch or set(args.prefetch) - {"on", "off"}:
+        raise SystemExit(f"--prefetch takes on, off or both, got {args.prefetch!r}")
     args.custom_ar = tuple(m.strip() for m in args.custom_ar.split(","))
     if not args.custom_ar or set(args.custom_ar) - {"on", "off", "unfused"}:
         raise SystemExit(f"--custom-ar takes on, off, unfused or a list of them, got {args.custom_ar!r}")

@@ -283,6 +283,13 @@ def use_skinny(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device)
     return _mod("skinny_linear").use_skinny(M, N, K, dtype, device)
 
 
+def l2_prefetch(t: torch.Tensor, max_bytes: int, mode: int | None = None) -> None:
+    """Ask the GPU's L2 to fetch the first min(max_bytes, bytes of contiguous `t`); returns at once
+    and changes nothing (a no-op off CUDA). `mode`: `kernels.l2_prefetch.MODE_*` (default: per line)."""
+    impl = _mod("l2_prefetch").l2_prefetch if use_triton(t) else reference.l2_prefetch
+    impl(t, max_bytes, mode)
+
+
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel FP8 at load time: [N, K] -> (float8_e4m3fn [N, K], fp32 scale [N])."""
     return quant_reference.quantize_fp8(weight)
@@ -290,8 +297,8 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _OPS = frozenset(
     ("fp8_linear", "gumbel_sample", "int4_kchunk_linear", "int4_linear", "repack_int4", "repack_int4_kchunk",
-     "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear", "quantize_fp8", "rms_norm",
-     "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "skinny_linear", "use_skinny", "write_kv_cache")
+     "l2_prefetch", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear", "quantize_fp8",
+     "rms_norm", "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "skinny_linear", "use_skinny", "write_kv_cache")
 )
 
 

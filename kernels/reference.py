@@ -239,6 +239,13 @@ def rotary_and_write_kv(
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
+def l2_prefetch(t: torch.Tensor, max_bytes: int, mode: int | None = None) -> None:
+    """Warm L2 with t's first bytes: a cache hint with no observable effect, so nothing to do here
+    (the CPU path, and the reference the Triton launcher in `kernels/l2_prefetch.py` must match)."""
+    assert t.is_contiguous(), "prefetch reads the tensor's bytes in storage order"
+    assert max_bytes >= 0
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: x = [gate | up] along the last dim -> silu(gate) * up."""
     d = x.shape[-1] // 2

@@ -38,6 +38,8 @@ from serving.executor.spec_verify import accept_all_drafts, verify_drafts
 from serving.executor.step_inputs import StepInputs, prepare_inputs
 from serving.executor.teardown import release_module, release_tensor
 from serving.executor.weights import init_dummy_weights, load_weights
+from serving.executor.models.linear import Linear
+from serving.executor.models.weight_prefetch import link_weight_prefetch
 from serving.executor.quant import check_device
 from serving.checkpoint.quantization import resolve_quantization
 
@@ -90,6 +92,8 @@ class ModelRunner:
             init_dummy_weights(self.model, seed=config.seed)
         else:
             load_weights(self.model, self.model_dir)
+        # Decode steps warm L2 with each linear layer's successor (models/weight_prefetch.py; CUDA only).
+        self.weight_prefetch = link_weight_prefetch(self.model, Linear, self.device, world_size)
         # Multi-LoRA: wrap the adapted projections, allocate the slots (before the KV cache is sized).
         self.lora = LoRAManager(self.model, config, args, max(self.max_num_batched_tokens, config.max_num_seqs)
                                 ) if config.enable_lora else None
@@ -255,9 +259,11 @@ class ModelRunner:
 
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's forward (through the LoRA manager, which reads the staged row slots)."""
-        if self.lora is None:
-            return self.model(input_ids, positions)
-        return self.lora.forward(self.model, input_ids, positions)
+        hidden = (self.model(input_ids, positions) if self.lora is None
+                  else self.lora.forward(self.model, input_ids, positions))
+        if self.weight_prefetch is not None:
+            self.weight_prefetch.join()  # nothing of the step left on the side stream (a graph ends joined)
+        return hidden
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
