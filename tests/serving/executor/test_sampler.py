@@ -211,3 +211,19 @@ def test_bf16_logits_sample_as_their_float32_widening(params):
             out = sampler.sample(source, seqs, gens(seqs)).tokens()
         dest.extend((o.token_id, o.logprob, o.top_logprobs) for o in out)
     assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_tokens_on_gpu_are_torch_argmax(dtype) -> None:  # noqa: ANN001
+    # Up to 16 rows the split kernel takes the argmax (bench/RESULTS.md run 45); above, torch's.
+    from serving.executor.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 3, 16, 17):
+        logits = (torch.randn(rows, 128256, generator=gen) * 4).to(dtype)
+        logits[0, [7, 90000]] = 50.0  # a tie across the row's parts: the first column wins
+        if rows > 1:
+            logits[1] = float("-inf")  # a fully masked row: column 0, as torch gives
+        logits = logits.cuda()
+        assert torch.equal(greedy_tokens(logits).cpu(), logits.argmax(dim=-1).cpu()), rows
