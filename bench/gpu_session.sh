@@ -5,7 +5,8 @@
 #   micro     kernel micro timings (bench/studies/kernel_micro.py)
 #   latency   batch-1 decode ms/token vs the bandwidth floor, both shapes
 #   offline   the reference workload, both shapes, + the transformers peer (OFFLINE_ARGS to override)
-#   serving   8B-shape server (random weights) + bench/serving.py at 16 req/s
+#   serving   8B-shape server (random weights) + bench/serving.py at 16 req/s (SERVER_MODEL: another dummy dir,
+#             e.g. llama-3-8b-gptq with DUMMY_VARIANTS=bf16,gptq; SERVER_ENV, RATE, NUM_PROMPTS, DATASET)
 # Logs and JSON land in $OUT (default /tmp/gpu_out); a summary table prints last.
 # Needs in carry: .whl (flask, gunicorn wheels: the GPU image has neither) and
 # .bench_models/tokenizer (SmolLM2 tokenizer files for the dummy model dirs).
@@ -21,7 +22,7 @@ summary=()
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-python3 tests/support/dummy_model.py "$MODELS" "$TOK" >/dev/null
+python3 tests/support/dummy_model.py "$MODELS" "$TOK" "${DUMMY_VARIANTS:-bf16}" >/dev/null
 
 for stage in $STAGES; do
   t0=$(date +%s)
@@ -47,7 +48,8 @@ for stage in $STAGES; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         >"$OUT/pip.log" 2>&1
       export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
-      HF_MODEL_ID=$MODELS/llama-3-8b OPTION_LOAD_FORMAT=dummy OPTION_DTYPE=bf16 OPTION_MAX_MODEL_LEN=4096 \
+      t_start=$(date +%s.%N)
+      HF_MODEL_ID=$MODELS/${SERVER_MODEL:-llama-3-8b} OPTION_LOAD_FORMAT=dummy OPTION_DTYPE=bf16 OPTION_MAX_MODEL_LEN=4096 \
         OPTION_MAX_ROLLING_BATCH_SIZE=256 SERVING_PORT=8080 ${SERVER_ENV:-} \
         setsid python3 container/serve serve >"$OUT/server.log" 2>&1 &
       spid=$!
@@ -57,9 +59,11 @@ for stage in $STAGES; do
         sleep 2
       done
       if [ $ok = 1 ]; then
+        summary+=("serving: ${SERVER_MODEL:-llama-3-8b} ${SERVER_ENV:-}: /ping 200 after $(python3 -c "import time; print(round(time.time() - $t_start, 1))") s (polled every 2 s)")
         timeout 200 python3 bench/serving.py --url http://127.0.0.1:8080 --rate ${RATE:-16} \
-          --num-prompts ${NUM_PROMPTS:-320} --dataset synthetic --out "$OUT/serving.json" >"$OUT/serving.log" 2>&1
-        summary+=("serving:" "$(grep -A5 '^rate' "$OUT/serving.log")")
+          --num-prompts ${NUM_PROMPTS:-320} --dataset ${DATASET:-synthetic} --out "$OUT/serving.json" \
+          >"$OUT/serving.log" 2>&1
+        summary+=("$(grep -A5 '^rate' "$OUT/serving.log")")
       else
         summary+=("serving: server never became ready (see server.log)")
       fi

@@ -131,5 +131,7 @@ def shape_info(shape: str) -> dict:
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     tok = sys.argv[2] if len(sys.argv) > 2 else str(default_tokenizer_dir())
+    variants = sys.argv[3].split(",") if len(sys.argv) > 3 else ["bf16"]  # e.g. bf16,gptq: one dir per variant
     for name in SHAPES:
-        print(make_dummy_model_dir(name, root / name, tok))
+        for variant in variants:
+            print(make_dummy_model_dir(name, dummy_dir(root, name, variant), tok, quantize=variant))

@@ -2,8 +2,9 @@
 
 CPU: the chain's order over a real model, which tensor a layer's kernel reads (float and int4),
 the knob's parsing, that nothing is linked off CUDA, and the kernel's sm_90 compile keeping its
-prefetch instructions. GPU: the same tokens with the prefetch on and off (bf16 and int4), with the
-decode graphs captured (a graph whose side stream did not rejoin would fail to capture).
+prefetch instructions. GPU: the same tokens with the prefetch on and off (bf16), with the decode
+graphs captured (a graph whose side stream did not rejoin would fail to capture); an int4 model
+links no prefetch.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def test_same_tokens_with_and_without_prefetch(tmp_path, monkeypatch, quantize) 
         monkeypatch.setenv(ENV, mb)
         llm = dummy_llm("llama-3.2-1b", tmp_path, max_num_seqs=8, quantize=quantize)
         runner = llm.llm_engine.executor.runner
-        assert (runner.weight_prefetch is not None) == (mb != "0")
+        # quantized models never prefetch (it cost GPTQ int4 5 %: bench/RESULTS.md run 46)
+        assert (runner.weight_prefetch is not None) == (mb != "0" and quantize == "bf16")
         assert runner.graph_runner is not None  # the decode graphs captured with the prefetch's side stream
         tokens[mb] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * 4, use_tqdm=False)]
         # batch 1 as well (one row: every decode step prefetches)
