@@ -67,6 +67,10 @@ class MultiprocExecutor(Executor):
         self._callback: Callable[[BaseException], None] | None = None
         self._closed = False
         self._lock = threading.Lock()
+        # `_terminate` runs on the watchdog (a rank died) and on the caller's thread (shutdown), maybe at
+        # once: unserialised, both closed the same pipe and the second os.close hit EBADF (CI, 2026-11-27),
+        # or, worse, a descriptor number reused meanwhile by something else.
+        self._stop_lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
         if getattr(mp.current_process(), "_inheriting", False):
             # We are a rank being spawned, re-running the user's script as `__mp_main__`: its top level
@@ -218,21 +222,24 @@ class MultiprocExecutor(Executor):
     # ---- stop ----------------------------------------------------------------------------
 
     def _terminate(self, grace_s: float = 0.0) -> None:
-        grace_end = time.monotonic() + grace_s  # one grace period for all ranks, not one each
-        for proc in self._procs:
-            if proc.is_alive() and grace_s:
-                proc.join(max(0.0, grace_end - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + 2.0  # one grace period for all, then SIGKILL
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
-        for conn in self._conns:
-            conn.close()
+        """Stop every rank (after `grace_s` for them to exit on their own) and close the pipes; one
+        thread at a time, so each pipe is closed once."""
+        with self._stop_lock:
+            grace_end = time.monotonic() + grace_s  # one grace period for all ranks, not one each
+            for proc in self._procs:
+                if proc.is_alive() and grace_s:
+                    proc.join(max(0.0, grace_end - time.monotonic()))
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.terminate()
+            deadline = time.monotonic() + 2.0  # one grace period for all, then SIGKILL
+            for proc in self._procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(1.0)
+            for conn in self._conns:
+                conn.close()  # a no-op on a pipe already closed (by an earlier, finished call)
 
     def shutdown(self) -> None:
         with self._lock:
