@@ -4,8 +4,8 @@
 (`nibble_float` the same for the repacked int4 words, with an optional one-lop3 form, and
 `nibble_pair_floats` two nibbles from one shift; `unpack_nibbles`
 a word tile into its 8 columns per word, `join8` the same column order for any 8 tensors);
-`stack_rows` gathers a GEMV's row accumulators into one tile; `grouped_tile` places a tensor-core
-program's output tile (bands of GROUP_M row tiles, for L2 reuse of the weight tiles);
+`stack_rows` gathers a GEMV's row accumulators into one tile; `grouped_pids` / `grouped_tile` place a
+tensor-core program's output tile (bands of GROUP_M row tiles, for L2 reuse of the weight tiles);
 `finish_tile` writes an fp32 accumulator tile to the output, or meets the other split-K programs
 of its tile through an fp32 workspace and a self-resetting counter (the last one sums in order).
 """
@@ -104,16 +104,20 @@ def stack_rows(acc0, acc1, acc2, acc3, ROWS: tl.constexpr):
 
 
 @triton.jit
-def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Program pid's output tile: programs run along bands of GROUP_M row tiles, column by column
-    # (GROUP_M = 1: row-major), so programs in flight together share weight columns in L2.
-    # Returns (row offsets, column offsets, row mask, column mask).
+def grouped_pids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Program pid's (row tile, column tile): programs run along bands of GROUP_M row tiles, column by
+    # column (GROUP_M = 1: row-major), so programs in flight together share weight columns in L2.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     band = GROUP_M * tl.cdiv(N, BLOCK_N)
     first_m = (pid // band) * GROUP_M
     rows_in_band = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % rows_in_band
-    pid_n = (pid % band) // rows_in_band
+    return first_m + (pid % band) % rows_in_band, (pid % band) // rows_in_band
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # `grouped_pids` as (row offsets, column offsets, row mask, column mask).
+    pid_m, pid_n = grouped_pids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return offs_m, offs_n, offs_m < M, offs_n < N

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_tile, join8, nibble_float, unpack_nibbles
+from kernels.int4_common import finish_tile, grouped_pids, join8, nibble_float, unpack_nibbles
 from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
 
 
@@ -146,13 +146,8 @@ def _int4_gemm_kernel(
     pid = tl.program_id(0)
     split = tl.program_id(1)
     # Grouped ordering: GROUP_M row tiles walk the same column tiles while their weights sit in L2.
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
-    pid_n = (pid % num_pid_in_group) // group_rows
+    pid_m, pid_n = grouped_pids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)  # the split-K counter of tile (pid_m, pid_n), below
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -33,6 +33,7 @@ def _prefetch_kernel(base_ptr, n_units, UNIT: tl.constexpr, MODE: tl.constexpr, 
     unit = tl.minimum(unit, n_units - 1)
     addr = base_ptr + unit.to(tl.int64) * UNIT
     if MODE == 0:
+        tl.static_assert(UNIT == 4096, "the bulk prefetch's size is written into its instruction")
         tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", "=r,l", [addr],
                                   dtype=tl.int32, is_pure=False, pack=1)
     else:
@@ -52,6 +53,6 @@ def l2_prefetch(t: torch.Tensor, max_bytes: int, mode: int | None = None) -> Non
     n_units = nbytes // unit
     if n_units <= 0:
         return
-    base = t.view(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.view(-1)
+    base = t.view(-1).view(torch.uint8)
     grid = (triton.cdiv(n_units, _BLOCK),)
     _prefetch_kernel[grid](base, n_units, UNIT=unit, MODE=mode, BLOCK=_BLOCK, num_warps=_BLOCK // 32)

@@ -27,14 +27,11 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model b
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-CALL_TS: dict[int, float] = {}  # correlation id -> when the host made the call
-CALL_NAMES: list[str] = []
-
-
-def load_events(trace: Path) -> tuple[list[dict], dict[int, str]]:
-    """(GPU activities sorted by start, correlation id -> the host API call that launched it)."""
+def load_events(trace: Path) -> tuple[list[dict], dict[int, str], dict[int, float]]:
+    """(GPU activities sorted by start, correlation id -> the host API call that launched it, and when
+    the host made that call)."""
     events = json.loads(trace.read_text())["traceEvents"]
-    launcher = {}
+    launcher, call_ts = {}, {}
     gpu = []
     for e in events:
         if e.get("ph") != "X":
@@ -42,15 +39,14 @@ def load_events(trace: Path) -> tuple[list[dict], dict[int, str]]:
         corr = (e.get("args") or {}).get("correlation")
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and corr is not None:
             launcher[corr] = e["name"]
-            CALL_TS[corr] = e["ts"]
-            CALL_NAMES.append(e["name"])
+            call_ts[corr] = e["ts"]
         elif e.get("cat") in GPU_CATS:
             gpu.append(e)
     gpu.sort(key=lambda e: e["ts"])
-    return gpu, launcher
+    return gpu, launcher, call_ts
 
 
-def split_steps(gpu: list[dict], launcher: dict[int, str]) -> list[dict]:
+def split_steps(gpu: list[dict], launcher: dict[int, str], call_ts: dict[int, float]) -> list[dict]:
     """One record per graph replay: its span, and the non-graph work and idle time until the next replay."""
     replays: list[list[dict]] = []
     for e in gpu:
@@ -74,7 +70,7 @@ def split_steps(gpu: list[dict], launcher: dict[int, str]) -> list[dict]:
                 edge = f
         corr = cur[0]["args"]["correlation"]
         steps.append({"period": stop - start, "graph": end - start, "graph_kernels": len(cur),
-                      "lead": start - CALL_TS.get(corr, start),
+                      "lead": start - call_ts.get(corr, start),
                       "after_busy": busy, "after_idle": stop - end - busy,
                       "others": [(e["name"][:70], e["dur"], launcher.get(e["args"].get("correlation"), "?"))
                                  for e in others]})
@@ -103,10 +99,11 @@ def main() -> None:
         llm.generate([prompt], [sp], use_tqdm=False)
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(trace))
-    steps = split_steps(*load_events(trace))[args.skip:-2]
+    gpu, launcher, call_ts = load_events(trace)
+    steps = split_steps(gpu, launcher, call_ts)[args.skip:-2]
     if not steps:
         from collections import Counter
-        raise SystemExit(f"no decode graph replays found in the trace; host calls: {Counter(CALL_NAMES)}")
+        raise SystemExit(f"no decode graph replays found in the trace; host calls: {Counter(launcher.values())}")
     n = len(steps)
     mean = {k: sum(s[k] for s in steps) / n for k in ("period", "graph", "after_busy", "after_idle", "graph_kernels", "lead")}
     print(f"# {torch.cuda.get_device_name()}  {args.shape} {args.quantize}: {n} decode steps")

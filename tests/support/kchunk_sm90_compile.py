@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sm90_compile import compile_variant, resources  # noqa: E402
+from sm90_compile import compile_variant, report, resources  # noqa: E402
 
 from kernels.int4_kchunk import GEMM_NIBBLES, KChunkConfig, _kchunk_dot_kernel, pick_kchunk_config  # noqa: E402
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel  # noqa: E402
@@ -42,6 +42,13 @@ def compile_sm90(cfg: KChunkConfig, split: bool) -> tuple[int, int, int, bool]:
                              cfg.num_warps, cfg.num_stages)
     regs, stack = resources(kernel)
     return regs, stack, kernel.metadata.shared, "wgmma" in kernel.asm["ptx"]
+
+
+def _checked(cfg: KChunkConfig, split: bool) -> str:
+    regs, stack, smem, wgmma = compile_sm90(cfg, split)
+    if smem > H100_SMEM:  # Triton raises OutOfResources only at launch
+        raise RuntimeError(f"shared memory {smem} > the H100's {H100_SMEM} bytes a block")
+    return f"regs={regs} stack={stack} smem={smem} wgmma={wgmma}"
 
 
 def variants() -> list[KChunkConfig]:
@@ -67,15 +74,7 @@ def main() -> int:
         if only and str(i) not in only:
             continue
         for split in (False, True):
-            try:
-                regs, stack, smem, wgmma = compile_sm90(cfg, split)
-                if smem > H100_SMEM:  # Triton raises OutOfResources only at launch
-                    raise RuntimeError(f"shared memory {smem} > the H100's {H100_SMEM} bytes a block")
-                print(f"ok {i} {tuple(cfg)} split={split} regs={regs} stack={stack} smem={smem} wgmma={wgmma}",
-                      flush=True)
-            except Exception as e:  # noqa: BLE001 - every failure is listed
-                failed += 1
-                print(f"FAIL {i} {tuple(cfg)} split={split} {type(e).__name__}: {str(e)[-300:]}", flush=True)
+            failed += not report(f"{i} {tuple(cfg)} split={split}", lambda: _checked(cfg, split))
     return 1 if failed else 0
 
 

@@ -61,6 +61,18 @@ def run_script(script: str) -> str:
     return done.stdout
 
 
+def report(label: str, compile_one) -> bool:
+    """Run `compile_one()` (which returns the details to print) and print `ok <label> <details>` or
+    `FAIL <label> <error>`; True when it compiled. The compile scripts' one line per variant."""
+    try:
+        details = compile_one()
+    except Exception as e:  # noqa: BLE001 - every failure is listed
+        print(f"FAIL {label} {type(e).__name__}: {str(e)[-300:]}", flush=True)
+        return False
+    print(f"ok {label} {details}", flush=True)
+    return True
+
+
 def compile_sm90(m: int, fp8: bool, cfg, split: bool, even_k: bool = True) -> int:
     """Compile one variant as the launcher would specialise it at real shapes; returns its registers."""
     if isinstance(cfg, GemvConfig):
@@ -98,12 +110,9 @@ def main() -> int:
                     continue
                 seen.add(key)
                 for even_k in (True, False):  # K a multiple of block_k or not (masked tail)
-                    try:
-                        regs = compile_sm90(m, wdtype == torch.float8_e4m3fn, cfg, cfg.split_k > 1, even_k)
-                        print(f"ok {key} even_k={even_k} regs={regs}", flush=True)
-                    except Exception as e:  # noqa: BLE001 - every failure is listed
-                        failed += 1
-                        print(f"FAIL {key} even_k={even_k} {type(e).__name__}: {str(e)[-300:]}", flush=True)
+                    fp8 = wdtype == torch.float8_e4m3fn
+                    failed += not report(f"{key} even_k={even_k}", lambda: "regs=%d" % compile_sm90(
+                        m, fp8, cfg, cfg.split_k > 1, even_k))
     return 1 if failed else 0
 
 
