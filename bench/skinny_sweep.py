@@ -258,9 +258,16 @@ def gemv_candidates(m: int, n: int, k: int, num_sms: int) -> list:
     """Every family of the chosen set at a few split-K targets (programs per SM; the big-tile dot16 fits
     1-2 per SM)."""
     families, dot_per_sm, fma_per_sm = GEMV_SETS[GEMV_SET]
+    return gemv_split_variants(families(m), lambda fam: dot_per_sm if fam[0] == gemv.MODE_DOT16 else fma_per_sm,
+                               n, k, num_sms)
+
+
+def gemv_split_variants(families: list[tuple], per_sm_of, n: int, k: int, num_sms: int) -> list:
+    """Each GEMV family (mode, block_n, block_k, unroll, warps, stages) at each split-K target
+    `per_sm_of(family)` gives (programs per SM), as `GemvConfig`s for an [n, k] weight, without repeats."""
     out = []
-    for fam in families(m):
-        for per_sm in (dot_per_sm if fam[0] == gemv.MODE_DOT16 else fma_per_sm):
+    for fam in families:
+        for per_sm in per_sm_of(fam):
             cfg = gemv.gemv_config(n, k, *fam, per_sm, num_sms)
             if cfg not in out:
                 out.append(cfg)

@@ -10,9 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)
+    wait_upstream(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -36,5 +40,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_rows == 0 or d == 0:
         return out
     block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block, num_warps=4)
+    pdl = enabled_for(x)
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block, PDL=pdl,
+                                                           num_warps=4, **launch_kwargs(pdl))
     return out

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
 from kernels.rms_norm import normed_row
 
 PHASES = 3  # receive into buffer s % 3, reset what call s - 1 used in (s + 2) % 3: see the module docstring
@@ -106,9 +107,15 @@ def _all_reduce_rms_norm_kernel(
     POLL_2D: tl.constexpr,  # poll every slot at once ([W, BLOCK] in registers) rather than one by one
     HAS_RESIDUAL: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    release_dependents(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     C: tl.constexpr = BLOCK // CHUNK
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    w_row = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # the norm's weight: before the previous kernel ends
+    wait_upstream(PDL)  # the partials, the state and the residual come from earlier kernels
     row = tl.program_id(0)
     part = tl.program_id(1)
     phase = tl.load(state_ptr)  # the same in every program: only the last one to arrive changes state
@@ -129,11 +136,8 @@ def _all_reduce_rms_norm_kernel(
         peer = tl.load(peers_ptr + p).to(tl.pointer_type(INT))
         tl.store(peer + (phase * W + rank) * slot_elems + row * N + cols, bits, mask=cmask)
     # Meanwhile: what the norm needs besides the sum.
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
     if HAS_RESIDUAL:
         r_row = tl.load(residual_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    w_row = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     # Receive the whole row from every slot, once none of its elements holds the sentinel.
     here = mine + phase * W * slot_elems + row * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -205,14 +209,15 @@ def all_reduce_rms_norm(
     bits = _BITS[x.dtype]
     block = triton.next_power_of_2(hidden)
     c = _split(num_rows, hidden, peers.max_programs)
+    pdl = enabled_for(x)
     _all_reduce_rms_norm_kernel[(num_rows, c)](
         x, residual if residual is not None else x, weight, out, residual_out, peers.peer_ptrs, peers.state,
         peers.rank, num_rows, x.stride(0), residual.stride(0) if residual is not None else 0,
         peers.slot_bytes // x.element_size(), eps,
         N=hidden, BLOCK=block, CHUNK=block // c, W=peers.world_size, INT=tl.int16 if bits == 16 else tl.int32,
         SENTINEL=-(1 << (bits - 1)), POLL_2D=peers.world_size * block <= 32768, HAS_RESIDUAL=residual is not None,
-        UNIT_OFFSET=unit_offset,
-        num_warps=min(16, max(4, block // 256)),
+        UNIT_OFFSET=unit_offset, PDL=pdl,
+        num_warps=min(16, max(4, block // 256)), **launch_kwargs(pdl),
     )
     return out, residual_out
 

@@ -1,5 +1,8 @@
 """FP8 GEMV for decode: y[M, N] = x[M, K] @ (W[N, K] * scale[N]).T + bias at M <= 4 (FMA) or <= 16 (dot16).
 
+The same kernel reads bf16 weights (two a word, no scale, FMA modes): `bench/gemv_bf16.py` measured it
+ahead of cuBLAS at every per-rank 8B/70B shape at M = 1 (`kernels/skinny_linear.py`'s `_BF16_GEMV_TABLE`).
+
 In: `x [M, K]` (bf16/fp16; fp32 in the CPU interpreter), `weight [N, K]` float8_e4m3fn in the standard
 row-major layout (the same tensor `_scaled_mm` reads at large M: no repack), an fp32 `scale` of one
 element (per tensor) or `[N]` (per channel), `bias [N]` or None. Out: `[M, N]` in x's dtype.
@@ -35,6 +38,7 @@ import triton.language as tl
 
 from kernels.int4_common import finish_tile, stack_rows
 from kernels.int4_matmul import _num_sms, split_k_workspace
+from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
 
 MODE_ACC, MODE_ROWSUM, MODE_DOT16 = 0, 1, 2
 MODE_NAMES = {MODE_ACC: "acc", MODE_ROWSUM: "rowsum", MODE_DOT16: "dot16"}
@@ -64,13 +68,22 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _w_tile(w_rows, k0, offs_kw, K, EVEN_K: tl.constexpr):
-    # One [BLOCK_N, BLOCK_K / 4] tile of int32 words (four e4m3 bytes each) starting at byte column k0
-    # (rows already clamped below N): streamed once, 16 bytes a thread along K.
-    cols = k0 // 4 + offs_kw
+def _w_tile(w_rows, k0, offs_kw, K, EVEN_K: tl.constexpr, EPW: tl.constexpr):
+    # One [BLOCK_N, BLOCK_K / EPW] tile of int32 words (EPW weights each: four e4m3 bytes or two bf16)
+    # starting at column k0 (rows already clamped below N): streamed once, 16 bytes a thread along K.
+    cols = k0 // EPW + offs_kw
     if EVEN_K:
         return tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
-    return tl.load(w_rows + cols[None, :], mask=(cols < K // 4)[None, :], other=0, eviction_policy="evict_first")
+    return tl.load(w_rows + cols[None, :], mask=(cols < K // EPW)[None, :], other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def bf16_words_to_f32(words):
+    # [R, C] int32 words of two bf16 -> [R, 2 C] fp32 in natural column order (the low half is column
+    # 2 c): a bf16 is the top half of its fp32, so one shift or one mask a weight.
+    lo = (words << 16).to(tl.float32, bitcast=True)
+    hi = (words & -65536).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [words.shape[0], words.shape[1] * 2])
 
 
 @triton.jit
@@ -159,9 +172,12 @@ def _x_row(x_row_ptr, k0, offs_k, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _fma_rows(acc0, acc1, acc2, acc3, w, x_ptr, M, stride_xm, k0, offs_k, K, EVEN_K: tl.constexpr,
-              MODE: tl.constexpr, BLOCK_M: tl.constexpr, ASM_CVT: tl.constexpr):
+              MODE: tl.constexpr, BLOCK_M: tl.constexpr, ASM_CVT: tl.constexpr, EPW: tl.constexpr):
     # Each x row m < BLOCK_M: acc_m += w * x_m (MODE_ACC, [BN, BK]) or sum_K(w * x_m) (MODE_ROWSUM, [BN]).
-    wf = e4m3_words_to_f32(w, ASM_CVT)
+    if EPW == 2:
+        wf = bf16_words_to_f32(w)
+    else:
+        wf = e4m3_words_to_f32(w, ASM_CVT)
     x0 = _x_row(x_ptr, k0, offs_k, K, EVEN_K)
     if MODE == 0:
         acc0 += wf * x0
@@ -202,13 +218,16 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ASM_CVT: tl.constexpr,  # convert with `e4m3_to_f32` / `e4m3_to_f16` (GPU only) instead of Triton's cast
+    EPW: tl.constexpr,  # weights a word: 4 (e4m3, scaled) or 2 (bf16, no scale; FMA modes only)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    release_dependents(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kw = tl.arange(0, BLOCK_K // 4)
+    offs_kw = tl.arange(0, BLOCK_K // EPW)
     # Clamped rows: every load is in bounds without a row mask; the store masks them off.
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     STEP: tl.constexpr = BLOCK_K * UNROLL
@@ -219,6 +238,7 @@ def _fp8_gemv_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         x_rows = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm  # [16, 1]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        wait_upstream(PDL)
         for i in tl.range(i_start, i_end, num_stages=STAGES):
             for u in tl.static_range(UNROLL):
                 k0 = i * STEP + u * BLOCK_K
@@ -228,7 +248,7 @@ def _fp8_gemv_kernel(
                 else:
                     xt = tl.load(x_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0)
                 x16 = f32_to_f16_sat(xt.to(tl.float32), ASM_CVT)
-                w16 = e4m3_words_to_f16(_w_tile(w_rows, k0, offs_kw, K, EVEN_K), ASM_CVT)
+                w16 = e4m3_words_to_f16(_w_tile(w_rows, k0, offs_kw, K, EVEN_K, EPW), ASM_CVT)
                 acc = tl.dot(x16, tl.trans(w16), acc)
         y = acc
     else:
@@ -240,48 +260,50 @@ def _fp8_gemv_kernel(
         acc2 = tl.zeros_like(acc0)
         acc3 = tl.zeros_like(acc0)
         if STAGES > 1:
+            wait_upstream(PDL)
             for i in tl.range(i_start, i_end, num_stages=STAGES):
                 for u in tl.static_range(UNROLL):
                     k0 = i * STEP + u * BLOCK_K
-                    w = _w_tile(w_rows, k0, offs_kw, K, EVEN_K)
+                    w = _w_tile(w_rows, k0, offs_kw, K, EVEN_K, EPW)
                     acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w, x_ptr, M, stride_xm, k0, offs_k,
-                                                       K, EVEN_K, MODE, BLOCK_M, ASM_CVT)
+                                                       K, EVEN_K, MODE, BLOCK_M, ASM_CVT, EPW)
         else:
             # Register prefetch: iteration i + 1's sub-tiles are requested before iteration i's are
             # used. The last prefetch re-reads this split's last iteration (in bounds, a cache hit).
             k_first = tl.minimum(i_start, num_iters - 1) * STEP
-            n0 = _w_tile(w_rows, k_first, offs_kw, K, EVEN_K)
+            n0 = _w_tile(w_rows, k_first, offs_kw, K, EVEN_K, EPW)
             n1 = n0
             n2 = n0
             n3 = n0
             if UNROLL > 1:
-                n1 = _w_tile(w_rows, k_first + BLOCK_K, offs_kw, K, EVEN_K)
+                n1 = _w_tile(w_rows, k_first + BLOCK_K, offs_kw, K, EVEN_K, EPW)
             if UNROLL > 2:
-                n2 = _w_tile(w_rows, k_first + 2 * BLOCK_K, offs_kw, K, EVEN_K)
-                n3 = _w_tile(w_rows, k_first + 3 * BLOCK_K, offs_kw, K, EVEN_K)
+                n2 = _w_tile(w_rows, k_first + 2 * BLOCK_K, offs_kw, K, EVEN_K, EPW)
+                n3 = _w_tile(w_rows, k_first + 3 * BLOCK_K, offs_kw, K, EVEN_K, EPW)
+            wait_upstream(PDL)  # the first iteration's weights were requested before the previous kernel ended
             for i in range(i_start, i_end):
                 w0 = n0
                 w1 = n1
                 w2 = n2
                 w3 = n3
                 k_next = tl.minimum(i + 1, i_end - 1) * STEP
-                n0 = _w_tile(w_rows, k_next, offs_kw, K, EVEN_K)
+                n0 = _w_tile(w_rows, k_next, offs_kw, K, EVEN_K, EPW)
                 if UNROLL > 1:
-                    n1 = _w_tile(w_rows, k_next + BLOCK_K, offs_kw, K, EVEN_K)
+                    n1 = _w_tile(w_rows, k_next + BLOCK_K, offs_kw, K, EVEN_K, EPW)
                 if UNROLL > 2:
-                    n2 = _w_tile(w_rows, k_next + 2 * BLOCK_K, offs_kw, K, EVEN_K)
-                    n3 = _w_tile(w_rows, k_next + 3 * BLOCK_K, offs_kw, K, EVEN_K)
+                    n2 = _w_tile(w_rows, k_next + 2 * BLOCK_K, offs_kw, K, EVEN_K, EPW)
+                    n3 = _w_tile(w_rows, k_next + 3 * BLOCK_K, offs_kw, K, EVEN_K, EPW)
                 k0 = i * STEP
                 acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w0, x_ptr, M, stride_xm, k0, offs_k,
-                                                   K, EVEN_K, MODE, BLOCK_M, ASM_CVT)
+                                                   K, EVEN_K, MODE, BLOCK_M, ASM_CVT, EPW)
                 if UNROLL > 1:
                     acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w1, x_ptr, M, stride_xm,
-                                                       k0 + BLOCK_K, offs_k, K, EVEN_K, MODE, BLOCK_M, ASM_CVT)
+                                                       k0 + BLOCK_K, offs_k, K, EVEN_K, MODE, BLOCK_M, ASM_CVT, EPW)
                 if UNROLL > 2:
                     acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w2, x_ptr, M, stride_xm,
-                                                       k0 + 2 * BLOCK_K, offs_k, K, EVEN_K, MODE, BLOCK_M, ASM_CVT)
+                                                       k0 + 2 * BLOCK_K, offs_k, K, EVEN_K, MODE, BLOCK_M, ASM_CVT, EPW)
                     acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w3, x_ptr, M, stride_xm,
-                                                       k0 + 3 * BLOCK_K, offs_k, K, EVEN_K, MODE, BLOCK_M, ASM_CVT)
+                                                       k0 + 3 * BLOCK_K, offs_k, K, EVEN_K, MODE, BLOCK_M, ASM_CVT, EPW)
         if MODE == 0:
             r0 = tl.sum(acc0, axis=1)
             r1 = tl.sum(acc1, axis=1)
@@ -293,8 +315,9 @@ def _fp8_gemv_kernel(
             r2 = acc2
             r3 = acc3
         y, offs_m = stack_rows(r0, r1, r2, r3, BLOCK_M)
-    scale = tl.load(scale_ptr + tl.minimum(offs_n, N - 1) * stride_scale)
-    y = y * scale[None, :]
+    if EPW == 4:
+        scale = tl.load(scale_ptr + tl.minimum(offs_n, N - 1) * stride_scale)
+        y = y * scale[None, :]
     finish_tile(y, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
                 partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
@@ -322,23 +345,27 @@ def gemv_config(N: int, K: int, mode: int, block_n: int, block_k: int, unroll: i
 
 
 def word_aligned(weight: torch.Tensor) -> bool:
-    """True when the FP8 weight's rows can be read as int32 words (what `fp8_gemv` needs)."""
-    return (weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0
-            and weight.storage_offset() % 4 == 0)
+    """True when the weight's rows (FP8 or bf16) can be read as int32 words (what `fp8_gemv` needs)."""
+    epw = 4 // weight.element_size()
+    return (weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[1] % epw == 0 and weight.stride(0) % epw == 0
+            and weight.storage_offset() % epw == 0)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              config: GemvConfig) -> torch.Tensor:
     """y = x @ (weight * scale).T + bias with an explicit tiling (the picker in `kernels/skinny_linear.py`
-    or the sweep chooses it)."""
+    or the sweep chooses it). A bf16 weight (two a word, `scale` None) runs the FMA modes only."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     M, K = x.shape
     N = weight.shape[0]
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_gemv: weight dtype {weight.dtype}, expected torch.float8_e4m3fn")
-    if scale is None or scale.dtype != torch.float32 or scale.numel() not in (1, N):
+    if weight.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        raise ValueError(f"fp8_gemv: weight dtype {weight.dtype}, expected torch.float8_e4m3fn or torch.bfloat16")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 and (scale is None or scale.dtype != torch.float32 or scale.numel() not in (1, N)):
         raise ValueError("fp8_gemv: an fp32 scale of 1 or N elements is required")
+    if not fp8 and (scale is not None or config.mode == MODE_DOT16 or x.dtype not in (torch.bfloat16, torch.float32)):
+        raise ValueError("fp8_gemv: a bf16 weight takes bf16 x (fp32 in the interpreter), no scale and an FMA mode")
     if not 1 <= M <= config.max_m():
         raise ValueError(f"fp8_gemv: M = {M} rows, {MODE_NAMES[config.mode]} takes 1 to {config.max_m()}")
     if not word_aligned(weight):
@@ -357,13 +384,16 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     partial, counters = split_k_workspace(out, split, tiles)
     step = config.block_k * config.unroll
     iters_per_split = triton.cdiv(triton.cdiv(K, step), split)
+    pdl = enabled_for(x)
+    epw = 4 if fp8 else 2
     _fp8_gemv_kernel[(tiles, split)](
-        x, weight.view(torch.int32), scale.reshape(-1), bias if bias is not None else out, out, partial, counters,
-        M, N, K, iters_per_split, split, x.stride(0), weight.stride(0) // 4, 1 if scale.numel() > 1 else 0,
-        out.stride(0),
+        x, weight.view(torch.int32), scale.reshape(-1) if fp8 else out, bias if bias is not None else out, out,
+        partial, counters, M, N, K, iters_per_split, split, x.stride(0), weight.stride(0) // epw,
+        1 if fp8 and scale.numel() > 1 else 0, out.stride(0),
         HAS_BIAS=bias is not None, USE_SPLIT=split > 1, EVEN_K=K % step == 0, MODE=config.mode,
         STAGES=config.stages, UNROLL=config.unroll, BLOCK_M=block_m_for(M, config.mode), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, ASM_CVT=bool(config.cvt) and x.is_cuda, num_warps=config.num_warps, num_stages=config.stages,
+        BLOCK_K=config.block_k, ASM_CVT=bool(config.cvt) and x.is_cuda, EPW=epw, PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.stages, **launch_kwargs(pdl),
     )
     return out
 

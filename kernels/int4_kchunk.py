@@ -29,6 +29,7 @@ import triton.language as tl
 from kernels.int4_common import finish_tile, grouped_tile, nibble_float, nibble_pair_floats, stack_rows
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
 from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
+from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
 
 
 GEMM_JOIN = 1  # `int4_kchunk_gemm`: one dot per K tile on the weights put back in natural row order
@@ -128,7 +129,9 @@ def _kchunk_gemv_kernel(
     PAIRS: tl.constexpr,  # two nibbles per shift (`nibble_pair_floats`), else one (`nibble_float`)
     REDUCE_EACH: tl.constexpr,  # reduce each nibble's products at once (no FMA tile)
     ASM: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    release_dependents(PDL)
     R: tl.constexpr = BLOCK_K // 32
     LO_UNIT: tl.constexpr = 256.0 if PAIRS else 16.0
     pid_n = tl.program_id(0)
@@ -159,6 +162,7 @@ def _kchunk_gemv_kernel(
     c = t_start * R + offs_r
     words_next = tl.load(w_ptr + c[:, None, None] * stride_wc + col_w, mask=(c < chunks_end)[:, None, None] & mask_nw,
                          other=0, eviction_policy="evict_first")
+    wait_upstream(PDL)  # the first tile's words were requested before the previous kernel ended
     for t in range(t_start, t_end):
         words = words_next.to(tl.uint32, bitcast=True)  # the next tile's words are in flight meanwhile
         c = t * R + offs_r
@@ -398,10 +402,12 @@ def int4_kchunk_linear_impl(
     args = (x, packed, scales, zeros, bias_arg, out, partial, counters,
             M, N, K, group_size, tiles_per_split, split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0))
     if gemv:
+        pdl = enabled_for(x)
         _kchunk_gemv_kernel[(tiles, split)](
             *args, ROWS=config.block_m, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, PAIRS=config.pairs,
-            REDUCE_EACH=config.reduce_each, ASM=asm, num_warps=config.num_warps, num_stages=config.num_stages,
+            REDUCE_EACH=config.reduce_each, ASM=asm, PDL=pdl, num_warps=config.num_warps,
+            num_stages=config.num_stages, **launch_kwargs(pdl),
         )
     elif config.gemm:
         _kchunk_gemm_kernel[(tiles, split)](

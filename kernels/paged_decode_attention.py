@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import aligned
+from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
 from kernels.prefill_attention import soft_cap
 
 _LOG2E = 1.4426950408889634
@@ -67,7 +68,10 @@ def _paged_decode_stage1_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    release_dependents(PDL)
+    wait_upstream(PDL)  # every program, before its early return too
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,7 +148,10 @@ def _paged_decode_stage2_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_dependents(PDL)
+    wait_upstream(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -224,6 +231,7 @@ def paged_decode_attention_impl(
     mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    pdl = enabled_for(query)
     _paged_decode_stage1_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -254,8 +262,10 @@ def paged_decode_attention_impl(
         DOT_PRECISION=precision,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_kwargs(pdl),
     )
     if num_splits == 1:
         return out  # stage 1 wrote it (a graph captured with one split replays the same way)
@@ -273,7 +283,9 @@ def paged_decode_attention_impl(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         SLIDING=window > 0,
+        PDL=pdl,
         num_warps=4,
+        **launch_kwargs(pdl),
     )
     return out
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -28,17 +30,20 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # a weight: read before the previous kernel ends
+    wait_upstream(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * N + offs, s, mask=mask)
         x = s.to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * N + offs, normed_row(x, w, out_ptr.dtype.element_ty, eps, N, UNIT_OFFSET), mask=mask)
 
 
@@ -79,6 +84,7 @@ def rms_norm(
         residual_out = torch.empty_like(out)
     if num_tokens > 0:
         block = triton.next_power_of_2(hidden)
+        pdl = enabled_for(x)
         _rms_norm_kernel[(num_tokens,)](
             x,
             residual if residual is not None else x,
@@ -92,7 +98,9 @@ def rms_norm(
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             UNIT_OFFSET=unit_offset,
+            PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
+            **launch_kwargs(pdl),
         )
     if residual is not None:
         return out, residual_out

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kernels.cache_ops import _store_kv_row, check_kv_write
 from kernels.launch import aligned
+from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
 
 
 @triton.jit
@@ -99,7 +100,10 @@ def _rotary_and_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     ROW: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    release_dependents(PDL)
+    wait_upstream(PDL)
     tok = tl.program_id(0).to(tl.int64)
     _rotate_token(tok, positions_ptr, q_ptr, k_ptr, cache_ptr, stride_q_tok, stride_k_tok, stride_cache,
                   NUM_Q_HEADS, NUM_K_HEADS, HEAD_DIM, HALF, BLOCK_Q_HEADS, BLOCK_K_HEADS, BLOCK_HALF)
@@ -141,10 +145,11 @@ def rotary_and_write_kv(
     if num_tokens == 0:
         return
     row = key.shape[1] * head_dim
+    pdl = enabled_for(query)
     _rotary_and_write_kv_kernel[(num_tokens,)](
         aligned(positions), query, key, value, cos_sin_cache, k_cache, v_cache, aligned(slot_mapping),
         query.stride(0), key.stride(0), value.stride(0), cos_sin_cache.stride(0),
-        **shape, ROW=row, BLOCK_ROW=triton.next_power_of_2(row), num_warps=4,
+        **shape, ROW=row, BLOCK_ROW=triton.next_power_of_2(row), PDL=pdl, num_warps=4, **launch_kwargs(pdl),
     )
 
 

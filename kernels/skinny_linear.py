@@ -24,7 +24,7 @@ Three ways to multiply (`SkinnyConfig.mode`):
 The per-channel scale multiplies the fp32 sums once, before the bias.
 FP8 weights at M <= 4 go to `kernels/fp8_gemv.py` instead (the picker returns its `GemvConfig`): word
 loads, inline-asm e4m3 conversion, fp32 FMAs at M = 1-2, fp16 tensor cores at 3-4; measured faster on
-every 8B shape.
+every 8B shape. bf16 weights at M = 1-2 go there too (two a word, fp32 FMAs); cuBLAS keeps bf16 above.
 `pick_skinny_config` chooses the tiling from shapes alone (one compiled variant per M bucket) and
 `use_skinny` says per shape whether this kernel or cuBLAS runs; both read the tables below, which
 `bench/skinny_sweep.py` measures.
@@ -43,6 +43,7 @@ from kernels import fp8_gemv
 from kernels.fp8_gemv import GemvConfig
 from kernels.int4_common import finish_tile
 from kernels.int4_matmul import _num_sms, split_k_workspace
+from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
 
 MAX_M = 16
 MODE_FMA, MODE_FMA_REDUCE, MODE_DOT = 0, 1, 2
@@ -117,7 +118,9 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    release_dependents(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -133,6 +136,7 @@ def _skinny_kernel(
     t_start = split * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, num_k_tiles)
     if MODE == 2:
+        wait_upstream(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for t in range(t_start, t_end):
             k0 = t * BLOCK_K
@@ -156,6 +160,7 @@ def _skinny_kernel(
             # Each tile is SUB column slices summed into one accumulator of BLOCK_K // SUB columns:
             # more bytes in flight per accumulator register.
             offs_s = tl.arange(0, BLOCK_K // SUB)
+            wait_upstream(PDL)
             for t in tl.range(t_start, t_end, num_stages=STAGES):
                 for u in tl.static_range(SUB):
                     k0 = t * BLOCK_K + u * (BLOCK_K // SUB)
@@ -166,6 +171,7 @@ def _skinny_kernel(
             # Register double buffer: tile t + 1 is requested before tile t is multiplied. The last
             # prefetch re-reads this split's last tile (in bounds, a cache hit) instead of masking.
             w_next = _load_w(w_rows, tl.minimum(t_start, num_k_tiles - 1) * BLOCK_K, offs_k, K, EVEN_K)
+            wait_upstream(PDL)  # the first weight tile was requested before the previous kernel ended
             for t in range(t_start, t_end):
                 w = w_next
                 w_next = _load_w(w_rows, tl.minimum(t + 1, t_end - 1) * BLOCK_K, offs_k, K, EVEN_K)
@@ -214,13 +220,14 @@ _TABLE: dict[tuple[int, int], tuple[int, ...]] = {
 # use_skinny: where cuBLAS (F.linear for bf16/fp16; quantise + _scaled_mm for FP8) stays, as
 # (weight bytes per element, smallest M, largest M, smallest N, largest N * K); anything else at
 # M <= 16 runs the skinny kernel. H100 sweep G1 (sums over the 24 shapes):
-# - bf16 / fp16: the best tiling only ties cuBLAS (8B TP4 layer 52.1 -> 51.7 us): cuBLAS everywhere;
+# - bf16 / fp16: the best tiling only ties cuBLAS (8B TP4 layer 52.1 -> 51.7 us): cuBLAS from 3 rows
+#   (fp16 at every M); bf16 at 1-2 rows takes `_BF16_GEMV_TABLE` (`bench/gemv_bf16.py`, below);
 # - FP8, M = 5-16: the picked tiles beat the _scaled_mm path by ~20 % overall (G1, M = 8/16) but lose
 #   4-13 % on gate_up at 8B TP1/TP2 and 70B TP4 (N 14336-28672, N * K < 2**27), which keep it.
 # FP8 at M = 1-4 always runs `kernels/fp8_gemv.py` (bench/RESULTS.md runs 41-42: faster than _scaled_mm on
 # every 8B shape, gate_up included: TP1 M = 2 52.8 -> 49.8 us, M = 4 54.6 -> 49.8 in run 42).
 _CUBLAS_WINS: tuple[tuple[int, int, int, int, int], ...] = (
-    (2, 1, MAX_M, 0, 1 << 62),
+    (2, 3, MAX_M, 0, 1 << 62),
     (1, 5, MAX_M, 14336, 1 << 27),
 )
 
@@ -240,6 +247,17 @@ _GEMV_TABLE: dict[int, tuple[int, ...]] = {
     1: (fp8_gemv.MODE_ACC, 16, 512, 1, 4, 4, 1),
     2: (fp8_gemv.MODE_ACC, 32, 256, 1, 4, 3, 1),
     4: (fp8_gemv.MODE_DOT16, 128, 128, 1, 4, 3, 1),
+}
+
+# bf16 weights at M = 1-2 through the same GEMV (two bf16 a word; block_k in weights), same columns as
+# `_GEMV_TABLE`. From `bench/gemv_bf16.py` on an H100 (triton 3.6, 2026-11-27, copy 2,906 GB/s; RESULTS
+# run 49): one layer's four linears at M = 1, a CUDA graph of whole layers, us, cuBLAS -> this GEMV with
+# PDL (`kernels/pdl.py`): 8B TP1 166.2 -> 152.4, TP2 91.7 -> 77.6, TP4 51.8 -> 42.8, 70B TP4 158.3 -> 149.1;
+# M = 2: 8B TP2 91.5 -> 84.4, 70B TP4 158.4 -> 152.4. At M = 4 it ties or loses (70B TP4 158.6 -> 168.0):
+# cuBLAS from 3 rows.
+_BF16_GEMV_TABLE: dict[int, tuple[int, ...]] = {
+    1: (fp8_gemv.MODE_ACC, 8, 512, 1, 4, 1, 1),
+    2: (fp8_gemv.MODE_ACC, 16, 256, 1, 4, 3, 1),
 }
 
 
@@ -267,7 +285,8 @@ def config_for(M: int, N: int, K: int, mode: int, block_n: int, block_k: int, wa
 def pick_skinny_config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> SkinnyConfig | GemvConfig:
     """The tiling for one call, from shapes alone: the table's entry for M's bucket, split-K from N, K
     (a `GemvConfig`, run by `kernels/fp8_gemv.py`, where `_GEMV_TABLE` has FP8's bucket)."""
-    gemv = _GEMV_TABLE.get(m_bucket(M)) if weight_dtype == torch.float8_e4m3fn else None
+    tables = {torch.float8_e4m3fn: _GEMV_TABLE, torch.bfloat16: _BF16_GEMV_TABLE}
+    gemv = tables[weight_dtype].get(m_bucket(M)) if weight_dtype in tables else None
     if gemv is not None:
         mode, bn, bk, unroll, warps, stages, per_sm = gemv
         return fp8_gemv.gemv_config(N, K, mode, bn, bk, unroll, warps, stages, per_sm, num_sms)
@@ -287,6 +306,8 @@ def use_skinny(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device)
     rows), and no `_CUBLAS_WINS` entry covering the shape. CPU callers keep F.linear / the reference.
     """
     if device.type != "cuda" or dtype not in WEIGHT_DTYPES or not 1 <= M <= MAX_M or K % 16:
+        return False
+    if dtype == torch.float16:  # the bf16 GEMV reads bf16 words only; fp16 ties cuBLAS at best (sweep G1)
         return False
     cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if cap < ((8, 9) if dtype == torch.float8_e4m3fn else (8, 0)):
@@ -330,7 +351,8 @@ def skinny_linear_impl(
         num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
         config = pick_skinny_config(M, N, K, weight.dtype, num_sms)
         if isinstance(config, GemvConfig) and not fp8_gemv.word_aligned(weight):
-            mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), 1)]  # rows not readable as words
+            # rows not readable as words
+            mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight.element_size(), 2))]
             config = config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
     if isinstance(config, GemvConfig):
         return fp8_gemv.fp8_gemv(x, weight, scale, bias, config)
@@ -342,14 +364,15 @@ def skinny_linear_impl(
     scale_arg = scale.reshape(-1) if scale is not None else out
     bias_arg = bias if bias is not None else out
     tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
+    pdl = enabled_for(x)
     _skinny_kernel[(tiles, split)](
         x, weight, scale_arg, bias_arg, out, partial, counters,
         M, N, K, tiles_per_split, split, x.stride(0), weight.stride(0),
         1 if scale is not None and scale.numel() > 1 else 0, out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
         EVEN_K=K % config.block_k == 0, MODE=config.mode, STAGES=config.num_stages, SUB=config.sub, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_K=config.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
     )
     return out
 

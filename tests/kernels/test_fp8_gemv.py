@@ -91,3 +91,44 @@ def test_fp8_gemv_rejects_bad_input(device):
         fp8_gemv(x, q.float(), scale, None, cfg)
     with pytest.raises(ValueError, match="words"):  # a column slice starting mid-word
         fp8_gemv(x[:, :60], q[:, 2:62], scale, None, cfg)
+
+
+BF16_CASES = [
+    # (N, K, M, bias, config): bf16 weights, two a word (FMA modes)
+    (40, 256, 1, True, GemvConfig(MODE_ACC, 16, 64, 2, 1, 4, 1)),
+    (40, 400, 1, False, GemvConfig(MODE_ACC, 16, 64, 2, 3, 4, 1)),  # K tail, split 3
+    (24, 512, 2, True, GemvConfig(MODE_ACC, 8, 128, 1, 2, 4, 3)),  # smem pipelining
+    (40, 400, 3, False, GemvConfig(MODE_ROWSUM, 16, 32, 4, 3, 4, 1)),
+    (72, 512, 4, True, GemvConfig(MODE_ROWSUM, 32, 64, 2, 1, 4, 1)),
+]
+
+
+@pytest.mark.parametrize("N, K, M, with_bias, config", BF16_CASES)
+def test_bf16_weights_match_oracle(device, N, K, M, with_bias, config):
+    g = torch.Generator().manual_seed(N * K + M)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    w = torch.randn(N, K, generator=g).bfloat16().to(device)
+    x = torch.randn(M, K, generator=g).bfloat16().to(dtype).to(device)
+    bias = torch.randn(N, generator=g).bfloat16().to(dtype).to(device) if with_bias else None
+    ref = x.double() @ w.double().t() + (bias.double() if bias is not None else 0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for _ in range(2):
+        out = fp8_gemv(x, w, None, bias, config)
+        assert out.dtype == x.dtype and out.shape == (M, N)
+        assert _rel_err(out, ref) < tol, config
+    # column 2 c is a word's low half: a weight tensor with one nonzero per row puts it where it belongs
+    w1 = torch.zeros(8, K, dtype=torch.bfloat16, device=device)
+    w1[torch.arange(8), torch.arange(8) * 3 + 1] = 1.0
+    got = fp8_gemv(x, w1, None, None, config)
+    assert torch.equal(got, x[:, torch.arange(8, device=device) * 3 + 1].to(got.dtype))
+
+
+def test_bf16_weights_reject_scale_and_dot16(device):
+    w = torch.randn(16, 64).bfloat16().to(device)
+    x = torch.randn(2, 64).bfloat16().to(torch.float32 if device == "cpu" else torch.bfloat16).to(device)
+    with pytest.raises(ValueError, match="bf16"):
+        fp8_gemv(x, w, torch.ones(1, device=device), None, GemvConfig(MODE_ACC, 16, 32, 1, 1, 4, 1))
+    with pytest.raises(ValueError, match="bf16"):
+        fp8_gemv(x, w, None, None, GemvConfig(MODE_DOT16, 16, 32, 1, 1, 4, 1))
+    with pytest.raises(ValueError, match="words"):  # starts mid-word
+        fp8_gemv(x[:, :62], w[:, 1:63], None, None, GemvConfig(MODE_ACC, 16, 32, 1, 1, 4, 1))

@@ -134,7 +134,7 @@ def test_pick_and_use_skinny():
         assert pick_skinny_config(3, 4096, 4096, wdtype, 132) == pick_skinny_config(4, 4096, 4096, wdtype, 132)
         assert pick_skinny_config(9, 4096, 4096, wdtype, 132) == pick_skinny_config(16, 4096, 4096, wdtype, 132)
         # a narrow N is split along K to fill the GPU; a wide one is not
-        narrow = pick_skinny_config(1, 1536, 4096, wdtype, 132)
+        narrow = pick_skinny_config(1, 512, 4096, wdtype, 132)
         wide = pick_skinny_config(1, 57344, 8192, wdtype, 132)
         assert narrow.split_k > 1 and wide.split_k == 1
         assert use_skinny(1, 4096, 4096, wdtype, torch.device("cpu")) is False  # the CPU keeps torch
@@ -142,14 +142,17 @@ def test_pick_and_use_skinny():
     # fp16 tensor cores at 3-4
     assert [pick_skinny_config(m, 4096, 4096, FP8, 132).mode for m in (1, 2, 3, 4)] == [MODE_ACC] * 2 + [MODE_DOT16] * 2
     assert isinstance(pick_skinny_config(5, 4096, 4096, FP8, 132), SkinnyConfig)
-    assert isinstance(pick_skinny_config(1, 4096, 4096, torch.bfloat16, 132), SkinnyConfig)
+    # bf16 at M = 1-2: the same GEMV reading two bf16 a word (bench/gemv_bf16.py, RESULTS run 49)
+    assert [pick_skinny_config(m, 4096, 4096, torch.bfloat16, 132).mode for m in (1, 2)] == [MODE_ACC] * 2
+    assert isinstance(pick_skinny_config(3, 4096, 4096, torch.bfloat16, 132), SkinnyConfig)
     with pytest.raises(AssertionError):  # slices need the pipelined FMA loop
         skinny_linear_impl(torch.randn(1, 128), torch.randn(8, 128).bfloat16(), None, None,
                            SkinnyConfig(MODE_FMA, 8, 128, 1, 4, 1, 2))
     assert use_skinny(1, 4096, 4096, torch.float32, torch.device("cpu")) is False
-    # the measured rules (H100 sweeps, RESULTS runs 36, 41): bf16 keeps cuBLAS; FP8 runs skinny at M <= 4 everywhere
-    # (fp8_gemv) and at M >= 5 except the mid-size wide gate_up shapes
-    assert all(cublas_wins(m, 6144, 4096, 2) for m in (1, 7, 16))
+    # the measured rules (H100 sweeps, RESULTS runs 36, 41, 49): bf16 keeps cuBLAS from 3 rows (the GEMV at 1-2);
+    # FP8 runs skinny at M <= 4 everywhere (fp8_gemv) and at M >= 5 except the mid-size wide gate_up shapes
+    assert all(cublas_wins(m, 6144, 4096, 2) for m in (3, 7, 16))
+    assert not any(cublas_wins(m, n, 4096, 2) for m in (1, 2) for n in (1536, 6144, 28672, 128256))
     assert not any(cublas_wins(m, n, k, 1) for k, n in ((4096, 28672), (4096, 1536), (8192, 57344)) for m in (1, 2, 4))
     assert cublas_wins(5, 28672, 4096, 1) and cublas_wins(16, 14336, 8192, 1)
     assert not cublas_wins(2, 57344, 8192, 1) and not cublas_wins(8, 7168, 4096, 1)

@@ -105,6 +105,22 @@ def dummy_llm(shape: str, model_root: str | Path, max_num_seqs: int = 256, max_n
                quantization=QUANT_VARIANTS[quantize][1])
 
 
+def greedy_batches(llm) -> list[list[int]]:  # noqa: ANN001
+    """The tokens of 24 greedy steps for four fixed prompts in one batch, then the first alone (batch 1):
+    what the tests of on/off knobs (L2 prefetch, PDL) compare, every decode graph size exercised. Shuts `llm` down."""
+    import torch
+
+    from serving import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(100 + 13 * i, 140 + 13 * i))} for i in range(4)]
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24, detokenize=False)
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * 4, use_tqdm=False)]
+    tokens.append(list(llm.generate([prompts[0]], [sp], use_tqdm=False)[0].outputs[0].token_ids))
+    llm.llm_engine.shutdown()
+    torch.cuda.empty_cache()
+    return tokens
+
+
 def dummy_dir(model_root: str | Path, shape: str, quantize: str = "bf16") -> Path:
     """Where a shape's (variant's) dummy model dir goes: one dir per config.json."""
     return Path(model_root) / (shape if QUANT_VARIANTS[quantize][0] is None else f"{shape}-{quantize}")

@@ -76,20 +76,20 @@ def report(label: str, compile_one) -> bool:
 def compile_sm90(m: int, fp8: bool, cfg, split: bool, even_k: bool = True) -> int:
     """Compile one variant as the launcher would specialise it at real shapes; returns its registers."""
     if isinstance(cfg, GemvConfig):
-        return _compile_gemv(m, cfg, split, even_k)
+        return _compile_gemv(m, cfg, split, even_k, 4 if fp8 else 2)
     const = dict(HAS_SCALE=fp8, HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.num_stages,
                  SUB=cfg.sub,
                  BLOCK_M=max(16, m_bucket(m)) if cfg.mode == MODE_DOT else m_bucket(m), BLOCK_N=cfg.block_n,
-                 BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
+                 BLOCK_K=cfg.block_k, DOT_PRECISION="tf32", PDL=True)
     types = dict(_SIG, w_ptr="*fp8e4nv" if fp8 else "*bf16")
     kernel = compile_variant(_skinny_kernel, const, types, _DIVISIBLE, cfg.num_warps, cfg.num_stages)
     return resources(kernel)[0]
 
 
-def _compile_gemv(m: int, cfg: GemvConfig, split: bool, even_k: bool) -> int:
-    # kernels/fp8_gemv.py's kernel, with the inline-asm conversions the GPU runs
+def _compile_gemv(m: int, cfg: GemvConfig, split: bool, even_k: bool, epw: int) -> int:
+    # kernels/fp8_gemv.py's kernel, with the inline-asm conversions the GPU runs (epw 4: FP8, 2: bf16 weights)
     const = dict(HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.stages, UNROLL=cfg.unroll,
-                 BLOCK_M=block_m_for(m, cfg.mode), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ASM_CVT=bool(cfg.cvt))
+                 BLOCK_M=block_m_for(m, cfg.mode), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ASM_CVT=bool(cfg.cvt), EPW=epw, PDL=True)
     kernel = compile_variant(_fp8_gemv_kernel, const, dict(_SIG, w_ptr="*i32"), _DIVISIBLE, cfg.num_warps, cfg.stages)
     assert kernel.metadata.shared <= 227 * 1024, f"{cfg.short()}: {kernel.metadata.shared} bytes of shared memory"
     return resources(kernel)[0]

@@ -135,12 +135,8 @@ def test_kernel_compiles_for_sm90_with_its_prefetches() -> None:
 @pytest.mark.parametrize("quantize", ["bf16", "gptq"])
 def test_same_tokens_with_and_without_prefetch(tmp_path, monkeypatch, quantize) -> None:  # noqa: ANN001
     sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
-    from dummy_model import dummy_llm
+    from dummy_model import dummy_llm, greedy_batches
 
-    from serving import SamplingParams
-
-    prompts = [{"prompt_token_ids": list(range(100 + 13 * i, 140 + 13 * i))} for i in range(4)]
-    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24, detokenize=False)
     tokens = {}
     for mb in ("16", "0"):
         monkeypatch.setenv(ENV, mb)
@@ -149,10 +145,5 @@ def test_same_tokens_with_and_without_prefetch(tmp_path, monkeypatch, quantize) 
         # quantized models never prefetch (it cost GPTQ int4 5 %: bench/RESULTS.md run 46)
         assert (runner.weight_prefetch is not None) == (mb != "0" and quantize == "bf16")
         assert runner.graph_runner is not None  # the decode graphs captured with the prefetch's side stream
-        tokens[mb] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [sp] * 4, use_tqdm=False)]
-        # batch 1 as well (one row: every decode step prefetches)
-        tokens[mb].append(list(llm.generate([prompts[0]], [sp], use_tqdm=False)[0].outputs[0].token_ids))
-        llm.llm_engine.shutdown()
-        del llm
-        torch.cuda.empty_cache()
+        tokens[mb] = greedy_batches(llm)  # batch 4, then batch 1 (one row: every decode step prefetches)
     assert tokens["16"] == tokens["0"]

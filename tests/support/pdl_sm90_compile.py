@@ -1,0 +1,113 @@
+"""Compile every kernel launched with programmatic dependent launch (`kernels/pdl.py`) for sm_90, no GPU needed.
+
+For each kernel, as the decode step launches it on an H100 (`PDL=True`, bf16 activations, 8B shapes),
+it reads the PTX in program order and checks the contract `kernels/pdl.py` states:
+- `griddepcontrol.launch_dependents` and `griddepcontrol.wait` are both there, the release first;
+- nothing is stored (`st.global`, atomics) before the wait;
+- kernels with a weight prologue still issue their weight loads before the wait (the overlap is kept).
+Prints `ok <kernel> loads_before_wait=<n>` or `FAIL <kernel> <error>` per kernel; exit status 1 if any failed.
+`tests/kernels/test_pdl.py` runs it in a subprocess without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
+
+from sm90_compile import compile_variant, report  # noqa: E402
+
+import triton.language as tl  # noqa: E402
+
+from kernels.activation import _silu_and_mul_kernel  # noqa: E402
+from kernels.all_reduce_norm import _all_reduce_rms_norm_kernel  # noqa: E402
+from kernels.fp8_gemv import MODE_ACC, _fp8_gemv_kernel  # noqa: E402
+from kernels.int4_kchunk import _kchunk_gemv_kernel  # noqa: E402
+from kernels.paged_decode_attention import _paged_decode_stage1_kernel, _paged_decode_stage2_kernel  # noqa: E402
+from kernels.rms_norm import _rms_norm_kernel  # noqa: E402
+from kernels.rotary import _rotary_and_write_kv_kernel  # noqa: E402
+from kernels.skinny_linear import MODE_DOT, MODE_FMA, _skinny_kernel  # noqa: E402
+
+_BF16 = "*bf16"
+_STORE = re.compile(r"^\s*(@%p\d+\s+)?(st\.global|atom\.|red\.)")
+_LOAD = re.compile(r"^\s*(@%p\d+\s+)?ld\.global")
+
+# (label, kernel, constexprs, pointer types, warps, stages, weight prologue before the wait)
+_GEMM_PTRS = {"x_ptr": _BF16, "scale_ptr": "*fp32", "bias_ptr": _BF16, "out_ptr": _BF16, "partial_ptr": "*fp32",
+              "counter_ptr": "*i32"}
+CASES = [
+    ("rms_norm", _rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, UNIT_OFFSET=False),
+     {"x_ptr": _BF16, "residual_ptr": _BF16, "weight_ptr": _BF16, "out_ptr": _BF16, "residual_out_ptr": _BF16,
+      "eps": "fp32"}, 16, 1, True),
+    ("all_reduce_rms_norm", _all_reduce_rms_norm_kernel,
+     dict(N=4096, BLOCK=4096, CHUNK=1024, W=2, INT=tl.int16, SENTINEL=-(1 << 15), POLL_2D=True, HAS_RESIDUAL=True,
+          UNIT_OFFSET=False),
+     {"x_ptr": _BF16, "residual_ptr": _BF16, "weight_ptr": _BF16, "out_ptr": _BF16, "residual_out_ptr": _BF16,
+      "peers_ptr": "*i64", "state_ptr": "*i32", "eps": "fp32"}, 16, 1, True),
+    ("silu_and_mul", _silu_and_mul_kernel, dict(D=14336, BLOCK=1024), {"x_ptr": _BF16, "out_ptr": _BF16}, 4, 1,
+     False),
+    ("rotary_and_write_kv", _rotary_and_write_kv_kernel,
+     dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_Q_HEADS=32, BLOCK_K_HEADS=8, BLOCK_HALF=64,
+          ROW=1024, BLOCK_ROW=1024),
+     {"positions_ptr": "*i64", "q_ptr": _BF16, "k_ptr": _BF16, "v_ptr": _BF16, "cache_ptr": "*fp32",
+      "k_cache_ptr": _BF16, "v_cache_ptr": _BF16, "slot_ptr": "*i64"}, 4, 1, False),
+    ("paged_decode_stage1", _paged_decode_stage1_kernel,
+     dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="tf32",
+          SLIDING=False, SOFTCAP=False),
+     {"q_ptr": _BF16, "k_cache_ptr": _BF16, "v_cache_ptr": _BF16, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+      "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": _BF16, "qk_scale": "fp32", "softcap": "fp32"}, 4, 2,
+     False),
+    ("paged_decode_stage2", _paged_decode_stage2_kernel,
+     dict(HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128, BLOCK_N=64, SLIDING=False),
+     {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": _BF16}, 4, 1, False),
+    ("kchunk_gemv", _kchunk_gemv_kernel,
+     dict(ROWS=1, HAS_BIAS=False, USE_SPLIT=True, BLOCK_N=256, BLOCK_K=128, EVEN_K=True, PAIRS=True,
+          REDUCE_EACH=False, ASM=True),
+     {"x_ptr": _BF16, "w_ptr": "*i32", "scales_ptr": _BF16, "zeros_ptr": _BF16, "bias_ptr": _BF16, "out_ptr": _BF16,
+      "partial_ptr": "*fp32", "counter_ptr": "*i32"}, 4, 1, True),
+    ("fp8_gemv", _fp8_gemv_kernel,
+     dict(HAS_BIAS=False, USE_SPLIT=True, EVEN_K=True, MODE=MODE_ACC, STAGES=1, UNROLL=2, BLOCK_M=1, BLOCK_N=16,
+          BLOCK_K=512, ASM_CVT=True, EPW=4),
+     dict(_GEMM_PTRS, w_ptr="*i32"), 4, 1, True),
+    ("skinny_fma", _skinny_kernel,
+     dict(HAS_SCALE=False, HAS_BIAS=False, USE_SPLIT=True, EVEN_K=True, MODE=MODE_FMA, STAGES=1, SUB=1, BLOCK_M=1,
+          BLOCK_N=16, BLOCK_K=256, DOT_PRECISION="tf32"),
+     dict(_GEMM_PTRS, w_ptr=_BF16), 4, 1, True),
+    ("skinny_dot", _skinny_kernel,
+     dict(HAS_SCALE=False, HAS_BIAS=False, USE_SPLIT=True, EVEN_K=True, MODE=MODE_DOT, STAGES=3, SUB=1, BLOCK_M=16,
+          BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32"),
+     dict(_GEMM_PTRS, w_ptr=_BF16), 4, 3, False),
+]
+
+
+def check_ptx(ptx: str, prologue: bool) -> int:
+    """The contract's checks on one kernel's PTX; returns the global loads issued before the wait."""
+    lines = [ln for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith((".loc", "//"))]
+    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    releases = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+    assert waits and releases, f"waits {len(waits)}, releases {len(releases)}"
+    first_wait = waits[0]
+    assert releases[0] < first_wait, "the release comes after the wait"
+    stores = [ln.strip() for ln in lines[:first_wait] if _STORE.match(ln)]
+    assert not stores, f"stores before the wait: {stores[:3]}"
+    loads = sum(1 for ln in lines[:first_wait] if _LOAD.match(ln))
+    assert (loads > 0) == prologue, f"{loads} global loads before the wait, weight prologue expected: {prologue}"
+    return loads
+
+
+def main() -> int:
+    failed = 0
+    for label, fn, const, types, warps, stages, prologue in CASES:
+        def one(fn=fn, const=const, types=types, warps=warps, stages=stages, prologue=prologue) -> str:
+            pointers = tuple(name for name, kind in types.items() if kind.startswith("*"))
+            kernel = compile_variant(fn, dict(const, PDL=True), types, pointers, warps, stages)
+            return f"loads_before_wait={check_ptx(kernel.asm['ptx'], prologue)}"
+        failed += not report(label, one)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
