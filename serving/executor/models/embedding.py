@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from serving.executor import parallel
 from serving.executor.models import params
 from serving.executor.models.params import SINGLE, Loaded
@@ -56,9 +57,16 @@ class VocabParallelEmbedding(nn.Module):
         output (no copy: the decode graphs' static logits; a float32 copy of 256 rows of 128,256
         cost 54 µs a step on an H100, and the samplers upcast exactly what they read)."""
         assert out is None or out.shape[0] == hidden.shape[0], f"logits out= has {out.shape[0]} rows for {hidden.shape[0]}"
-        if out is not None and self.tp == 1 and out.dtype == self.weight.dtype and hidden.dim() == 2:
-            return torch.mm(hidden, self.weight.t(), out=out)
-        logits = F.linear(hidden, self.weight)
+        w = self.weight
+        if (hidden.is_cuda and hidden.dim() == 2 and hidden.dtype == w.dtype
+                and kernels.use_skinny(hidden.shape[0], w.shape[0], w.shape[1], w.dtype, hidden.device)):
+            logits = kernels.skinny_linear(hidden, w)  # decode rows: the bandwidth-bound GEMV (bf16 at 1-2 rows)
+            if out is not None and self.tp == 1 and out.dtype == w.dtype:
+                return out.copy_(logits)
+        elif out is not None and self.tp == 1 and out.dtype == w.dtype and hidden.dim() == 2:
+            return torch.mm(hidden, w.t(), out=out)
+        else:
+            logits = F.linear(hidden, w)
         if self.tp > 1:
             logits = parallel.all_gather_last_dim(logits)[..., : self.vocab_size]
         if out is not None:

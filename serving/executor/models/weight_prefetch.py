@@ -19,11 +19,14 @@ so a captured CUDA graph always ends joined and a prefetch never outlives the st
 order differs from the run order only prefetches the wrong weight: the hint changes no result.
 
 Under tensor parallelism it measured no gain (8B TP=2 +0.5 %, TP=4 +1.2 %, 70B TP=4 -0.4 %, run 44:
-the all-reduce's flag polling is as latency-bound as the kernels it would hide), so it is on by
-default on one GPU only; and never for quantized models (GPTQ int4 at batch 1: 3.30 ms/token with
-8 MiB, 3.14 without; FP8 unchanged; run 46). `OPEN_LMI_L2_PREFETCH_MB` (read once, when the chain
-is linked) sets the bytes per prefetch in MiB for unquantized models at any degree; 0 turns it
-off. Only on CUDA devices of compute capability 8.0 and above with Triton.
+the all-reduce's flag polling is as latency-bound as the kernels it would hide); never for quantized
+models (GPTQ int4 at batch 1: 3.30 ms/token with 8 MiB, 3.14 without; FP8 unchanged; run 46). Since
+decode steps launch their kernels with programmatic dependent launch (`kernels/pdl.py`: the next
+linear layer's GEMV starts reading its weight while the previous kernel drains) and bf16 weights
+at 1-2 rows go through that GEMV, the prefetch costs time on one GPU too (8B batch 1: 5.68 ms/token
+with 8 MiB, 5.52 without; run 49): it is off by default. `OPEN_LMI_L2_PREFETCH_MB` (read once, when
+the chain is linked) sets the bytes per prefetch in MiB for unquantized models at any degree; 0
+(the default) turns it off. Only on CUDA devices of compute capability 8.0 and above with Triton.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch import nn
 import kernels
 
 ENV = "OPEN_LMI_L2_PREFETCH_MB"
-DEFAULT_MB = 8.0  # bench/RESULTS.md run 44: 8B TP=1 engine, batch 1: 8 MB -1.0 %, 12 MB +1.2 %, 16 MB +2.0 %
+DEFAULT_MB = 0.0  # run 44 (cuBLAS, no PDL): 8 MB -1.0 % at 8B TP=1; run 49 (PDL + bf16 GEMV): 8 MB +2.9 %
 MAX_ROWS = 16  # decode-sized calls only: above this the GEMMs are not bandwidth-bound on the weight
 # the tensor a linear layer's kernel reads, by the names the float and quantized paths store it under
 _WEIGHT_NAMES = ("kchunk", "packed", "qweight", "weight")
@@ -52,11 +55,11 @@ def weight_tensor(module: nn.Module) -> torch.Tensor | None:
 
 
 def prefetch_bytes(tp_degree: int = 1) -> int:
-    """`OPEN_LMI_L2_PREFETCH_MB` in bytes (default DEFAULT_MB on one rank, off under tensor
-    parallelism); a clear error on a bad value."""
+    """`OPEN_LMI_L2_PREFETCH_MB` in bytes (default DEFAULT_MB: off, at any degree); a clear error
+    on a bad value. (`tp_degree`: kept for callers; no degree turns it on by itself.)"""
     raw = os.environ.get(ENV, "").strip()
     try:
-        mb = float(raw) if raw else (DEFAULT_MB if tp_degree == 1 else 0.0)
+        mb = float(raw) if raw else DEFAULT_MB
     except ValueError:
         raise ValueError(f"{ENV}={raw!r}: expected a number of MiB (0 turns the prefetch off)") from None
     if mb < 0:

@@ -82,8 +82,8 @@ def test_weight_tensor_is_what_the_quantized_kernel_reads() -> None:
 
 def test_knob_parsing(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.delenv(ENV, raising=False)
-    assert prefetch_bytes() == 8 << 20
-    assert prefetch_bytes(tp_degree=2) == 0  # no gain measured under tensor parallelism: off unless asked
+    # off unless asked: no gain under tensor parallelism (run 44), a loss on one GPU since PDL (run 49)
+    assert prefetch_bytes() == 0 and prefetch_bytes(tp_degree=2) == 0
     monkeypatch.setenv(ENV, "4")
     assert prefetch_bytes(tp_degree=4) == 4 << 20
     monkeypatch.setenv(ENV, "0.5")
