@@ -19,7 +19,8 @@ STAGES=${*:-one four tp2 over}
 PROCS=${PROCS:-8}  # client processes (4 copies stream ~30k JSON lines/s)
 MODELS=/tmp/open-lmi-bench-models
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+for w in .whl/*.whl; do  # one at a time: a wheel built for another Python fails alone
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$w"; done \
   >"$OUT/pip.log" 2>&1
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 python3 tests/support/dummy_model.py "$MODELS" .bench_models/tokenizer >/dev/null

@@ -13,7 +13,10 @@ batch-1 decode graph at a 128-token sequence, and replays it:
   kernel name and by kind (GEMM, all-reduce, attention, norm, ...), plus the idle time between
   kernels inside the step (launch gaps of the graph's nodes).
 
-The printed table is per step and per layer; the chrome trace is written beside the JSON.
+The printed table is per step and per layer; the chrome trace is written beside the JSON. With
+programmatic dependent launch on (`kernels/pdl.py`, the default on sm_90) a kernel is timed from its
+early launch, its wait for the previous kernel included, so the per-kernel sums exceed the span (run 49);
+`OPEN_LMI_PDL=0` gives a per-kernel attribution of the step without that overlap.
 
   python bench/decode_profile.py --tp 1,4                    # Llama-3-8B shape, on 4 GPUs (~1 min)
   python bench/decode_profile.py --shape llama-3-70b --tp 4  # the 70B shape

@@ -45,17 +45,21 @@ for stage in $STAGES; do
         ${OFFLINE_ARGS:---peer} --out "$OUT/offline.json" >"$OUT/offline.log" 2>&1
       summary+=("offline:" "$(grep -A3 '^shape' "$OUT/offline.log")") ;;
     serving)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+      for w in .whl/*.whl; do  # one at a time: a wheel built for another Python fails alone
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$w"; done \
         >"$OUT/pip.log" 2>&1
       export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
       t_start=$(date +%s.%N)
-      HF_MODEL_ID=$MODELS/${SERVER_MODEL:-llama-3-8b} OPTION_LOAD_FORMAT=dummy OPTION_DTYPE=bf16 OPTION_MAX_MODEL_LEN=4096 \
-        OPTION_MAX_ROLLING_BATCH_SIZE=256 SERVING_PORT=8080 ${SERVER_ENV:-} \
+      # `env`: SERVER_ENV's words (VAR=value ...) are assignments only as env's arguments (an expanded
+      # variable before a command is not an assignment to the shell)
+      env HF_MODEL_ID=$MODELS/${SERVER_MODEL:-llama-3-8b} OPTION_LOAD_FORMAT=dummy OPTION_DTYPE=bf16 \
+        OPTION_MAX_MODEL_LEN=4096 OPTION_MAX_ROLLING_BATCH_SIZE=256 SERVING_PORT=8080 ${SERVER_ENV:-} \
         setsid python3 container/serve serve >"$OUT/server.log" 2>&1 &
       spid=$!
       ok=0
       for _ in $(seq 1 120); do
         if [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:8080/ping)" = 200 ]; then ok=1; break; fi
+        kill -0 "$spid" 2>/dev/null || break  # the server exited: no point polling on
         sleep 2
       done
       if [ $ok = 1 ]; then

@@ -163,7 +163,8 @@ def _degrees(text: str) -> tuple[int, ...]:
 def _engine_modes(tp: int, custom_modes: tuple[str, ...], prefetch: tuple[str, ...] = ("on",)
                   ) -> list[tuple[str, dict]]:
     """(result-key suffix, engine options) per all-reduce mode an engine of degree `tp` runs in, each
-    with the L2 weight prefetch (models/weight_prefetch.py) on and/or off (suffix `_nopf`)."""
+    with the L2 weight prefetch (models/weight_prefetch.py) on (8 MiB, no suffix) and/or off (the
+    default since run 49, suffix `_nopf`)."""
     if tp == 1:
         base = [("", {})]
     else:
@@ -176,8 +177,9 @@ def _engine_modes(tp: int, custom_modes: tuple[str, ...], prefetch: tuple[str, .
     out = []
     for pf in prefetch:
         for suffix, opts in base:
-            if pf == "off":
-                suffix, opts = suffix + "_nopf", {**opts, "env": {**opts.get("env", {}), "OPEN_LMI_L2_PREFETCH_MB": "0"}}
+            mb = "0" if pf == "off" else "8"
+            suffix = suffix + ("_nopf" if pf == "off" else "")
+            opts = {**opts, "env": {**opts.get("env", {}), "OPEN_LMI_L2_PREFETCH_MB": mb}}
             out.append((suffix, opts))
     return out
 
@@ -203,8 +205,9 @@ def part_agree(args) -> dict:  # noqa: ANN001
                 llm.llm_engine.shutdown()
                 del llm
         for key, seqs in toks.items():
-            if key != "tp1":
-                same = sum(a == b for a, b in zip(toks["tp1"], seqs))
+            ref = "tp1" + ("_nopf" if key.endswith("_nopf") else "")  # TP=1 with the same prefetch setting
+            if key != ref:
+                same = sum(a == b for a, b in zip(toks[ref], seqs))
                 out[f"{key}_identical_sequences_budget_{budget}"] = f"{same}/{len(prompts)}"
     return out
 
@@ -314,8 +317,8 @@ def main() -> None:
     ap.add_argument("--custom-ar", default="on", help="on, off, unfused (custom all-reduce, not fused with the "
                     "norm) or a list: TP > 1 engines with / without "
                     "the custom all-reduce")
-    ap.add_argument("--prefetch", default="on", help="on, off or on,off: the L2 weight prefetch of decode steps "
-                    "(OPEN_LMI_L2_PREFETCH_MB=0 for off; result keys end _nopf)")
+    ap.add_argument("--prefetch", default="off", help="off (the default), on or on,off: the L2 weight prefetch of "
+                    "decode steps (OPEN_LMI_L2_PREFETCH_MB=8 for on, 0 for off; result keys of off end _nopf)")
     ap.add_argument("--no-workload", dest="workload", action="store_false",
                     help="tp8b / tp70b: batch-1 decode only, no reference workload")
     ap.add_argument("--out", default="")
