@@ -193,11 +193,18 @@ def test_grammar_cache_is_bounded_in_bytes_and_compiles_are_killed_past_their_ti
             dec.compile(GuidedDecodingParams(regex="[a-z]{1,3000}"))  # ~2 MB compiled
         with pytest.raises(ValueError, match="the limit is 4096"):
             dec.compile(GuidedDecodingParams(choice=[f"option {i}" for i in range(1000)]))
-        t0 = time.monotonic()
-        with pytest.raises(ValueError, match="did not compile within 2 s"):
-            dec.compile(GuidedDecodingParams(json={"type": "array", "items": {"type": "string", "maxLength": 500},
-                                                   "minItems": 1000, "maxItems": 3000}))
-        assert time.monotonic() - t0 < 10
-        assert dec.compile(GuidedDecodingParams(regex="[0-9]+")) is not None  # a fresh process took over
     finally:
         dec.close()
+    # Past the compile timeout: a cache so large that no size cap can refuse the grammar first (a fast
+    # machine compiled run 49's 1,000-3,000-item schema inside 2 s, into 2.3 MB, and met the cap), and a
+    # schema ten times larger than that one, so the timeout is what stops it on any machine.
+    slow = GuidedDecoder(tok, len(tok), [tok.eos_token_id], compile_timeout=1.0, max_bytes=4096, cache_bytes=1 << 32)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="did not compile within 1 s"):
+            slow.compile(GuidedDecodingParams(json={"type": "array", "items": {"type": "string", "maxLength": 500},
+                                                    "minItems": 10000, "maxItems": 30000}))
+        assert time.monotonic() - t0 < 10
+        assert slow.compile(GuidedDecodingParams(regex="[0-9]+")) is not None  # a fresh process took over
+    finally:
+        slow.close()
