@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_rows == 0 or d == 0:
         return out
     block = min(1024, triton.next_power_of_2(d))
-    pdl = enabled_for(x)
-    _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block, PDL=pdl,
-                                                           num_warps=4, **launch_kwargs(pdl))
+    pdl = launch_options(x)
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](x2, out, x2.stride(0), D=d, BLOCK=block, num_warps=4,
+                                                           **pdl)
     return out

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+from kernels.pdl import launch_options, release_dependents, wait_upstream
 from kernels.rms_norm import normed_row
 
 PHASES = 3  # receive into buffer s % 3, reset what call s - 1 used in (s + 2) % 3: see the module docstring
@@ -209,15 +209,14 @@ def all_reduce_rms_norm(
     bits = _BITS[x.dtype]
     block = triton.next_power_of_2(hidden)
     c = _split(num_rows, hidden, peers.max_programs)
-    pdl = enabled_for(x)
+    pdl = launch_options(x)
     _all_reduce_rms_norm_kernel[(num_rows, c)](
         x, residual if residual is not None else x, weight, out, residual_out, peers.peer_ptrs, peers.state,
         peers.rank, num_rows, x.stride(0), residual.stride(0) if residual is not None else 0,
         peers.slot_bytes // x.element_size(), eps,
         N=hidden, BLOCK=block, CHUNK=block // c, W=peers.world_size, INT=tl.int16 if bits == 16 else tl.int32,
         SENTINEL=-(1 << (bits - 1)), POLL_2D=peers.world_size * block <= 32768, HAS_RESIDUAL=residual is not None,
-        UNIT_OFFSET=unit_offset, PDL=pdl,
-        num_warps=min(16, max(4, block // 256)), **launch_kwargs(pdl),
+        UNIT_OFFSET=unit_offset, num_warps=min(16, max(4, block // 256)), **pdl,
     )
     return out, residual_out
 

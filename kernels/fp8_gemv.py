@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kernels.int4_common import finish_tile, stack_rows
 from kernels.int4_matmul import _num_sms, split_k_workspace
-from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 MODE_ACC, MODE_ROWSUM, MODE_DOT16 = 0, 1, 2
 MODE_NAMES = {MODE_ACC: "acc", MODE_ROWSUM: "rowsum", MODE_DOT16: "dot16"}
@@ -384,7 +384,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     partial, counters = split_k_workspace(out, split, tiles)
     step = config.block_k * config.unroll
     iters_per_split = triton.cdiv(triton.cdiv(K, step), split)
-    pdl = enabled_for(x)
+    pdl = launch_options(x)
     epw = 4 if fp8 else 2
     _fp8_gemv_kernel[(tiles, split)](
         x, weight.view(torch.int32), scale.reshape(-1) if fp8 else out, bias if bias is not None else out, out,
@@ -392,8 +392,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         1 if fp8 and scale.numel() > 1 else 0, out.stride(0),
         HAS_BIAS=bias is not None, USE_SPLIT=split > 1, EVEN_K=K % step == 0, MODE=config.mode,
         STAGES=config.stages, UNROLL=config.unroll, BLOCK_M=block_m_for(M, config.mode), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, ASM_CVT=bool(config.cvt) and x.is_cuda, EPW=epw, PDL=pdl, num_warps=config.num_warps,
-        num_stages=config.stages, **launch_kwargs(pdl),
+        BLOCK_K=config.block_k, ASM_CVT=bool(config.cvt) and x.is_cuda, EPW=epw, num_warps=config.num_warps,
+        num_stages=config.stages, **pdl,
     )
     return out
 

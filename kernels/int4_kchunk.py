@@ -29,7 +29,7 @@ import triton.language as tl
 from kernels.int4_common import finish_tile, grouped_tile, nibble_float, nibble_pair_floats, stack_rows
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
 from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
-from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 
 GEMM_JOIN = 1  # `int4_kchunk_gemm`: one dot per K tile on the weights put back in natural row order
@@ -402,12 +402,12 @@ def int4_kchunk_linear_impl(
     args = (x, packed, scales, zeros, bias_arg, out, partial, counters,
             M, N, K, group_size, tiles_per_split, split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0))
     if gemv:
-        pdl = enabled_for(x)
+        pdl = launch_options(x)
         _kchunk_gemv_kernel[(tiles, split)](
             *args, ROWS=config.block_m, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, PAIRS=config.pairs,
-            REDUCE_EACH=config.reduce_each, ASM=asm, PDL=pdl, num_warps=config.num_warps,
-            num_stages=config.num_stages, **launch_kwargs(pdl),
+            REDUCE_EACH=config.reduce_each, ASM=asm, num_warps=config.num_warps,
+            num_stages=config.num_stages, **pdl,
         )
     elif config.gemm:
         _kchunk_gemm_kernel[(tiles, split)](

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import aligned
-from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+from kernels.pdl import launch_options, release_dependents, wait_upstream
 from kernels.prefill_attention import soft_cap
 
 _LOG2E = 1.4426950408889634
@@ -231,7 +231,7 @@ def paged_decode_attention_impl(
     mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    pdl = enabled_for(query)
+    pdl = launch_options(query)
     _paged_decode_stage1_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -262,10 +262,9 @@ def paged_decode_attention_impl(
         DOT_PRECISION=precision,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
-        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
-        **launch_kwargs(pdl),
+        **pdl,
     )
     if num_splits == 1:
         return out  # stage 1 wrote it (a graph captured with one split replays the same way)
@@ -283,9 +282,8 @@ def paged_decode_attention_impl(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         SLIDING=window > 0,
-        PDL=pdl,
         num_warps=4,
-        **launch_kwargs(pdl),
+        **pdl,
     )
     return out
 

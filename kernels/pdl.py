@@ -9,7 +9,7 @@ program of the current one has signalled (`release_dependents`) and run up to th
 which returns once the previous grid has completed and its memory is visible. Loads of read-only
 data (weights) placed before the wait overlap the previous kernel's tail.
 
-The contract of a kernel launched with PDL (`launch_kwargs(pdl)`; the kernel's `PDL` constexpr on):
+The contract of a kernel launched with PDL (`**launch_options(x)` in its launch: the `PDL` constexpr on):
 - it calls `release_dependents(PDL)` early, in every program (else its dependents wait for its exit);
 - before `wait_upstream(PDL)` it reads only data no kernel of the step writes (weights, norm weights)
   and writes nothing: a buffer another kernel still reads may be the one it is about to write;
@@ -52,6 +52,13 @@ def enabled_for(t: torch.Tensor) -> bool:
 def launch_kwargs(pdl: bool) -> dict:
     """Triton launch options for a kernel launched with (or without) PDL."""
     return {"launch_pdl": True} if pdl else {}
+
+
+def launch_options(t: torch.Tensor) -> dict:
+    """What a launcher passes (`**launch_options(x)`) to a kernel over `t` with a `PDL` constexpr: the
+    constexpr and Triton's launch option, both from `enabled_for(t)`."""
+    pdl = enabled_for(t)
+    return {"PDL": pdl, **launch_kwargs(pdl)}
 
 
 @triton.jit

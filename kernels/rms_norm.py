@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def rms_norm(
         residual_out = torch.empty_like(out)
     if num_tokens > 0:
         block = triton.next_power_of_2(hidden)
-        pdl = enabled_for(x)
+        pdl = launch_options(x)
         _rms_norm_kernel[(num_tokens,)](
             x,
             residual if residual is not None else x,
@@ -98,9 +98,8 @@ def rms_norm(
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             UNIT_OFFSET=unit_offset,
-            PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
-            **launch_kwargs(pdl),
+            **pdl,
         )
     if residual is not None:
         return out, residual_out

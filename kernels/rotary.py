@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kernels.cache_ops import _store_kv_row, check_kv_write
 from kernels.launch import aligned
-from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 
 @triton.jit
@@ -145,11 +145,11 @@ def rotary_and_write_kv(
     if num_tokens == 0:
         return
     row = key.shape[1] * head_dim
-    pdl = enabled_for(query)
+    pdl = launch_options(query)
     _rotary_and_write_kv_kernel[(num_tokens,)](
         aligned(positions), query, key, value, cos_sin_cache, k_cache, v_cache, aligned(slot_mapping),
         query.stride(0), key.stride(0), value.stride(0), cos_sin_cache.stride(0),
-        **shape, ROW=row, BLOCK_ROW=triton.next_power_of_2(row), PDL=pdl, num_warps=4, **launch_kwargs(pdl),
+        **shape, ROW=row, BLOCK_ROW=triton.next_power_of_2(row), num_warps=4, **pdl,
     )
 
 

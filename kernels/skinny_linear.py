@@ -43,7 +43,7 @@ from kernels import fp8_gemv
 from kernels.fp8_gemv import GemvConfig
 from kernels.int4_common import finish_tile
 from kernels.int4_matmul import _num_sms, split_k_workspace
-from kernels.pdl import enabled_for, launch_kwargs, release_dependents, wait_upstream
+from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 MAX_M = 16
 MODE_FMA, MODE_FMA_REDUCE, MODE_DOT = 0, 1, 2
@@ -364,15 +364,14 @@ def skinny_linear_impl(
     scale_arg = scale.reshape(-1) if scale is not None else out
     bias_arg = bias if bias is not None else out
     tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
-    pdl = enabled_for(x)
+    pdl = launch_options(x)
     _skinny_kernel[(tiles, split)](
         x, weight, scale_arg, bias_arg, out, partial, counters,
         M, N, K, tiles_per_split, split, x.stride(0), weight.stride(0),
         1 if scale is not None and scale.numel() > 1 else 0, out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
         EVEN_K=K % config.block_k == 0, MODE=config.mode, STAGES=config.num_stages, SUB=config.sub, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
+        BLOCK_K=config.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
     return out
 
