@@ -1,12 +1,14 @@
-"""Triton paged decode attention: split-KV flash-decoding over block tables, GQA-aware.
+"""Triton paged decode attention: split-KV flash-decoding over block tables, GQA-aware, one launch.
 
 In: one query token per sequence `[num_seqs, H, D]`, the paged K/V cache of one layer, block
-tables and sequence lengths. Out: `[num_seqs, H, D]`. Stage 1 runs one program per
-(sequence, KV head, split): it serves all `H // KVH` query heads of that KV head with one pass
-over its slice of the context (a `tl.dot` on a head tile padded to 16 rows), writing a partial
-output and its log-sum-exp. Stage 2 merges the splits; with one split (large batches), stage 1
-writes the output itself and stage 2 is not launched. Every launch parameter is derived from
-tensor shapes, never from tensor values, so the op can be captured in a CUDA graph. With a sliding
+tables and sequence lengths. Out: `[num_seqs, H, D]`. One program per (sequence, KV head, split)
+serves all `H // KVH` query heads of that KV head with one pass over its slice of the context (a
+`tl.dot` on a head tile padded to 16 rows), writing a partial output and its log-sum-exp; the last
+non-empty split of a (sequence, KV head) to arrive (a self-resetting counter per pair) merges the
+partials in split order and writes the output, so the merge needs no second launch (at batch 1 it
+was a kernel boundary in every layer) and its result does not depend on arrival order. With one
+split the program writes the output directly. Every launch parameter is derived from tensor
+shapes, never from tensor values, so the op can be captured in a CUDA graph. With a sliding
 window W (`window` > 0) the splits cover a sequence's last W positions only; with a soft cap c
 (`softcap` > 0, Gemma 2) each score s becomes c * tanh(s / c) before the softmax.
 """
@@ -19,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.int4_matmul import _tile_counters
 from kernels.launch import aligned
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 from kernels.prefill_attention import soft_cap
@@ -38,7 +41,7 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 # them to the batch); as runtime values that Triton does not specialise on, one compiled kernel
 # serves every step, so nothing compiles while serving (bench/cold_start.py lists compiles).
 @triton.jit(do_not_specialize=["stride_bt_seq", "num_splits"])
-def _paged_decode_stage1_kernel(
+def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -46,7 +49,8 @@ def _paged_decode_stage1_kernel(
     seq_lens_ptr,
     mid_o_ptr,  # [S, H, num_splits, HEAD_DIM] fp32
     mid_lse_ptr,  # [S, H, num_splits] fp32 (log2 domain)
-    out_ptr,  # [S, H, HEAD_DIM]: written here directly when num_splits == 1 (no stage 2)
+    out_ptr,  # [S, H, HEAD_DIM]
+    counter_ptr,  # [>= S * KVH] int32, zero between launches (read with num_splits > 1)
     qk_scale,  # softmax scale * log2(e)
     stride_q_seq,
     stride_q_head,
@@ -79,11 +83,11 @@ def _paged_decode_stage1_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     if SLIDING:  # the splits share the visible positions [seq_len - window, seq_len)
         first = tl.maximum(seq_len - window, 0)
-        split_len = _split_len(seq_len - first, num_splits, BLOCK_N)
-        start = first + split * split_len
     else:
-        split_len = _split_len(seq_len, num_splits, BLOCK_N)
-        start = split * split_len
+        first = seq_len * 0
+    span = seq_len - first
+    split_len = _split_len(span, num_splits, BLOCK_N)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -92,8 +96,8 @@ def _paged_decode_stage1_kernel(
     mask_hd = mask_h[:, None] & mask_d[None, :]
     heads = kv_head * GROUP + offs_h  # [BLOCK_H] query heads served by this KV head
     o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :]
-    if start >= end:  # empty split: stage 2 skips it by the same arithmetic
-        if num_splits == 1:  # seq_len 0 (graph padding): zeros, as stage 2 would give
+    if start >= end:  # an empty split (the merge counts only the others)
+        if split == 0:  # seq_len 0 (graph padding): every split is empty; the output is zeros
             tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=mask_hd)
         return
 
@@ -125,51 +129,33 @@ def _paged_decode_stage1_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    if num_splits == 1:  # the whole context in one program: this is the answer (stage 2 is not launched)
+    if num_splits == 1:  # the whole context in one program: this is the answer
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
     else:
-        row = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits + split  # [BLOCK_H]
-        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_hd)
-        tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _paged_decode_stage2_kernel(
-    mid_o_ptr,
-    mid_lse_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    stride_o_seq,
-    stride_o_head,
-    num_splits,
-    window,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # MAX_SPLITS: one kernel for every split count
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    release_dependents(PDL)
-    wait_upstream(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    if SLIDING:  # as stage 1 split it: the visible span only
-        seq_len = seq_len - tl.maximum(seq_len - window, 0)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    valid = (offs_s < num_splits) & (offs_s * split_len < seq_len)
-    row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + offs_s  # [BLOCK_S]
-    lse = tl.load(mid_lse_ptr + row, mask=valid, other=float("-inf"))
-    m = tl.maximum(tl.max(lse, 0), -1e30)  # finite even when no split is valid (seq_len 0)
-    w = tl.where(valid, tl.exp2(lse - m), 0.0)  # [BLOCK_S]
-    o = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    denom = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)  # seq_len 0 (padding) -> zeros
-    out_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + offs_d
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        rows = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits  # [BLOCK_H]: split 0's row
+        mid_ptrs = mid_o_ptr + (rows + split)[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(mid_ptrs, out, mask=mask_hd)
+        tl.store(mid_lse_ptr + rows + split, m_i + tl.log2(l_i), mask=mask_h)
+        # NOTE: the barrier orders every thread's partial stores before the release below.
+        tl.debug_barrier()
+        pair = seq * tl.num_programs(1) + kv_head
+        filled = tl.cdiv(span, split_len)  # the non-empty splits: 0 .. filled - 1
+        arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel")
+        if arrived == filled - 1:  # the last to arrive merges all of them, in split order
+            m = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
+            for s_i in range(filled):
+                m = tl.maximum(m, tl.load(mid_lse_ptr + rows + s_i, mask=mask_h, other=-1e30, cache_modifier=".cg"))
+            den = tl.zeros([BLOCK_H], dtype=tl.float32)
+            num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+            for s_i in range(filled):
+                w = tl.exp2(tl.load(mid_lse_ptr + rows + s_i, mask=mask_h, other=-1e30, cache_modifier=".cg") - m)
+                o_s = tl.load(mid_o_ptr + (rows + s_i)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_hd,
+                              other=0.0, cache_modifier=".cg")
+                den += w
+                num += w[:, None] * o_s
+            merged = num / tl.where(den > 0, den, 1.0)[:, None]
+            tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask_hd)
+            tl.store(counter_ptr + pair, 0)  # ready for the next launch
 
 
 @functools.cache
@@ -230,9 +216,12 @@ def paged_decode_attention_impl(
     block_d = triton.next_power_of_2(head_dim)
     mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    # one self-resetting counter per (sequence, KV head): the GEMVs' split-K counters, free between launches
+    counters = _tile_counters(query.device) if num_splits > 1 else mid_lse
+    assert num_splits == 1 or num_seqs * num_kv_heads <= counters.numel(), (num_seqs, num_kv_heads)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     pdl = launch_options(query)
-    _paged_decode_stage1_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
         v_cache,
@@ -241,6 +230,7 @@ def paged_decode_attention_impl(
         mid_o,
         mid_lse,
         out,
+        counters,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
@@ -264,25 +254,6 @@ def paged_decode_attention_impl(
         SOFTCAP=softcap > 0,
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl,
-    )
-    if num_splits == 1:
-        return out  # stage 1 wrote it (a graph captured with one split replays the same way)
-    _paged_decode_stage2_kernel[(num_seqs, num_heads)](
-        mid_o,
-        mid_lse,
-        seq_lens,
-        out,
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        window,
-        HEAD_DIM=head_dim,
-        BLOCK_S=MAX_SPLITS,
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
-        SLIDING=window > 0,
-        num_warps=4,
         **pdl,
     )
     return out

@@ -36,7 +36,7 @@ def test_decode_matches_reference(device, group, head_dim, dtype, seq_lens, bloc
 @pytest.mark.parametrize("num_splits", [None, 1])
 def test_decode_public_launcher_strided_query_and_padding_row(device, num_splits):
     # A query viewed out of a fused qkv buffer; a last row with seq_len 0 (graph padding) -> zeros,
-    # also with one split, where stage 1 writes the output and stage 2 does not run.
+    # also with one split, where the only program writes the output (no merge).
     num_kv_heads, group, head_dim = 1, 4, 64
     k, v, tables, lens = make_paged_cache([19, 1, 0], num_kv_heads, head_dim, 16, torch.float32, device)
     qkv = torch.randn(3, (group + 2) * num_kv_heads * head_dim, device=device)
@@ -49,6 +49,26 @@ def test_decode_public_launcher_strided_query_and_padding_row(device, num_splits
     ref = reference.paged_decode_attention(q[:2], k, v, tables[:2], lens[:2], 0.125)
     torch.testing.assert_close(out[:2], ref, **tol(torch.float32))
     assert torch.all(out[2] == 0)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5, 32])
+def test_split_merge_is_one_launch_that_resets_its_counters_and_repeats_bit_identically(device, num_splits):
+    # The last split to arrive merges (a counter per sequence and KV head): every counter is back at
+    # zero after the launch (the next launch, or a GEMV's split-K, starts clean), and the merge runs
+    # in split order, so a repeated launch gives the same bits whatever order the programs ran in.
+    from kernels.int4_matmul import _tile_counters
+
+    seq_lens, num_kv_heads, head_dim = [200, 1, 64, 0, 129], 2, 64
+    k, v, tables, lens = make_paged_cache(seq_lens, num_kv_heads, head_dim, 16, torch.float32, device)
+    q = torch.randn(len(seq_lens), num_kv_heads * 4, head_dim, device=device)
+    first = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits)
+    assert not _tile_counters(q.device)[: len(seq_lens) * num_kv_heads].any()
+    for _ in range(3):
+        again = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits)
+        assert torch.equal(again, first)
+    ref = reference.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(first, ref, **tol(torch.float32))
+    assert torch.all(first[3] == 0)
 
 
 def test_dispatch_uses_reference_on_cpu():
@@ -77,7 +97,7 @@ def test_decode_writes_a_given_out_in_place(device, impl):
 @pytest.mark.parametrize("window, softcap", [(1, 0.0), (10, 0.0), (16, 0.0), (100, 0.0), (0, 3.0), (10, 3.0)])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_decode_sliding_window_matches_reference(device, window, softcap, num_splits):
-    """The splits share each sequence's last `window` positions (stage 2 merges the same split)."""
+    """The splits share each sequence's last `window` positions (the merge counts the same non-empty splits)."""
     seq_lens, head_dim, dtype = [1, 9, 40, 77], 64, torch.float32
     k, v, tables, lens = make_paged_cache(seq_lens, 2, head_dim, 8, dtype, device)
     q = torch.randn(len(seq_lens), 4, head_dim).to(dtype).to(device)

@@ -26,7 +26,7 @@ from kernels.activation import _silu_and_mul_kernel  # noqa: E402
 from kernels.all_reduce_norm import _all_reduce_rms_norm_kernel  # noqa: E402
 from kernels.fp8_gemv import MODE_ACC, _fp8_gemv_kernel  # noqa: E402
 from kernels.int4_kchunk import _kchunk_gemv_kernel  # noqa: E402
-from kernels.paged_decode_attention import _paged_decode_stage1_kernel, _paged_decode_stage2_kernel  # noqa: E402
+from kernels.paged_decode_attention import _paged_decode_kernel  # noqa: E402
 from kernels.rms_norm import _rms_norm_kernel  # noqa: E402
 from kernels.rotary import _rotary_and_write_kv_kernel  # noqa: E402
 from kernels.skinny_linear import MODE_DOT, MODE_FMA, _skinny_kernel  # noqa: E402
@@ -54,15 +54,12 @@ CASES = [
           ROW=1024, BLOCK_ROW=1024),
      {"positions_ptr": "*i64", "q_ptr": _BF16, "k_ptr": _BF16, "v_ptr": _BF16, "cache_ptr": "*fp32",
       "k_cache_ptr": _BF16, "v_cache_ptr": _BF16, "slot_ptr": "*i64"}, 4, 1, False),
-    ("paged_decode_stage1", _paged_decode_stage1_kernel,
+    ("paged_decode", _paged_decode_kernel,
      dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="tf32",
           SLIDING=False, SOFTCAP=False),
      {"q_ptr": _BF16, "k_cache_ptr": _BF16, "v_cache_ptr": _BF16, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-      "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": _BF16, "qk_scale": "fp32", "softcap": "fp32"}, 4, 2,
-     False),
-    ("paged_decode_stage2", _paged_decode_stage2_kernel,
-     dict(HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128, BLOCK_N=64, SLIDING=False),
-     {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": _BF16}, 4, 1, False),
+      "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": _BF16, "counter_ptr": "*i32", "qk_scale": "fp32",
+      "softcap": "fp32"}, 4, 2, False),
     ("kchunk_gemv", _kchunk_gemv_kernel,
      dict(ROWS=1, HAS_BIAS=False, USE_SPLIT=True, BLOCK_N=256, BLOCK_K=128, EVEN_K=True, PAIRS=True,
           REDUCE_EACH=False, ASM=True),
