@@ -248,10 +248,11 @@ def int4_kchunk_linear(
     zeros: torch.Tensor,  # [num_groups, N], x's dtype (float zero points)
     group_size: int,  # rows k of group k // group_size; >= K means per channel
     bias: torch.Tensor | None = None,  # [N]
+    gated: bool = False,  # N = [gate | up] (a SwiGLU MLP's): return silu(gate) * up [M, N / 2]
 ) -> torch.Tensor:
     """y = x @ ((q - zeros[g]) * scales[g]) + bias -> [M, N] in x's dtype; the decode-size (M <= 16) int4 kernels."""
     impl = _mod("int4_kchunk").int4_kchunk_linear if use_triton(x) else quant_reference.int4_kchunk_linear
-    return impl(x, packed, scales, zeros, group_size, bias)
+    return impl(x, packed, scales, zeros, group_size, bias, gated=gated)
 
 
 def fp8_linear(
@@ -259,10 +260,11 @@ def fp8_linear(
     weight: torch.Tensor,  # [N, K] float8_e4m3fn (torch Linear orientation)
     weight_scale: torch.Tensor,  # fp32 scalar (per-tensor) or [N] (per-channel)
     bias: torch.Tensor | None = None,  # [N]
+    gated: bool = False,  # N = [gate | up] (a SwiGLU MLP's): return silu(gate) * up [M, N / 2]
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale).T + bias -> [M, N] in x's dtype (FP8 matmul on Hopper)."""
     impl = _mod("fp8_matmul").fp8_linear if use_triton(x) else quant_reference.fp8_linear
-    return impl(x, weight, weight_scale, bias)
+    return impl(x, weight, weight_scale, bias, gated=gated)
 
 
 def skinny_linear(
@@ -270,10 +272,12 @@ def skinny_linear(
     weight: torch.Tensor,  # [N, K] bf16 / fp16 / float8_e4m3fn
     scale: torch.Tensor | None = None,  # None (float weight) or fp32 scalar / [N] (FP8)
     bias: torch.Tensor | None = None,  # [N]
+    gated: bool = False,  # N = [gate | up] (a SwiGLU MLP's): return silu(gate) * up [M, N / 2]
 ) -> torch.Tensor:
-    """Decode-sized y = x @ (weight * scale).T + bias in one bandwidth-bound launch (ask `use_skinny` first)."""
+    """Decode-sized y = x @ (weight * scale).T + bias in one bandwidth-bound launch (ask `use_skinny` first);
+    `gated` writes the SwiGLU activation from the GEMV's epilogue where the picked kernel has one."""
     impl = _mod("skinny_linear").skinny_linear if use_triton(x) else quant_reference.skinny_linear
-    return impl(x, weight, scale, bias)
+    return impl(x, weight, scale, bias, gated=gated)
 
 
 def use_skinny(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:

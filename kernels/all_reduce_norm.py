@@ -114,13 +114,14 @@ def _all_reduce_rms_norm_kernel(
     C: tl.constexpr = BLOCK // CHUNK
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    w_row = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # the norm's weight: before the previous kernel ends
+    # Before the previous kernel ends: what never changes (the norm's weight, the buffers' addresses).
+    w_row = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    mine = tl.load(peers_ptr + rank).to(tl.pointer_type(INT))
     wait_upstream(PDL)  # the partials, the state and the residual come from earlier kernels
     row = tl.program_id(0)
     part = tl.program_id(1)
     phase = tl.load(state_ptr)  # the same in every program: only the last one to arrive changes state
     prev_rows = tl.load(state_ptr + 2)
-    mine = tl.load(peers_ptr + rank).to(tl.pointer_type(INT))
     cols = part * CHUNK + tl.arange(0, CHUNK)  # this program's share
     cmask = cols < N
     csent = tl.full([CHUNK], SENTINEL, INT)

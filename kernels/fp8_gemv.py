@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_tile, stack_rows
+from kernels.int4_common import finish_gated_tile, finish_tile, gated_rows, stack_rows
 from kernels.int4_matmul import _num_sms, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 
@@ -219,13 +219,17 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     ASM_CVT: tl.constexpr,  # convert with `e4m3_to_f32` / `e4m3_to_f16` (GPU only) instead of Triton's cast
     EPW: tl.constexpr,  # weights a word: 4 (e4m3, scaled) or 2 (bf16, no scale; FMA modes only)
+    GATED: tl.constexpr,  # W is [gate | up] (N = 2 I rows): write silu(gate) * up [M, I] (`finish_gated_tile`)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     release_dependents(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    if GATED:
+        offs_n, mask_n = gated_rows(pid_n, N // 2, BLOCK_N)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_kw = tl.arange(0, BLOCK_K // EPW)
     # Clamped rows: every load is in bounds without a row mask; the store masks them off.
@@ -318,8 +322,12 @@ def _fp8_gemv_kernel(
     if EPW == 4:
         scale = tl.load(scale_ptr + tl.minimum(offs_n, N - 1) * stride_scale)
         y = y * scale[None, :]
-    finish_tile(y, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
-                partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+    if GATED:
+        finish_gated_tile(y, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N // 2, bias_ptr, out_ptr,
+                          partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, BLOCK_N)
+    else:
+        finish_tile(y, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
+                    partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
 
 def block_m_for(M: int, mode: int) -> int:
@@ -352,9 +360,11 @@ def word_aligned(weight: torch.Tensor) -> bool:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-             config: GemvConfig) -> torch.Tensor:
+             config: GemvConfig, gated: bool = False) -> torch.Tensor:
     """y = x @ (weight * scale).T + bias with an explicit tiling (the picker in `kernels/skinny_linear.py`
-    or the sweep chooses it). A bf16 weight (two a word, `scale` None) runs the FMA modes only."""
+    or the sweep chooses it). A bf16 weight (two a word, `scale` None) runs the FMA modes only.
+    `gated`: the weight is a packed [gate | up] of 2 I rows and the result silu(gate) * up `[M, I]`
+    (each program's rows are half gate, half up; the tiling is the one N = 2 I would take)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     M, K = x.shape
@@ -376,12 +386,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     if x.stride(1) != 1:
         x = x.contiguous()
     assert bias is None or bias.shape == (N,)
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if gated and (N % 2 or config.block_n % 2):
+        raise ValueError(f"fp8_gemv: a gated weight needs an even row count and tile, got N = {N}, {config.short()}")
+    out = torch.empty((M, N // 2 if gated else N), device=x.device, dtype=x.dtype)
     if N == 0:
         return out
-    tiles = triton.cdiv(N, config.block_n)
+    tiles = triton.cdiv(N // 2, config.block_n // 2) if gated else triton.cdiv(N, config.block_n)
     split = config.split_k
-    partial, counters = split_k_workspace(out, split, tiles)
+    partial, counters = split_k_workspace(out, split, tiles, tiles * config.block_n if gated else None)
     step = config.block_k * config.unroll
     iters_per_split = triton.cdiv(triton.cdiv(K, step), split)
     pdl = launch_options(x)
@@ -392,7 +404,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         1 if fp8 and scale.numel() > 1 else 0, out.stride(0),
         HAS_BIAS=bias is not None, USE_SPLIT=split > 1, EVEN_K=K % step == 0, MODE=config.mode,
         STAGES=config.stages, UNROLL=config.unroll, BLOCK_M=block_m_for(M, config.mode), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, ASM_CVT=bool(config.cvt) and x.is_cuda, EPW=epw, num_warps=config.num_warps,
+        BLOCK_K=config.block_k, ASM_CVT=bool(config.cvt) and x.is_cuda, EPW=epw, GATED=gated, num_warps=config.num_warps,
         num_stages=config.stages, **pdl,
     )
     return out

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels import quant_reference
+from kernels.activation import silu_and_mul
 from kernels.skinny_linear import skinny_linear, use_skinny
 
 FP8_MAX = quant_reference.FP8_MAX
@@ -74,13 +75,15 @@ def fp8_linear(
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # fp32 scalar or [N]
     bias: torch.Tensor | None = None,  # [N]
+    gated: bool = False,  # weight = [gate | up]: return silu(gate) * up [M, N / 2]
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale).T + bias -> `[M, N]` in x's dtype."""
     N, K = weight.shape
     if (x.dtype in (torch.bfloat16, torch.float16) and weight_scale.dtype == torch.float32
             and weight.stride(1) == 1 and use_skinny(x.shape[0], N, K, weight.dtype, x.device)):
-        return skinny_linear(x, weight, weight_scale, bias)
-    return scaled_mm_linear(x, weight, weight_scale, bias)
+        return skinny_linear(x, weight, weight_scale, bias, gated=gated)
+    y = scaled_mm_linear(x, weight, weight_scale, bias)
+    return silu_and_mul(y) if gated else y
 
 
 def scaled_mm_linear(

@@ -7,7 +7,9 @@ a word tile into its 8 columns per word, `join8` the same column order for any 8
 `stack_rows` gathers a GEMV's row accumulators into one tile; `grouped_pids` / `grouped_tile` place a
 tensor-core program's output tile (bands of GROUP_M row tiles, for L2 reuse of the weight tiles);
 `finish_tile` writes an fp32 accumulator tile to the output, or meets the other split-K programs
-of its tile through an fp32 workspace and a self-resetting counter (the last one sums in order).
+of its tile through an fp32 workspace and a self-resetting counter (the last one sums in order);
+`gated_rows` / `finish_gated_tile` do the same for a GEMV over a packed [gate | up] weight whose
+epilogue writes silu(gate) * up (the SwiGLU activation without its own launch and round trip).
 """
 
 from __future__ import annotations
@@ -124,6 +126,25 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def _arrive(acc, partial_ptr, part_offs, part_mask, split, tile, split_elems, counter_ptr):
+    # Store this split's partial tile, then count this split in at the tile's counter: returns how
+    # many splits arrived before it (the last one, split_k - 1 before it, sums them all).
+    tl.store(partial_ptr + split.to(tl.int64) * split_elems + part_offs, acc, mask=part_mask)
+    # NOTE: the barrier orders every thread's partial store before the release below.
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+
+
+@triton.jit
+def _sum_partials(acc, partial_ptr, part_offs, part_mask, split_k, split_elems):
+    # Every split's partial tile summed in split order (deterministic whichever split arrived last).
+    total = tl.zeros_like(acc)
+    for s_i in range(split_k):
+        total += tl.load(partial_ptr + s_i * split_elems + part_offs, mask=part_mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def finish_tile(
     acc, offs_m, offs_n, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr,
     counter_ptr, stride_om, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
@@ -134,15 +155,9 @@ def finish_tile(
     out_mask = mask_m[:, None] & mask_n[None, :]
     if USE_SPLIT:
         part_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(partial_ptr + split.to(tl.int64) * M * N + part_offs, acc, mask=out_mask)
-        # NOTE: the barrier orders every thread's partial store before the release below.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        arrived = _arrive(acc, partial_ptr, part_offs, out_mask, split, tile, M * N, counter_ptr)
         if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for s_i in range(split_k):
-                total += tl.load(partial_ptr + s_i * M * N + part_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
+            total = _sum_partials(acc, partial_ptr, part_offs, out_mask, split_k, M * N)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -151,3 +166,57 @@ def finish_tile(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def gated_rows(pid_n, I, BLOCK_N: tl.constexpr):
+    # A gated GEMV's program pid_n over a packed [gate | up] weight of 2 I rows: its BLOCK_N rows are
+    # gate rows c and up rows I + c for the BLOCK_N / 2 output columns c = pid_n * BLOCK_N / 2 + ...
+    # Returns (weight rows clamped below 2 I, the rows' validity): row j < BLOCK_N / 2 is gate's.
+    HALF: tl.constexpr = BLOCK_N // 2
+    j = tl.arange(0, BLOCK_N)
+    col = pid_n * HALF + j % HALF
+    return tl.minimum(col, I - 1) + (j >= HALF).to(tl.int32) * I, col < I
+
+
+@triton.jit
+def _store_gated(total, offs_m, rows, mask_m, mask_n, tile, I, bias_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    # total [BM, BLOCK_N] fp32 gate | up sums (+ bias) -> silu(gate) * up at the tile's BLOCK_N / 2 columns.
+    HALF: tl.constexpr = BLOCK_N // 2
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    pair = tl.permute(tl.reshape(total, [total.shape[0], 2, HALF]), (0, 2, 1))
+    gate, up = tl.split(pair)  # [BM, HALF] each
+    gate = gate.to(DTYPE).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    y = (act * up.to(DTYPE).to(tl.float32)).to(DTYPE)
+    cols = tile * HALF + tl.arange(0, HALF)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + cols[None, :], y,
+             mask=mask_m[:, None] & (cols < I)[None, :])
+
+
+@triton.jit
+def finish_gated_tile(
+    acc, offs_m, rows, mask_m, mask_n, split, split_k, tile, M, I, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    stride_om, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # `finish_tile` for a gated tile (`gated_rows`): acc [BM, BLOCK_N] holds gate | up sums of the
+    # tile's BLOCK_N / 2 output columns; the total (+ bias of the weight `rows`) becomes
+    # silu(gate) * up, rounded as `kernels/activation.py` rounds a stored [gate | up] row: gate and
+    # up to the output dtype first, silu to it before the product. Split-K partials live in
+    # [split, M, tiles * BLOCK_N] at the tile's own columns.
+    if USE_SPLIT:
+        width = tl.num_programs(0) * BLOCK_N
+        slots = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        part_mask = mask_m[:, None] & mask_n[None, :]
+        part_offs = offs_m.to(tl.int64)[:, None] * width + slots[None, :]
+        arrived = _arrive(acc, partial_ptr, part_offs, part_mask, split, tile, M * width, counter_ptr)
+        if arrived == split_k - 1:
+            total = _sum_partials(acc, partial_ptr, part_offs, part_mask, split_k, M * width)
+            _store_gated(total, offs_m, rows, mask_m, mask_n, tile, I, bias_ptr, out_ptr, stride_om, HAS_BIAS,
+                         BLOCK_N)
+            tl.store(counter_ptr + tile, 0)  # ready for the next launch
+    else:
+        _store_gated(acc, offs_m, rows, mask_m, mask_n, tile, I, bias_ptr, out_ptr, stride_om, HAS_BIAS, BLOCK_N)

@@ -26,8 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_tile, grouped_tile, nibble_float, nibble_pair_floats, stack_rows
+from kernels.int4_common import (finish_gated_tile, finish_tile, gated_rows, grouped_tile, nibble_float,
+                                 nibble_pair_floats, stack_rows)
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
+from kernels.activation import silu_and_mul
 from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 
@@ -129,6 +131,7 @@ def _kchunk_gemv_kernel(
     PAIRS: tl.constexpr,  # two nibbles per shift (`nibble_pair_floats`), else one (`nibble_float`)
     REDUCE_EACH: tl.constexpr,  # reduce each nibble's products at once (no FMA tile)
     ASM: tl.constexpr,
+    GATED: tl.constexpr,  # W is [gate | up] (N = 2 I columns): write silu(gate) * up [M, I] (`finish_gated_tile`)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     release_dependents(PDL)
@@ -136,8 +139,11 @@ def _kchunk_gemv_kernel(
     LO_UNIT: tl.constexpr = 256.0 if PAIRS else 16.0
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    if GATED:
+        offs_n, mask_n = gated_rows(pid_n, N // 2, BLOCK_N)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     offs_r = tl.arange(0, R)
     offs_w = tl.arange(0, 4)
     col_w = (offs_n * 4)[None, :, None] + offs_w[None, None, :]  # [1, BLOCK_N, 4]
@@ -204,8 +210,12 @@ def _kchunk_gemv_kernel(
             acc2 = _apply_group(acc2, d2l, d2h, s2l, s2h, s, z, LO_UNIT, REDUCE_EACH)
             acc3 = _apply_group(acc3, d3l, d3h, s3l, s3h, s, z, LO_UNIT, REDUCE_EACH)
     acc, offs_m = stack_rows(acc0, acc1, acc2, acc3, ROWS)
-    finish_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
-                partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+    if GATED:
+        finish_gated_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N // 2, bias_ptr,
+                          out_ptr, partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, BLOCK_N)
+    else:
+        finish_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
+                    partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
@@ -361,19 +371,27 @@ def int4_kchunk_linear_impl(
     group_size: int,
     bias: torch.Tensor | None = None,
     config: KChunkConfig | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """`int4_kchunk_linear` with an explicit tiling (tests and the sweep pass their own)."""
+    """`int4_kchunk_linear` with an explicit tiling (tests and the sweep pass their own). `gated`: the
+    columns are a packed [gate | up] (2 I) and the result silu(gate) * up `[M, I]`: the GEMV writes it
+    from its epilogue (the tiling N = 2 I takes), the other paths through `kernels/activation.py`."""
     M, K = x.shape
     chunks, N, four = packed.shape
     assert packed.dtype == torch.int32 and four == 4 and chunks * 32 == K and packed.is_contiguous()
     assert x.stride(1) == 1 and scales.shape == zeros.shape and scales.shape[1] == N
     assert scales.stride(1) == 1 and zeros.stride() == scales.stride()
     assert scales.shape[0] == triton.cdiv(K, group_size), (scales.shape, K, group_size)
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    if M == 0:
-        return out
     if config is None:
         config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+    if gated:
+        if N % 2:
+            raise ValueError(f"a gated int4 weight needs an even column count, got {N}")
+        if not 0 < config.block_m < 16 or M == 0:
+            return silu_and_mul(int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config))
+    out = torch.empty((M, N // 2 if gated else N), device=x.device, dtype=x.dtype)
+    if M == 0:
+        return out
     one_group = group_size >= K
     if not one_group and group_size % 32:
         raise ValueError(f"the k-chunk layout needs groups of a multiple of 32 rows, got {group_size}")
@@ -395,8 +413,12 @@ def int4_kchunk_linear_impl(
         assert config.block_k >= 128 and config.group_m >= 1, config
     asm = config.asm and x.is_cuda  # the interpreter runs on CPU tensors, and has no PTX
     split = config.split_k
-    tiles = triton.cdiv(N, config.block_n) * (1 if gemv else triton.cdiv(M, config.block_m))
-    partial, counters = split_k_workspace(out, split, tiles)
+    if gated:
+        tiles = triton.cdiv(N // 2, config.block_n // 2)
+        partial, counters = split_k_workspace(out, split, tiles, tiles * config.block_n)
+    else:
+        tiles = triton.cdiv(N, config.block_n) * (1 if gemv else triton.cdiv(M, config.block_m))
+        partial, counters = split_k_workspace(out, split, tiles)
     bias_arg = bias if bias is not None else scales
     tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
     args = (x, packed, scales, zeros, bias_arg, out, partial, counters,
@@ -406,7 +428,7 @@ def int4_kchunk_linear_impl(
         _kchunk_gemv_kernel[(tiles, split)](
             *args, ROWS=config.block_m, HAS_BIAS=bias is not None, USE_SPLIT=split > 1,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=K % config.block_k == 0, PAIRS=config.pairs,
-            REDUCE_EACH=config.reduce_each, ASM=asm, num_warps=config.num_warps,
+            REDUCE_EACH=config.reduce_each, ASM=asm, GATED=gated, num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl,
         )
     elif config.gemm:
@@ -428,7 +450,8 @@ def int4_kchunk_linear_impl(
 
 def int4_kchunk_linear(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, gated: bool = False,
 ) -> torch.Tensor:
-    """The public op (shapes in `kernels/__init__.py`): y = x @ dequantised W + bias, tiling by M."""
-    return int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias)
+    """The public op (shapes in `kernels/__init__.py`): y = x @ dequantised W + bias, tiling by M;
+    `gated`: silu(gate) * up of a packed [gate | up] W."""
+    return int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, gated=gated)

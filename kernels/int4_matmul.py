@@ -182,15 +182,17 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def split_k_workspace(out: torch.Tensor, split: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_k_workspace(out: torch.Tensor, split: int, tiles: int, width: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial sums, tile counters) of a split-K launch over `tiles` output tiles: fp32 partials
-    [split, M, N] and the device's self-resetting counters; without a split neither is read (`out`
-    stands in for both)."""
+    [split, M, width] (width: out's N unless given, e.g. a gated GEMV's tiles * BLOCK_N) and the
+    device's self-resetting counters; without a split neither is read (`out` stands in for both)."""
     if split <= 1:
         return out, out
     assert tiles <= _NUM_COUNTERS
     m, n = out.shape
-    return torch.empty((split, m, n), device=out.device, dtype=torch.float32), _tile_counters(out.device)
+    return torch.empty((split, m, n if width is None else width), device=out.device, dtype=torch.float32), \
+        _tile_counters(out.device)
 
 
 @functools.cache

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import reference
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -158,9 +160,15 @@ def int4_kchunk_linear(
     zeros: torch.Tensor,  # [num_groups, N], x's dtype
     group_size: int,  # >= K means one group (per channel)
     bias: torch.Tensor | None = None,  # [N]
+    gated: bool = False,  # N = [gate | up]: return silu(gate) * up `[M, N / 2]`
 ) -> torch.Tensor:
     """y = x @ ((q - zeros[k // G]) * scales[k // G]) + bias -> `[M, N]` in x's dtype (fp32 math)."""
-    return _codes_linear(x, unpack_int4_kchunk(packed), scales, zeros, group_size, bias)
+    return _gated(_codes_linear(x, unpack_int4_kchunk(packed), scales, zeros, group_size, bias), gated)
+
+
+def _gated(y: torch.Tensor, gated: bool) -> torch.Tensor:
+    # the ops' `gated` option: y = [gate | up] -> silu(gate) * up, rounded as `reference.silu_and_mul`
+    return reference.silu_and_mul(y) if gated else y
 
 
 def dequantize_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -176,9 +184,10 @@ def fp8_linear(
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # fp32 scalar or [N]
     bias: torch.Tensor | None = None,  # [N]
+    gated: bool = False,  # N = [gate | up]: return silu(gate) * up `[M, N / 2]`
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale).T + bias -> `[M, N]` in x's dtype (weights dequantised)."""
-    return F.linear(x, dequantize_fp8_weight(weight, weight_scale, x.dtype), bias)
+    return _gated(F.linear(x, dequantize_fp8_weight(weight, weight_scale, x.dtype), bias), gated)
 
 
 def skinny_linear(
@@ -186,6 +195,7 @@ def skinny_linear(
     weight: torch.Tensor,  # [N, K] bf16 / fp16 / float8_e4m3fn
     scale: torch.Tensor | None = None,  # None (float weight) or fp32 scalar / [N] (FP8)
     bias: torch.Tensor | None = None,  # [N]
+    gated: bool = False,  # N = [gate | up]: return silu(gate) * up `[M, N / 2]`
 ) -> torch.Tensor:
     """`kernels/skinny_linear.py`'s op: y = x @ (weight * scale).T + bias in fp32, returned in x's dtype."""
     w = weight.float()
@@ -194,7 +204,7 @@ def skinny_linear(
     y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return _gated(y.to(x.dtype), gated)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

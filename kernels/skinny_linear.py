@@ -42,6 +42,7 @@ import triton.language as tl
 from kernels import fp8_gemv
 from kernels.fp8_gemv import GemvConfig
 from kernels.int4_common import finish_tile
+from kernels.activation import silu_and_mul
 from kernels.int4_matmul import _num_sms, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 
@@ -325,10 +326,11 @@ def cublas_wins(M: int, N: int, K: int, itemsize: int) -> bool:
 
 def skinny_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None = None,
-    config: SkinnyConfig | GemvConfig | None = None,
+    config: SkinnyConfig | GemvConfig | None = None, gated: bool = False,
 ) -> torch.Tensor:
     """`skinny_linear` with an explicit tiling (tests and the sweep pass their own); a `GemvConfig`
-    runs `kernels/fp8_gemv.py` (FP8 weights only)."""
+    runs `kernels/fp8_gemv.py` (FP8 and bf16 weights). `gated`: the weight is a packed [gate | up]
+    and the result silu(gate) * up, from the GEMV's epilogue (else through `kernels/activation.py`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     M, K = x.shape
@@ -355,7 +357,9 @@ def skinny_linear_impl(
             mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight.element_size(), 2))]
             config = config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
     if isinstance(config, GemvConfig):
-        return fp8_gemv.fp8_gemv(x, weight, scale, bias, config)
+        return fp8_gemv.fp8_gemv(x, weight, scale, bias, config, gated=gated)
+    if gated:
+        return silu_and_mul(skinny_linear_impl(x, weight, scale, bias, config))
     assert config.sub == 1 or (config.mode != MODE_DOT and config.num_stages > 1 and config.block_k % config.sub == 0)
     block_m = max(16, m_bucket(M)) if config.mode == MODE_DOT else m_bucket(M)
     tiles = triton.cdiv(N, config.block_n)
@@ -378,6 +382,8 @@ def skinny_linear_impl(
 
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """y = x @ (weight * scale).T + bias for M <= 16 rows, one launch (tiling from `pick_skinny_config`)."""
-    return skinny_linear_impl(x, weight, scale, bias)
+    """y = x @ (weight * scale).T + bias for M <= 16 rows, one launch (tiling from `pick_skinny_config`);
+    `gated`: silu(gate) * up of a packed [gate | up] weight."""
+    return skinny_linear_impl(x, weight, scale, bias, gated=gated)

@@ -53,10 +53,11 @@ class GatedMLP(nn.Module):
         return self.down_proj.partial(self._activated(x))
 
     def _activated(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         if self.activation == "silu":
-            return kernels.silu_and_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
+            if isinstance(self.gate_up_proj, PackedColumnParallelLinear):  # not wrapped (by LoRA)
+                return self.gate_up_proj.silu_and_mul(x)
+            return kernels.silu_and_mul(self.gate_up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
 

@@ -31,7 +31,9 @@ class LinearMethod(Protocol):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None: ...
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+              ) -> torch.Tensor:
+        """x @ W^T + bias; `gated`: W is a packed [gate | up] and the result silu(gate) * up."""
 
 
 _METHODS = {"gptq": GPTQLinearMethod, "awq": AWQLinearMethod, "fp8": FP8LinearMethod,

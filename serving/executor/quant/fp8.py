@@ -72,8 +72,9 @@ class FP8LinearMethod:
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.float().reshape(-1), requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias)
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+              ) -> torch.Tensor:
+        return kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias, gated=gated)
 
 
 def _load_scale(param: torch.Tensor, loaded: object, shard_id: object, spec: LinearSpec) -> None:

@@ -156,15 +156,19 @@ class GroupQuantLinearMethod:
         del layer.g_idx
         layer.g_idx = None
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+              ) -> torch.Tensor:
         if layer.act_perm is not None:
             x = x.index_select(-1, layer.act_perm)  # [M, K] in the rows' sorted order
         if layer.kchunk is not None:
-            return kernels.int4_kchunk_linear(x, layer.kchunk, layer.scales, layer.zeros, layer.quant_group_size, bias)
+            return kernels.int4_kchunk_linear(x, layer.kchunk, layer.scales, layer.zeros, layer.quant_group_size, bias,
+                                              gated=gated)
         if layer.packed is not None:
-            return kernels.int4_linear(x, layer.packed, layer.scales, layer.zeros, layer.quant_group_size, bias)
-        return kernels.quant_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.bits,
-                                    layer.quant_group_size, bias)
+            y = kernels.int4_linear(x, layer.packed, layer.scales, layer.zeros, layer.quant_group_size, bias)
+        else:
+            y = kernels.quant_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.bits,
+                                     layer.quant_group_size, bias)
+        return kernels.silu_and_mul(y) if gated else y
 
 
 def _same_g_idx_loader(load, spec: LinearSpec):
