@@ -28,19 +28,22 @@ from kernels.prefill_attention import soft_cap
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
+# Positions a split covers at the least (each split a whole number of BLOCK_N tiles in any case).
+MIN_SPLIT_LEN = 64
 
 
 @triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    # Each split covers a whole number of BLOCK_N tiles.
-    per_split = tl.cdiv(seq_len, num_splits)
+def _split_len(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
+    # Each split covers a whole number of BLOCK_N tiles, and at least min_split positions (a short
+    # context then runs in fewer programs, down to one, which needs no merge).
+    per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
     return tl.cdiv(per_split, BLOCK_N) * BLOCK_N
 
 
 # NOTE: the split count and the block-table row stride vary from step to step (eager steps size
 # them to the batch); as runtime values that Triton does not specialise on, one compiled kernel
 # serves every step, so nothing compiles while serving (bench/cold_start.py lists compiles).
-@triton.jit(do_not_specialize=["stride_bt_seq", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt_seq", "num_splits", "min_split"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -61,6 +64,7 @@ def _paged_decode_kernel(
     stride_c_head,
     stride_bt_seq,
     num_splits,
+    min_split,  # positions a split covers at the least (`_split_len`)
     window,
     softcap,  # the score cap times log2(e) (SOFTCAP only)
     GROUP: tl.constexpr,
@@ -86,7 +90,8 @@ def _paged_decode_kernel(
     else:
         first = seq_len * 0
     span = seq_len - first
-    split_len = _split_len(span, num_splits, BLOCK_N)
+    split_len = _split_len(span, num_splits, min_split, BLOCK_N)
+    filled = tl.cdiv(span, split_len)  # the non-empty splits: 0 .. filled - 1
     start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     offs_h = tl.arange(0, BLOCK_H)
@@ -116,6 +121,7 @@ def _paged_decode_kernel(
         kv_offs = page * stride_c_block + (offs_n % PAGE_SIZE) * stride_c_tok + kv_head * stride_c_head
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # in flight with k
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         if SOFTCAP:
             qk = soft_cap(qk, softcap)
@@ -124,12 +130,11 @@ def _paged_decode_kernel(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
-    if num_splits == 1:  # the whole context in one program: this is the answer
+    if filled == 1:  # the whole context in one program: this is the answer
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_hd)
     else:
         rows = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits  # [BLOCK_H]: split 0's row
@@ -139,7 +144,6 @@ def _paged_decode_kernel(
         # NOTE: the barrier orders every thread's partial stores before the release below.
         tl.debug_barrier()
         pair = seq * tl.num_programs(1) + kv_head
-        filled = tl.cdiv(span, split_len)  # the non-empty splits: 0 .. filled - 1
         arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel")
         if arrived == filled - 1:  # the last to arrive merges all of them, in split order
             m = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
@@ -186,9 +190,10 @@ def paged_decode_attention_impl(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    min_split: int | None = None,
 ) -> torch.Tensor:
-    """`paged_decode_attention` with the tile, split count and launch shape exposed (tests and
-    bench/studies/decode_attention_sweep.py pin them)."""
+    """`paged_decode_attention` with the tile, split count and launch shape exposed (tests,
+    bench/studies/decode_attention_sweep.py and decode_attention_batch1.py pin them)."""
     assert window >= 0 and softcap >= 0, (window, softcap)
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, page_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -212,6 +217,8 @@ def paged_decode_attention_impl(
         context = block_tables.shape[1] * page_size
         num_splits = _default_num_splits(query, num_kv_heads, min(context, window) if window else context, block_n)
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
+    min_split = MIN_SPLIT_LEN if min_split is None else min_split
+    assert min_split >= 1, min_split
     block_tables, seq_lens = aligned(block_tables), aligned(seq_lens)
     block_d = triton.next_power_of_2(head_dim)
     mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
@@ -241,6 +248,7 @@ def paged_decode_attention_impl(
         k_cache.stride(2),
         block_tables.stride(0),
         num_splits,
+        min_split,
         window,
         softcap * _LOG2E,
         GROUP=group,

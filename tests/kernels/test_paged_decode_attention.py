@@ -28,7 +28,7 @@ def test_decode_matches_reference(device, group, head_dim, dtype, seq_lens, bloc
     k, v, tables, lens = make_paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype, device)
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype).to(device)
     scale = head_dim**-0.5
-    out = paged_decode_attention_impl(q, k, v, tables, lens, scale, block_n=16, num_splits=num_splits)
+    out = paged_decode_attention_impl(q, k, v, tables, lens, scale, block_n=16, num_splits=num_splits, min_split=1)
     ref = reference.paged_decode_attention(q, k, v, tables, lens, scale)
     torch.testing.assert_close(out, ref, **tol(dtype))
 
@@ -61,14 +61,27 @@ def test_split_merge_is_one_launch_that_resets_its_counters_and_repeats_bit_iden
     seq_lens, num_kv_heads, head_dim = [200, 1, 64, 0, 129], 2, 64
     k, v, tables, lens = make_paged_cache(seq_lens, num_kv_heads, head_dim, 16, torch.float32, device)
     q = torch.randn(len(seq_lens), num_kv_heads * 4, head_dim, device=device)
-    first = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits)
+    first = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits, min_split=1)
     assert not _tile_counters(q.device)[: len(seq_lens) * num_kv_heads].any()
     for _ in range(3):
-        again = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits)
+        again = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits,
+                                            min_split=1)
         assert torch.equal(again, first)
     ref = reference.paged_decode_attention(q, k, v, tables, lens, 0.125)
     torch.testing.assert_close(first, ref, **tol(torch.float32))
     assert torch.all(first[3] == 0)
+
+
+@pytest.mark.parametrize("min_split", [1, 16, 40, 64, 1000])
+def test_min_split_only_changes_how_many_programs_share_a_context(device, min_split):
+    # A split covers at least min_split positions (whole tiles): contexts shorter than that run in
+    # one program that writes the answer itself, longer ones merge fewer, longer splits.
+    seq_lens, num_kv_heads, head_dim = [5, 70, 200, 1], 2, 64
+    k, v, tables, lens = make_paged_cache(seq_lens, num_kv_heads, head_dim, 16, torch.float32, device)
+    q = torch.randn(len(seq_lens), num_kv_heads * 2, head_dim, device=device)
+    out = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=8, min_split=min_split)
+    ref = reference.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
 
 
 def test_dispatch_uses_reference_on_cpu():
@@ -102,6 +115,6 @@ def test_decode_sliding_window_matches_reference(device, window, softcap, num_sp
     k, v, tables, lens = make_paged_cache(seq_lens, 2, head_dim, 8, dtype, device)
     q = torch.randn(len(seq_lens), 4, head_dim).to(dtype).to(device)
     out = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits, window=window,
-                                      softcap=softcap)
+                                      softcap=softcap, min_split=1)
     ref = reference.paged_decode_attention(q, k, v, tables, lens, 0.125, window=window, softcap=softcap)
     torch.testing.assert_close(out, ref, **tol(dtype))
