@@ -404,7 +404,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         1 if fp8 and scale.numel() > 1 else 0, out.stride(0),
         HAS_BIAS=bias is not None, USE_SPLIT=split > 1, EVEN_K=K % step == 0, MODE=config.mode,
         STAGES=config.stages, UNROLL=config.unroll, BLOCK_M=block_m_for(M, config.mode), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, ASM_CVT=bool(config.cvt) and x.is_cuda, EPW=epw, GATED=gated, num_warps=config.num_warps,
+        BLOCK_K=config.block_k, ASM_CVT=bool(config.cvt) and x.is_cuda, EPW=epw, GATED=gated,
+        num_warps=config.num_warps,
         num_stages=config.stages, **pdl,
     )
     return out
