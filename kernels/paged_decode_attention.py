@@ -32,7 +32,8 @@ MAX_SPLITS = 32
 # bench/studies/decode_attention_batch1.py on an H100 (RESULTS run 51; us per chained batch-1 launch,
 # BLOCK_N 64, 64 / 128 / 256): 8B at 128 positions 5.20 / 4.43 / 4.44, 256: 6.28 / 6.77 / 7.19,
 # 512: 8.05 / 8.01 / 9.81, 1,024: 11.05 / 9.98 / 11.33, 4,096: 18.83 / 18.80 / 17.34; a rank of 8B or
-# 70B at TP = 4 alike.
+# 70B at TP = 4 alike. (A merge that read the splits' outputs four at a time as [4, heads, head_dim]
+# tiles was 2-5x slower at every length: not kept.)
 MIN_SPLIT_LEN = 128
 
 
@@ -80,8 +81,6 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # MAX_SPLITS: the merge reads every split's log-sum-exp at once
-    MERGE_SPLITS: tl.constexpr,  # split outputs the merge loads at once
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     release_dependents(PDL)
@@ -152,24 +151,17 @@ def _paged_decode_kernel(
         pair = seq * tl.num_programs(1) + kv_head
         arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel")
         if arrived == filled - 1:  # the last to arrive merges all of them, in split order
-            # Every split's log-sum-exp at once ([MAX_SPLITS, BLOCK_H]), then the outputs MERGE_SPLITS
-            # splits a load (independent loads in flight together, not one round trip per split).
-            offs_s = tl.arange(0, BLOCK_S)
-            lse_mask = (offs_s < filled)[:, None] & mask_h[None, :]
-            lse = tl.load(mid_lse_ptr + rows[None, :] + offs_s[:, None], mask=lse_mask, other=float("-inf"),
-                          cache_modifier=".cg")
-            m = tl.maximum(tl.max(lse, 0), -1e30)  # [BLOCK_H]
-            den = tl.sum(tl.exp2(lse - m[None, :]), 0)
+            m = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
+            for s_i in range(filled):
+                m = tl.maximum(m, tl.load(mid_lse_ptr + rows + s_i, mask=mask_h, other=-1e30, cache_modifier=".cg"))
+            den = tl.zeros([BLOCK_H], dtype=tl.float32)
             num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            offs_c = tl.arange(0, MERGE_SPLITS)
-            for c0 in range(0, filled, MERGE_SPLITS):
-                s_c = c0 + offs_c  # [MERGE_SPLITS]
-                ok = s_c < filled
-                w = tl.exp2(tl.load(mid_lse_ptr + rows[None, :] + s_c[:, None], mask=ok[:, None] & mask_h[None, :],
-                                    other=float("-inf"), cache_modifier=".cg") - m[None, :])  # [MERGE_SPLITS, BLOCK_H]
-                o_c = tl.load(mid_o_ptr + (rows[None, :] + s_c[:, None])[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                              mask=ok[:, None, None] & mask_hd[None, :, :], other=0.0, cache_modifier=".cg")
-                num += tl.sum(w[:, :, None] * o_c, 0)
+            for s_i in range(filled):
+                w = tl.exp2(tl.load(mid_lse_ptr + rows + s_i, mask=mask_h, other=-1e30, cache_modifier=".cg") - m)
+                o_s = tl.load(mid_o_ptr + (rows + s_i)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_hd,
+                              other=0.0, cache_modifier=".cg")
+                den += w
+                num += w[:, None] * o_s
             merged = num / tl.where(den > 0, den, 1.0)[:, None]
             tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask_hd)
             tl.store(counter_ptr + pair, 0)  # ready for the next launch
@@ -273,8 +265,6 @@ def paged_decode_attention_impl(
         DOT_PRECISION=precision,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
-        BLOCK_S=MAX_SPLITS,
-        MERGE_SPLITS=4,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
