@@ -32,7 +32,8 @@ MAX_SPLITS = 32
 # bench/studies/decode_attention_batch1.py on an H100 (RESULTS run 51; us per chained batch-1 launch,
 # BLOCK_N 64, 64 / 128 / 256): 8B at 128 positions 5.20 / 4.43 / 4.44, 256: 6.28 / 6.77 / 7.19,
 # 512: 8.05 / 8.01 / 9.81, 1,024: 11.05 / 9.98 / 11.33, 4,096: 18.83 / 18.80 / 17.34; a rank of 8B or
-# 70B at TP = 4 alike.
+# 70B at TP = 4 alike. (A merge that read the splits' outputs four at a time as [4, heads, head_dim]
+# tiles was 2-5x slower at every length: not kept.)
 MIN_SPLIT_LEN = 128
 
 
@@ -80,7 +81,6 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # MAX_SPLITS: the merge reads every split of a head at once
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     release_dependents(PDL)
@@ -149,23 +149,21 @@ def _paged_decode_kernel(
         # NOTE: the barrier orders every thread's partial stores before the release below.
         tl.debug_barrier()
         pair = seq * tl.num_programs(1) + kv_head
-        rows_of_head = (pair * GROUP).to(tl.int64) * num_splits  # the first query head's split-0 row
         arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel")
         if arrived == filled - 1:  # the last to arrive merges all of them, in split order
-            # One query head at a time, every split at once ([BLOCK_S, BLOCK_D]: one round trip a head,
-            # not one a split; the head tile's padding to 16 rows is not loaded).
-            offs_s = tl.arange(0, BLOCK_S)
-            valid = offs_s < filled
-            o_row = out_ptr + seq.to(tl.int64) * stride_o_seq + offs_d
-            for h in tl.static_range(GROUP):
-                row_h = rows_of_head + h * num_splits + offs_s  # [BLOCK_S]
-                lse = tl.load(mid_lse_ptr + row_h, mask=valid, other=float("-inf"), cache_modifier=".cg")
-                w = tl.exp2(lse - tl.max(lse, 0))
-                o_h = tl.load(mid_o_ptr + row_h[:, None] * HEAD_DIM + offs_d[None, :],
-                              mask=valid[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-                merged = tl.sum(w[:, None] * o_h, 0) / tl.sum(w, 0)
-                tl.store(o_row + (kv_head * GROUP + h) * stride_o_head, merged.to(out_ptr.dtype.element_ty),
-                         mask=mask_d)
+            m = tl.full([BLOCK_H], -1e30, dtype=tl.float32)
+            for s_i in range(filled):
+                m = tl.maximum(m, tl.load(mid_lse_ptr + rows + s_i, mask=mask_h, other=-1e30, cache_modifier=".cg"))
+            den = tl.zeros([BLOCK_H], dtype=tl.float32)
+            num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+            for s_i in range(filled):
+                w = tl.exp2(tl.load(mid_lse_ptr + rows + s_i, mask=mask_h, other=-1e30, cache_modifier=".cg") - m)
+                o_s = tl.load(mid_o_ptr + (rows + s_i)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_hd,
+                              other=0.0, cache_modifier=".cg")
+                den += w
+                num += w[:, None] * o_s
+            merged = num / tl.where(den > 0, den, 1.0)[:, None]
+            tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask_hd)
             tl.store(counter_ptr + pair, 0)  # ready for the next launch
 
 
@@ -267,7 +265,6 @@ def paged_decode_attention_impl(
         DOT_PRECISION=precision,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
-        BLOCK_S=MAX_SPLITS,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,

@@ -56,7 +56,7 @@ CASES = [
       "k_cache_ptr": _BF16, "v_cache_ptr": _BF16, "slot_ptr": "*i64"}, 4, 1, False),
     ("paged_decode", _paged_decode_kernel,
      dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="tf32",
-          SLIDING=False, SOFTCAP=False, BLOCK_S=32),
+          SLIDING=False, SOFTCAP=False),
      {"q_ptr": _BF16, "k_cache_ptr": _BF16, "v_cache_ptr": _BF16, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
       "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": _BF16, "counter_ptr": "*i32", "qk_scale": "fp32",
       "softcap": "fp32"}, 4, 2, False),
