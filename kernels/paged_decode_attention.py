@@ -32,8 +32,11 @@ MAX_SPLITS = 32
 # bench/studies/decode_attention_batch1.py on an H100 (RESULTS run 51; us per chained batch-1 launch,
 # BLOCK_N 64, 64 / 128 / 256): 8B at 128 positions 5.20 / 4.43 / 4.44, 256: 6.28 / 6.77 / 7.19,
 # 512: 8.05 / 8.01 / 9.81, 1,024: 11.05 / 9.98 / 11.33, 4,096: 18.83 / 18.80 / 17.34; a rank of 8B or
-# 70B at TP = 4 alike. (A merge that read the splits' outputs four at a time as [4, heads, head_dim]
-# tiles was 2-5x slower at every length: not kept.)
+# 70B at TP = 4 alike. Two other merges lost (run 51): every split's output read four at a time as
+# [4, 16, head_dim] tiles (2-5x slower at every length), and one query head at a time with all
+# splits at once (14.6 against 18.8 us at 4,096 positions, but 9.9 against 6.8 at 256 and, on a 70B
+# rank, 12.8 against 8.0 at 1,024; 8B batch 1 in the engine 5.58 against 5.46 ms/token). The merge
+# below goes split by split.
 MIN_SPLIT_LEN = 128
 
 
