@@ -5,8 +5,10 @@ ahead of cuBLAS at every per-rank 8B/70B shape at M = 1 (`kernels/skinny_linear.
 
 In: `x [M, K]` (bf16/fp16; fp32 in the CPU interpreter), `weight [N, K]` float8_e4m3fn in the standard
 row-major layout (the same tensor `_scaled_mm` reads at large M: no repack), an fp32 `scale` of one
-element (per tensor) or `[N]` (per channel), `bias [N]` or None. Out: `[M, N]` in x's dtype.
-`quant_reference.skinny_linear` is the same op in torch (and the CPU path).
+element (per tensor) or `[N]` (per channel), `bias [N]` or None. Out: `[M, N]` in x's dtype, or with
+`gated` (W a SwiGLU MLP's packed [gate | up], N = 2 I) silu(gate) * up `[M, I]` from the epilogue (each
+program's rows half gate, half up: `kernels.int4_common.gated_rows`). `quant_reference.skinny_linear`
+is the same op in torch (and the CPU path).
 
 Why a second kernel beside `kernels/skinny_linear.py`: that kernel's FMA modes keep one `[M, N, K]`
 register tile and double-buffer exactly one weight tile; at M = 1 it reads the 8B layer at ~60 % of

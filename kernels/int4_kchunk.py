@@ -16,6 +16,8 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
   as the MMA's register operand (out^T = W^T x^T), no copy of the weight.
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
+With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV writes silu(gate) * up from its
+epilogue (`kernels/int4_common.finish_gated_tile`); the other paths run `kernels/activation.py` after.
 """
 
 from __future__ import annotations
