@@ -6,8 +6,9 @@ serves all `H // KVH` query heads of that KV head with one pass over its slice o
 `tl.dot` on a head tile padded to 16 rows), writing a partial output and its log-sum-exp; the last
 non-empty split of a (sequence, KV head) to arrive (a self-resetting counter per pair) merges the
 partials in split order and writes the output, so the merge needs no second launch (at batch 1 it
-was a kernel boundary in every layer) and its result does not depend on arrival order. With one
-split the program writes the output directly. Every launch parameter is derived from tensor
+was a kernel boundary in every layer) and its result does not depend on arrival order. A split
+covers at least `MIN_SPLIT_LEN` positions: where one split holds the whole context, its program
+writes the output directly. Every launch parameter is derived from tensor
 shapes, never from tensor values, so the op can be captured in a CUDA graph. With a sliding
 window W (`window` > 0) the splits cover a sequence's last W positions only; with a soft cap c
 (`softcap` > 0, Gemma 2) each score s becomes c * tanh(s / c) before the softmax.
