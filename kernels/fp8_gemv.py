@@ -7,7 +7,7 @@ In: `x [M, K]` (bf16/fp16; fp32 in the CPU interpreter), `weight [N, K]` float8_
 row-major layout (the same tensor `_scaled_mm` reads at large M: no repack), an fp32 `scale` of one
 element (per tensor) or `[N]` (per channel), `bias [N]` or None. Out: `[M, N]` in x's dtype, or with
 `gated` (W a SwiGLU MLP's packed [gate | up], N = 2 I) silu(gate) * up `[M, I]` from the epilogue (each
-program's rows half gate, half up: `kernels.int4_common.gated_rows`). `quant_reference.skinny_linear`
+program's rows half gate, half up: `kernels.int4_common.gemv_rows`). `quant_reference.skinny_linear`
 is the same op in torch (and the CPU path).
 
 Why a second kernel beside `kernels/skinny_linear.py`: that kernel's FMA modes keep one `[M, N, K]`
@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import finish_gated_tile, finish_tile, gated_rows, stack_rows
-from kernels.int4_matmul import _num_sms, split_k_workspace
+from kernels.int4_common import finish_gemv_tile, gemv_rows, stack_rows
+from kernels.int4_matmul import _num_sms, gated_workspace, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 MODE_ACC, MODE_ROWSUM, MODE_DOT16 = 0, 1, 2
@@ -227,11 +227,7 @@ def _fp8_gemv_kernel(
     release_dependents(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    if GATED:
-        offs_n, mask_n = gated_rows(pid_n, N // 2, BLOCK_N)
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
+    offs_n, mask_n = gemv_rows(pid_n, N, BLOCK_N, GATED)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kw = tl.arange(0, BLOCK_K // EPW)
     # Clamped rows: every load is in bounds without a row mask; the store masks them off.
@@ -324,12 +320,8 @@ def _fp8_gemv_kernel(
     if EPW == 4:
         scale = tl.load(scale_ptr + tl.minimum(offs_n, N - 1) * stride_scale)
         y = y * scale[None, :]
-    if GATED:
-        finish_gated_tile(y, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N // 2, bias_ptr, out_ptr,
-                          partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, BLOCK_N)
-    else:
-        finish_tile(y, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
-                    partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+    finish_gemv_tile(y, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
+                     partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, GATED, BLOCK_N)
 
 
 def block_m_for(M: int, mode: int) -> int:
@@ -393,9 +385,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     out = torch.empty((M, N // 2 if gated else N), device=x.device, dtype=x.dtype)
     if N == 0:
         return out
-    tiles = triton.cdiv(N // 2, config.block_n // 2) if gated else triton.cdiv(N, config.block_n)
     split = config.split_k
-    partial, counters = split_k_workspace(out, split, tiles, tiles * config.block_n if gated else None)
+    if gated:
+        tiles, partial, counters = gated_workspace(out, split, config.block_n)
+    else:
+        tiles = triton.cdiv(N, config.block_n)
+        partial, counters = split_k_workspace(out, split, tiles)
     step = config.block_k * config.unroll
     iters_per_split = triton.cdiv(triton.cdiv(K, step), split)
     pdl = launch_options(x)

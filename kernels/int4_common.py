@@ -8,8 +8,9 @@ a word tile into its 8 columns per word, `join8` the same column order for any 8
 tensor-core program's output tile (bands of GROUP_M row tiles, for L2 reuse of the weight tiles);
 `finish_tile` writes an fp32 accumulator tile to the output, or meets the other split-K programs
 of its tile through an fp32 workspace and a self-resetting counter (the last one sums in order);
-`gated_rows` / `finish_gated_tile` do the same for a GEMV over a packed [gate | up] weight whose
-epilogue writes silu(gate) * up (the SwiGLU activation without its own launch and round trip).
+`gemv_rows` / `finish_gemv_tile` place a GEMV program's rows and finish them, also over a packed
+[gate | up] weight whose epilogue writes silu(gate) * up (`finish_gated_tile`: the SwiGLU activation
+without its own launch and round trip).
 """
 
 from __future__ import annotations
@@ -169,14 +170,37 @@ def finish_tile(
 
 
 @triton.jit
-def gated_rows(pid_n, I, BLOCK_N: tl.constexpr):
-    # A gated GEMV's program pid_n over a packed [gate | up] weight of 2 I rows: its BLOCK_N rows are
-    # gate rows c and up rows I + c for the BLOCK_N / 2 output columns c = pid_n * BLOCK_N / 2 + ...
-    # Returns (weight rows clamped below 2 I, the rows' validity): row j < BLOCK_N / 2 is gate's.
-    HALF: tl.constexpr = BLOCK_N // 2
-    j = tl.arange(0, BLOCK_N)
-    col = pid_n * HALF + j % HALF
-    return tl.minimum(col, I - 1) + (j >= HALF).to(tl.int32) * I, col < I
+def gemv_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    # GEMV program pid_n's weight rows and their validity: BLOCK_N rows from pid_n * BLOCK_N, or with
+    # GATED, over a packed [gate | up] weight of N = 2 I rows, gate rows c and up rows I + c for its
+    # BLOCK_N / 2 output columns c = pid_n * BLOCK_N / 2 + ... (row j < BLOCK_N / 2 is gate's;
+    # rows clamped below N, so every load is in bounds).
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        I = N // 2
+        j = tl.arange(0, BLOCK_N)
+        col = pid_n * HALF + j % HALF
+        rows = tl.minimum(col, I - 1) + (j >= HALF).to(tl.int32) * I
+        valid = col < I
+    else:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = rows < N
+    return rows, valid
+
+
+@triton.jit
+def finish_gemv_tile(
+    acc, offs_m, rows, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    stride_om, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # A GEMV's epilogue over the `gemv_rows` of its program: `finish_gated_tile` (silu(gate) * up of
+    # the N / 2 output columns) with GATED, else `finish_tile`.
+    if GATED:
+        finish_gated_tile(acc, offs_m, rows, mask_m, mask_n, split, split_k, tile, M, N // 2, bias_ptr, out_ptr,
+                          partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, BLOCK_N)
+    else:
+        finish_tile(acc, offs_m, rows, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr,
+                    counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
 
 @triton.jit
@@ -202,7 +226,7 @@ def finish_gated_tile(
     acc, offs_m, rows, mask_m, mask_n, split, split_k, tile, M, I, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     stride_om, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # `finish_tile` for a gated tile (`gated_rows`): acc [BM, BLOCK_N] holds gate | up sums of the
+    # `finish_tile` for a gated tile (`gemv_rows` with GATED): acc [BM, BLOCK_N] holds gate | up sums of the
     # tile's BLOCK_N / 2 output columns; the total (+ bias of the weight `rows`) becomes
     # silu(gate) * up, rounded as `kernels/activation.py` rounds a stored [gate | up] row: gate and
     # up to the output dtype first, silu to it before the product. Split-K partials live in

@@ -17,7 +17,7 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV writes silu(gate) * up from its
-epilogue (`kernels/int4_common.finish_gated_tile`); the other paths run `kernels/activation.py` after.
+epilogue (`kernels/int4_common.finish_gemv_tile`); the other paths run `kernels/activation.py` after.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_common import (finish_gated_tile, finish_tile, gated_rows, grouped_tile, nibble_float,
+from kernels.activation import silu_and_mul
+from kernels.int4_common import (finish_gemv_tile, finish_tile, gemv_rows, grouped_tile, nibble_float,
                                  nibble_pair_floats, stack_rows)
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
-from kernels.activation import silu_and_mul
-from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
+from kernels.int4_matmul import _num_sms, _split_for, gated_workspace, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 
@@ -141,11 +141,7 @@ def _kchunk_gemv_kernel(
     LO_UNIT: tl.constexpr = 256.0 if PAIRS else 16.0
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    if GATED:
-        offs_n, mask_n = gated_rows(pid_n, N // 2, BLOCK_N)
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
+    offs_n, mask_n = gemv_rows(pid_n, N, BLOCK_N, GATED)
     offs_r = tl.arange(0, R)
     offs_w = tl.arange(0, 4)
     col_w = (offs_n * 4)[None, :, None] + offs_w[None, None, :]  # [1, BLOCK_N, 4]
@@ -212,12 +208,8 @@ def _kchunk_gemv_kernel(
             acc2 = _apply_group(acc2, d2l, d2h, s2l, s2h, s, z, LO_UNIT, REDUCE_EACH)
             acc3 = _apply_group(acc3, d3l, d3h, s3l, s3h, s, z, LO_UNIT, REDUCE_EACH)
     acc, offs_m = stack_rows(acc0, acc1, acc2, acc3, ROWS)
-    if GATED:
-        finish_gated_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N // 2, bias_ptr,
-                          out_ptr, partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, BLOCK_N)
-    else:
-        finish_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
-                    partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+    finish_gemv_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
+                     partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, GATED, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
@@ -416,8 +408,7 @@ def int4_kchunk_linear_impl(
     asm = config.asm and x.is_cuda  # the interpreter runs on CPU tensors, and has no PTX
     split = config.split_k
     if gated:
-        tiles = triton.cdiv(N // 2, config.block_n // 2)
-        partial, counters = split_k_workspace(out, split, tiles, tiles * config.block_n)
+        tiles, partial, counters = gated_workspace(out, split, config.block_n)
     else:
         tiles = triton.cdiv(N, config.block_n) * (1 if gemv else triton.cdiv(M, config.block_m))
         partial, counters = split_k_workspace(out, split, tiles)

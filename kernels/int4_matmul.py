@@ -185,14 +185,22 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
 def split_k_workspace(out: torch.Tensor, split: int, tiles: int, width: int | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial sums, tile counters) of a split-K launch over `tiles` output tiles: fp32 partials
-    [split, M, width] (width: out's N unless given, e.g. a gated GEMV's tiles * BLOCK_N) and the
-    device's self-resetting counters; without a split neither is read (`out` stands in for both)."""
+    [split, M, width] (width: out's N unless given) and the device's self-resetting counters; without
+    a split neither is read (`out` stands in for both)."""
     if split <= 1:
         return out, out
     assert tiles <= _NUM_COUNTERS
     m, n = out.shape
     return torch.empty((split, m, n if width is None else width), device=out.device, dtype=torch.float32), \
         _tile_counters(out.device)
+
+
+def gated_workspace(out: torch.Tensor, split: int, block_n: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(tiles, partials, counters) of a gated GEMV (`int4_common.gemv_rows`) writing `out` [M, I]: tiles
+    of block_n / 2 output columns, each summing block_n rows, whose split-K partials sit at the tile's
+    own block_n columns."""
+    tiles = triton.cdiv(out.shape[1], block_n // 2)
+    return (tiles, *split_k_workspace(out, split, tiles, tiles * block_n))
 
 
 @functools.cache

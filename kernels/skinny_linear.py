@@ -40,9 +40,9 @@ import triton
 import triton.language as tl
 
 from kernels import fp8_gemv
+from kernels.activation import silu_and_mul
 from kernels.fp8_gemv import GemvConfig
 from kernels.int4_common import finish_tile
-from kernels.activation import silu_and_mul
 from kernels.int4_matmul import _num_sms, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 

@@ -7,7 +7,8 @@ query is the previous launch's output (every launch depends on the one before, a
 step do; programmatic dependent launch as the engine sets it), for Llama head shapes at batch 1:
 8B (8 KV heads, 4 query heads each) on one GPU, and a rank of 8B / 70B at TP = 4 (2 KV heads, 4 or 8
 query heads each), at several context lengths, per launch shape: the least split length
-(`min_split`), BLOCK_N and warps. The split count is the engine's for a graph of 4,096 positions.
+(`min_split`), BLOCK_N and warps. The split count is the engine's for a graph of 4,096 positions;
+the figure is the median replay over the chain's launches.
 
   python bench/studies/decode_attention_batch1.py [--contexts 128,256,1024,4096] [--out x.json]
 """
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.ceilings import graphed, time_ms  # noqa: E402
 from kernels.paged_decode_attention import _default_num_splits, paged_decode_attention_impl  # noqa: E402
 
 PAGE = 16
@@ -42,27 +44,13 @@ def chain_us(shape: str, context: int, min_split: int, block_n: int, warps: int,
     q0 = torch.randn(1, kvh * group, 128, device="cuda", dtype=torch.bfloat16)
     splits = _default_num_splits(q0, kvh, GRAPH_CONTEXT, block_n)
 
-    def step(q: torch.Tensor) -> torch.Tensor:
+    def step() -> None:
+        q = q0
         for _ in range(chain):
             q = paged_decode_attention_impl(q, k, v, tables, lens, 0.088, block_n=block_n, num_splits=splits,
                                             num_warps=warps, min_split=min_split)
-        return q
 
-    step(q0)  # compile, and the split-K counters exist before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(q0)
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 50
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * chain)
+    return time_ms(graphed(step), iters=50, warmup=5) * 1000 / chain
 
 
 def main() -> None:
