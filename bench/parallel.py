@@ -163,8 +163,8 @@ def _degrees(text: str) -> tuple[int, ...]:
 def _engine_modes(tp: int, custom_modes: tuple[str, ...], prefetch: tuple[str, ...] = ("on",)
                   ) -> list[tuple[str, dict]]:
     """(result-key suffix, engine options) per all-reduce mode an engine of degree `tp` runs in, each
-    with the L2 weight prefetch (models/weight_prefetch.py) on (8 MiB, no suffix) and/or off (the
-    default since run 49, suffix `_nopf`)."""
+    with the L2 weight hints (models/weight_prefetch.py) on (16 MiB, the default; no suffix) and/or off
+    (suffix `_nopf`)."""
     if tp == 1:
         base = [("", {})]
     else:
@@ -177,7 +177,7 @@ def _engine_modes(tp: int, custom_modes: tuple[str, ...], prefetch: tuple[str, .
     out = []
     for pf in prefetch:
         for suffix, opts in base:
-            mb = "0" if pf == "off" else "8"
+            mb = "0" if pf == "off" else os.environ.get("BENCH_PREFETCH_MB", "16")  # on: 16 MiB unless set
             suffix = suffix + ("_nopf" if pf == "off" else "")
             opts = {**opts, "env": {**opts.get("env", {}), "OPEN_LMI_L2_PREFETCH_MB": mb}}
             out.append((suffix, opts))
@@ -317,8 +317,8 @@ def main() -> None:
     ap.add_argument("--custom-ar", default="on", help="on, off, unfused (custom all-reduce, not fused with the "
                     "norm) or a list: TP > 1 engines with / without "
                     "the custom all-reduce")
-    ap.add_argument("--prefetch", default="off", help="off (the default), on or on,off: the L2 weight prefetch of "
-                    "decode steps (OPEN_LMI_L2_PREFETCH_MB=8 for on, 0 for off; result keys of off end _nopf)")
+    ap.add_argument("--prefetch", default="on", help="on (the default), off or on,off: the L2 weight hints of "
+                    "decode steps (OPEN_LMI_L2_PREFETCH_MB=16 for on, 0 for off; result keys of off end _nopf)")
     ap.add_argument("--no-workload", dest="workload", action="store_false",
                     help="tp8b / tp70b: batch-1 decode only, no reference workload")
     ap.add_argument("--out", default="")

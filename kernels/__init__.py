@@ -13,10 +13,14 @@ import importlib
 import os
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import quant_reference, reference
+
+if TYPE_CHECKING:
+    from kernels.l2_prefetch import L2Hint
 
 _FORCE_REFERENCE = os.environ.get("OPEN_LMI_KERNELS", "").strip().lower() == "reference"
 
@@ -287,6 +291,15 @@ def use_skinny(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device)
     return _mod("skinny_linear").use_skinny(M, N, K, dtype, device)
 
 
+def l2_hint(t: torch.Tensor, max_bytes: int) -> L2Hint | None:
+    """What the fused all-reduce + norm (`kernels/all_reduce_norm.py`) takes as `prefetch`: the first
+    min(max_bytes, bytes) of contiguous weight `t`, warmed in L2 by programs it adds at decode
+    sizes while the ranks exchange. None off CUDA (no cache to warm) and below one line."""
+    if not use_triton(t):
+        return None
+    return _mod("l2_prefetch").l2_hint(t, max_bytes)
+
+
 def l2_prefetch(t: torch.Tensor, max_bytes: int, mode: int | None = None) -> None:
     """Ask the GPU's L2 to fetch the first min(max_bytes, bytes of contiguous `t`); returns at once
     and changes nothing (a no-op off CUDA). `mode`: `kernels.l2_prefetch.MODE_*` (default: per line)."""
@@ -301,7 +314,8 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _OPS = frozenset(
     ("fp8_linear", "gumbel_sample", "int4_kchunk_linear", "int4_linear", "repack_int4", "repack_int4_kchunk",
-     "l2_prefetch", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear", "quantize_fp8",
+     "l2_hint", "l2_prefetch", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear",
+     "quantize_fp8",
      "rms_norm", "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "skinny_linear", "use_skinny", "write_kv_cache")
 )
 

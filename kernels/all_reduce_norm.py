@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.l2_prefetch import L2Hint, hint_launch, prefetch_share
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 from kernels.rms_norm import normed_row
 
@@ -107,11 +108,13 @@ def _all_reduce_rms_norm_kernel(
     POLL_2D: tl.constexpr,  # poll every slot at once ([W, BLOCK] in registers) rather than one by one
     HAS_RESIDUAL: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    hint_ptr,  # uint8: the next weight's bytes (only with HINT)
+    hint_lines,
+    HINT: tl.constexpr,  # program rows past num_rows warm L2 with the next weight (kernels/l2_prefetch.py)
+    HINT_ASM: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     release_dependents(PDL)
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    C: tl.constexpr = BLOCK // CHUNK
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     # Before the previous kernel ends: what never changes (the norm's weight, the buffers' addresses).
@@ -120,6 +123,27 @@ def _all_reduce_rms_norm_kernel(
     wait_upstream(PDL)  # the partials, the state and the residual come from earlier kernels
     row = tl.program_id(0)
     part = tl.program_id(1)
+    if row < num_rows:
+        _reduce_norm_share(x_ptr, residual_ptr, out_ptr, residual_out_ptr, peers_ptr, state_ptr, mine, w_row, row,
+                           part, rank, num_rows, stride_x, stride_r, slot_elems, eps, N, BLOCK, CHUNK, W, INT,
+                           SENTINEL, POLL_2D, HAS_RESIDUAL, UNIT_OFFSET)
+    elif HINT:
+        # the exchange barely touches HBM: the next weight's first bytes arrive meanwhile
+        C: tl.constexpr = BLOCK // CHUNK
+        prefetch_share(hint_ptr, hint_lines, (row - num_rows) * C + part, (tl.num_programs(0) - num_rows) * C,
+                       HINT_ASM)
+
+
+@triton.jit
+def _reduce_norm_share(x_ptr, residual_ptr, out_ptr, residual_out_ptr, peers_ptr, state_ptr, mine, w_row, row, part,
+                       rank, num_rows, stride_x, stride_r, slot_elems, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                       CHUNK: tl.constexpr, W: tl.constexpr, INT: tl.constexpr, SENTINEL: tl.constexpr,
+                       POLL_2D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    # Program (row, part): reset, push, receive, sum and norm its share of the row (module docstring).
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    C: tl.constexpr = BLOCK // CHUNK
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
     phase = tl.load(state_ptr)  # the same in every program: only the last one to arrive changes state
     prev_rows = tl.load(state_ptr + 2)
     cols = part * CHUNK + tl.arange(0, CHUNK)  # this program's share
@@ -193,6 +217,7 @@ def all_reduce_rms_norm(
     residual: torch.Tensor | None,  # [T, N], or None: the sum becomes the residual
     unit_offset: bool,
     peers: PeerBuffers,
+    prefetch: L2Hint | None = None,  # the next weight: warmed in L2 by added programs (decode-sized calls)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new residual) of sum-over-ranks(x) (+ residual); every rank of the group must call
     it with the same shapes, in the same order. `x` must fit one slot (`peers.fits`)."""
@@ -211,13 +236,15 @@ def all_reduce_rms_norm(
     block = triton.next_power_of_2(hidden)
     c = _split(num_rows, hidden, peers.max_programs)
     pdl = launch_options(x)
-    _all_reduce_rms_norm_kernel[(num_rows, c)](
+    hint_ptr, hint_lines, hint_programs, hint = hint_launch(prefetch, num_rows, x)
+    _all_reduce_rms_norm_kernel[(num_rows + triton.cdiv(hint_programs, c), c)](
         x, residual if residual is not None else x, weight, out, residual_out, peers.peer_ptrs, peers.state,
         peers.rank, num_rows, x.stride(0), residual.stride(0) if residual is not None else 0,
         peers.slot_bytes // x.element_size(), eps,
         N=hidden, BLOCK=block, CHUNK=block // c, W=peers.world_size, INT=tl.int16 if bits == 16 else tl.int32,
         SENTINEL=-(1 << (bits - 1)), POLL_2D=peers.world_size * block <= 32768, HAS_RESIDUAL=residual is not None,
-        UNIT_OFFSET=unit_offset, num_warps=min(16, max(4, block // 256)), **pdl,
+        UNIT_OFFSET=unit_offset, hint_ptr=hint_ptr, hint_lines=hint_lines, **hint,
+        num_warps=min(16, max(4, block // 256)), **pdl,
     )
     return out, residual_out
 

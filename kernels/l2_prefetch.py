@@ -11,9 +11,21 @@ Two instruction forms (`MODE`): `cp.async.bulk.prefetch.L2` (sm_90: one instruct
 chunk, issued by the TMA unit) and `prefetch.global.L2::evict_last` (sm_80+: one 128-byte line an
 instruction). The torch reference (`kernels/reference.py: l2_prefetch`) does nothing: a cache hint
 has no observable effect, which is also what the CPU path must do.
+
+`l2_prefetch` is its own launch (on a side stream it measured ~1 % at best in the engine, and it
+breaks the PDL chain of the compute stream: run 44, run 49). An `L2Hint` instead rides along with
+a latency-bound kernel the step launches anyway: the launcher adds `hint.programs` programs to its
+grid, which wait for the previous kernel like every program of it (so they never compete with
+the GEMV before), issue their share of the lines (`prefetch_share`) and exit. A grid completes
+only once its prefetches have landed, so the hint pays only where the carrier waits anyway: the
+tensor-parallel all-reduce + norm polling for its peers (bench/RESULTS.md run 53: 70B TP=4 -1.0 %;
+on one GPU, RMSNorm and rotary as carriers cost 1-22 %: their short grids waited on the lines).
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,6 +36,61 @@ MODE_LINE = 1  # prefetch.global.L2::evict_last [addr], one 128-byte line an ins
 _LINE = 128
 _BULK_CHUNK = 4096  # bytes one bulk prefetch asks for
 _BLOCK = 256  # threads' addresses a program issues at once (num_warps 8 x 32)
+HINT_MAX_ROWS = 16  # hints ride along with calls of at most this many rows: above it the GEMMs are not weight-bound
+HINT_PROGRAMS = 32  # programs a hinted launch adds: each issues 1 / 32 of the lines
+
+
+@dataclass(frozen=True)
+class L2Hint:
+    """The first bytes of the weight that the next bandwidth-bound kernel reads, as lines to prefetch.
+
+    Exists so that a model links each latency-bound launch to its successor's weight once (after
+    load, from the order one forward ran its layers) and the kernels' launchers get one checked
+    object: the bytes as a flat uint8 tensor, how many 128-byte lines, and how many programs issue them.
+    """
+
+    base: torch.Tensor  # uint8 [>= lines * 128]: the weight's storage
+    lines: int
+    programs: int = HINT_PROGRAMS
+
+    def __post_init__(self) -> None:
+        assert self.base.dtype == torch.uint8 and self.base.dim() == 1 and self.base.is_contiguous()
+        assert 0 < self.lines * _LINE <= self.base.numel() and self.programs > 0
+
+
+def l2_hint(t: torch.Tensor, max_bytes: int) -> L2Hint | None:
+    """An `L2Hint` for the first min(max_bytes, t's bytes) of contiguous `t`; None below one line."""
+    assert t.is_contiguous(), "prefetch reads the tensor's bytes in storage order"
+    lines = min(max_bytes, t.numel() * t.element_size()) // _LINE
+    if lines <= 0:
+        return None
+    return L2Hint(t.reshape(-1).view(torch.uint8), lines)
+
+
+def hint_launch(hint: L2Hint | None, rows: int, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, dict]:
+    """A hinted launcher's extra arguments for a call over `rows` rows: (lines' base pointer, lines,
+    programs to add, the constexprs `HINT` and `HINT_ASM`). No hint, or too many rows: 0 programs
+    (`fallback` stands in for the pointer)."""
+    if hint is None or rows > HINT_MAX_ROWS:
+        return fallback, 0, 0, dict(HINT=False, HINT_ASM=False)
+    assert hint.base.device == fallback.device, (hint.base.device, fallback.device)
+    return hint.base, hint.lines, hint.programs, dict(HINT=True, HINT_ASM=os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def prefetch_share(base_ptr, lines, share, shares, ASM: tl.constexpr):
+    """Program `share` of `shares`: ask L2 for its lines of the `lines` 128-byte lines at `base_ptr`
+    (uint8), BLOCK at a time, interleaved with the other programs'. Fire and forget: nothing waits
+    for the data. Without ASM (the CPU interpreter) each line's first byte is loaded instead."""
+    BLOCK: tl.constexpr = 1024
+    for start in range(share * BLOCK, lines, shares * BLOCK):
+        line = tl.minimum(start + tl.arange(0, BLOCK), lines - 1)  # lanes past the end repeat the last line
+        addr = base_ptr + line.to(tl.int64) * 128
+        if ASM:
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [addr],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.load(addr)
 
 
 @triton.jit

@@ -321,13 +321,14 @@ class CustomAllReduce:
                                    f"normed {normed[0, 0].item()} (expected 1)")
 
     def fused_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                       unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       unit_offset: bool, prefetch: object = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(normed, new residual) of the group's sum of `x` (+ `residual`) in one launch, or None
         where the fused kernel does not take `x` (off, too large, another dtype, not row-contiguous):
-        the same answer on every rank, which then all-reduce and norm separately."""
+        the same answer on every rank, which then all-reduce and norm separately. `prefetch`: an
+        L2 hint for the next weight (`kernels.l2_hint`), warmed while the ranks exchange."""
         if not self.fused_takes(x):
             return None
-        return self._fused_kernel(x, weight, eps, residual, unit_offset, self._fused[x.dtype][2])
+        return self._fused_kernel(x, weight, eps, residual, unit_offset, self._fused[x.dtype][2], prefetch)
 
     def fused_takes(self, x: torch.Tensor) -> bool:
         """Whether `fused_rms_norm` runs the fused kernel for `x` (the same on every rank)."""

@@ -39,7 +39,7 @@ from serving.executor.step_inputs import StepInputs, prepare_inputs
 from serving.executor.teardown import release_module, release_tensor
 from serving.executor.weights import init_dummy_weights, load_weights
 from serving.executor.models.linear import Linear
-from serving.executor.models.weight_prefetch import link_weight_prefetch
+from serving.executor.models import weight_prefetch
 from serving.executor.quant import check_device
 from serving.checkpoint.quantization import resolve_quantization
 
@@ -92,8 +92,10 @@ class ModelRunner:
             init_dummy_weights(self.model, seed=config.seed)
         else:
             load_weights(self.model, self.model_dir)
-        # Decode steps warm L2 with each linear layer's successor (models/weight_prefetch.py; CUDA only).
-        self.weight_prefetch = link_weight_prefetch(self.model, Linear, self.device, world_size)
+        # Under TP, decode steps warm L2 with the weight read after each fused all-reduce + norm: linked
+        # after the first eager forward on CUDA, from the order it ran the layers (models/weight_prefetch.py).
+        self._link_l2_hints = (world_size > 1 and self.device.type == "cuda"
+                               and kernels.use_triton(torch.empty(0, device=self.device)))
         # Multi-LoRA: wrap the adapted projections, allocate the slots (before the KV cache is sized).
         self.lora = LoRAManager(self.model, config, args, max(self.max_num_batched_tokens, config.max_num_seqs)
                                 ) if config.enable_lora else None
@@ -259,11 +261,15 @@ class ModelRunner:
 
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's forward (through the LoRA manager, which reads the staged row slots)."""
-        hidden = (self.model(input_ids, positions) if self.lora is None
-                  else self.lora.forward(self.model, input_ids, positions))
-        if self.weight_prefetch is not None:
-            self.weight_prefetch.join()  # nothing of the step left on the side stream (a graph ends joined)
-        return hidden
+        if self._link_l2_hints and not torch.cuda.is_current_stream_capturing():
+            self._link_l2_hints = False
+            with weight_prefetch.tracing() as trace:
+                hidden = self._model_forward(input_ids, positions)
+            linked = weight_prefetch.link_l2_hints(trace, Linear, weight_prefetch.prefetch_bytes())
+            logger.info("L2 weight hints: %d all-reduce launches warm the next weight", linked)
+            return hidden
+        return (self.model(input_ids, positions) if self.lora is None
+                else self.lora.forward(self.model, input_ids, positions))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -160,13 +160,14 @@ def enable_fused_norm(dtype: torch.dtype) -> bool:
 
 
 def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                        unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        unit_offset: bool = False, prefetch: object = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new residual) of `all_reduce(x)` (+ `residual`; without one the sum is the new
     residual): `kernels.rms_norm`'s arithmetic on the summed rows. One launch where the fused
     kernel takes `x` (`enable_fused_norm`), else the all-reduce then the norm. `x` may be
-    overwritten."""
+    overwritten. `prefetch`: an L2 hint for the weight read next (`kernels.l2_hint`), taken by the
+    fused kernel only."""
     if _shard.world_size > 1 and _custom is not None:
-        fused = _custom.fused_rms_norm(x, weight, eps, residual, unit_offset)
+        fused = _custom.fused_rms_norm(x, weight, eps, residual, unit_offset, prefetch)
         if fused is not None:
             return fused
     x = all_reduce(x)

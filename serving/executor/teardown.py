@@ -9,6 +9,8 @@ back to the allocator as soon as the last view of it does.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -33,3 +35,6 @@ def release_module(module: torch.nn.Module) -> None:
         for name, value in list(vars(m).items()):
             if isinstance(value, torch.Tensor):  # plain attributes (KV cache views, shared RoPE tables)
                 setattr(m, name, torch.empty(0))
+            elif dataclasses.is_dataclass(value) and any(  # hand-off objects holding tensors (L2 hints)
+                    isinstance(getattr(value, f.name), torch.Tensor) for f in dataclasses.fields(value)):
+                setattr(m, name, None)

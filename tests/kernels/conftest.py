@@ -16,6 +16,7 @@ import pytest
 import torch
 
 _TRITON_MODULES = (
+    "kernels.l2_prefetch",  # before the launchers that import its `prefetch_share`
     "kernels.cache_ops",
     "kernels.paged_decode_attention",
     "kernels.prefill_attention",

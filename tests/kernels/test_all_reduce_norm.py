@@ -5,7 +5,8 @@ are plain tensors on the same device and their pushes into rank 0's buffer are w
 the call (what they would have sent). Checked against `reference.all_reduce_rms_norm` over
 every rank's rows: the sum and norm, -0.0 sent as +0.0, rank 0's row pushed into every peer's
 slot, the rows of the previous call reset to the sentinel (buffer (s + 2) % 3, however many rows
-it had), and the phase turning every launch (five calls of varying rows walk the three buffers).
+it had), and the phase turning every launch (five calls of varying rows walk the three buffers);
+every other call adds L2-prefetch programs (`kernels/l2_prefetch.py`), which change nothing.
 Rows are split over several programs where wide enough (hidden 1024, 2048). float32: the
 interpreter rounds bfloat16 its own way.
 """
@@ -17,6 +18,7 @@ import torch
 
 from kernels import reference
 from kernels.all_reduce_norm import PeerBuffers, all_reduce_rms_norm, reset_buffer
+from kernels.l2_prefetch import l2_hint
 
 SENTINEL = -(1 << 31)  # float32 -0.0's bits
 
@@ -49,8 +51,10 @@ def test_rank0_sums_norms_pushes_and_resets(device, world, rows, hidden):
             bits = xs[r].view(torch.int32).reshape(-1).clone()
             bits[bits == SENTINEL] = 0
             views[0][phase, r, : rows * hidden] = bits.to(device)
+        # odd calls warm "L2" with a weight's first lines from added programs: the same answers
+        hint = l2_hint(torch.zeros(777, 33, device=device), 9000) if call % 2 else None
         normed, new_res = all_reduce_rms_norm(xs[0].to(device), weight.to(device), 1e-5,
-                                              None if residual is None else residual.to(device), False, peers)
+                                              None if residual is None else residual.to(device), False, peers, hint)
         want_normed, want_res = reference.all_reduce_rms_norm(xs, weight, 1e-5, residual)
         assert torch.equal(new_res.cpu(), want_res)
         torch.testing.assert_close(normed.cpu(), want_normed, atol=1e-5, rtol=1e-5)

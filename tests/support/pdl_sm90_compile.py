@@ -4,7 +4,9 @@ For each kernel, as the decode step launches it on an H100 (`PDL=True`, bf16 act
 it reads the PTX in program order and checks the contract `kernels/pdl.py` states:
 - `griddepcontrol.launch_dependents` and `griddepcontrol.wait` are both there, the release first;
 - nothing is stored (`st.global`, atomics) before the wait;
-- kernels with a weight prologue still issue their weight loads before the wait (the overlap is kept).
+- kernels with a weight prologue still issue their weight loads before the wait (the overlap is kept);
+- the kernel that carries an L2 hint (`kernels/l2_prefetch.py`), compiled with it, issues its
+  `prefetch.global.L2` instructions only after a wait (never competing with the kernel before).
 Prints `ok <kernel> loads_before_wait=<n>` or `FAIL <kernel> <error>` per kernel; exit status 1 if any failed.
 `tests/kernels/test_pdl.py` runs it in a subprocess without TRITON_INTERPRET.
 """
@@ -44,7 +46,7 @@ CASES = [
       "eps": "fp32"}, 16, 1, True),
     ("all_reduce_rms_norm", _all_reduce_rms_norm_kernel,
      dict(N=4096, BLOCK=4096, CHUNK=1024, W=2, INT=tl.int16, SENTINEL=-(1 << 15), POLL_2D=True, HAS_RESIDUAL=True,
-          UNIT_OFFSET=False),
+          UNIT_OFFSET=False, HINT=False, HINT_ASM=False),
      {"x_ptr": _BF16, "residual_ptr": _BF16, "weight_ptr": _BF16, "out_ptr": _BF16, "residual_out_ptr": _BF16,
       "peers_ptr": "*i64", "state_ptr": "*i32", "eps": "fp32"}, 16, 1, True),
     ("silu_and_mul", _silu_and_mul_kernel, dict(D=14336, BLOCK=1024), {"x_ptr": _BF16, "out_ptr": _BF16}, 4, 1,
@@ -80,6 +82,19 @@ CASES = [
 ]
 
 
+HINTED = ("all_reduce_rms_norm",)  # also compiled with HINT on
+
+
+def check_hint(ptx: str) -> int:
+    """A hinted kernel's prefetches: present, and each after a `griddepcontrol.wait`; returns how many."""
+    lines = [ln for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith((".loc", "//"))]
+    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    prefetches = [i for i, ln in enumerate(lines) if "prefetch.global.L2::evict_last" in ln]
+    assert prefetches, "no prefetch instruction"
+    assert waits and min(prefetches) > min(waits), "a prefetch before any wait"
+    return len(prefetches)
+
+
 def check_ptx(ptx: str, prologue: bool) -> int:
     """The contract's checks on one kernel's PTX; returns the global loads issued before the wait."""
     lines = [ln for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith((".loc", "//"))]
@@ -103,6 +118,15 @@ def main() -> int:
             kernel = compile_variant(fn, dict(const, PDL=True), types, pointers, warps, stages)
             return f"loads_before_wait={check_ptx(kernel.asm['ptx'], prologue)}"
         failed += not report(label, one)
+        if label in HINTED:
+            def hinted(fn=fn, const=const, types=types, warps=warps, stages=stages, prologue=prologue) -> str:
+                types = dict(types, hint_ptr="*u8")
+                pointers = tuple(name for name, kind in types.items() if kind.startswith("*"))
+                kernel = compile_variant(fn, dict(const, PDL=True, HINT=True, HINT_ASM=True), types, pointers, warps,
+                                         stages)
+                ptx = kernel.asm["ptx"]
+                return f"loads_before_wait={check_ptx(ptx, prologue)} prefetches={check_hint(ptx)}"
+            failed += not report(label + "+hint", hinted)
     return 1 if failed else 0
 
 

@@ -33,7 +33,7 @@ from serving.executor.models.params import (
     new_param,
     read_checkpoint,
 )
-from serving.executor.models.weight_prefetch import WeightPrefetch
+from serving.executor.models.weight_prefetch import note
 from serving.executor.parallel import TPShard
 from serving.executor.quant import LinearMethod, LinearSpec
 
@@ -61,19 +61,9 @@ class Linear(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
-    # set by `link_weight_prefetch` (models/weight_prefetch.py) on CUDA: the chain this layer is in, and
-    # the weight of the layer after it, warmed in L2 while the kernels between the two run
-    weight_prefetch: WeightPrefetch | None = None
-    prefetch_next: torch.Tensor | None = None
-
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-        prefetch = self.weight_prefetch
-        if prefetch is None:
-            return self._compute(x, bias, gated)
-        prefetch.join()  # the previous prefetch's fork rejoins the compute stream before this read
-        y = self._compute(x, bias, gated)
-        prefetch.after(self, x)
-        return y
+        note(self)  # the run order the L2 hints are linked from (models/weight_prefetch.py)
+        return self._compute(x, bias, gated)
 
     def _compute(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
         # gated: the weight is a packed [gate | up]; the result is silu(gate) * up

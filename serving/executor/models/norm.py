@@ -10,6 +10,7 @@ from torch import nn
 import kernels
 from serving.executor import parallel
 from serving.executor.models.params import default_weight_loader, new_param
+from serving.executor.models.weight_prefetch import note
 
 class RMSNorm(nn.Module):
     """RMSNorm with optional fused residual add (kernels.rms_norm); replicated. `unit_offset`:
@@ -21,6 +22,8 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
         self.eps = eps
         self.unit_offset = unit_offset
+        # the next linear layer's weight, warmed in L2 by the fused all-reduce's launch (models/weight_prefetch.py)
+        self.l2_hint = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -33,8 +36,10 @@ class RMSNorm(nn.Module):
         block has no residual yet: its input becomes it. `reduce`: `hidden` is this rank's partial
         sum of a row-parallel projection, all-reduced here (fused with the add and norm where the
         custom all-reduce allows)."""
+        note(self)  # the run order the L2 hints are linked from (models/weight_prefetch.py)
         if reduce:
-            return parallel.all_reduce_rms_norm(hidden, self.weight, self.eps, residual, self.unit_offset)
+            return parallel.all_reduce_rms_norm(hidden, self.weight, self.eps, residual, self.unit_offset,
+                                                self.l2_hint)
         if residual is None:
             return self(hidden), hidden
         return self(hidden, residual)

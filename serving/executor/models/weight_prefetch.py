@@ -1,37 +1,33 @@
-"""Warm L2 with the next linear layer's weight while the latency-bound kernels between them run.
+"""Warm L2 with the next linear layer's weight while tensor parallelism's all-reduce waits on its peers.
 
-Why: at decode sizes every linear layer is a read of its weight from HBM, and between two of them
-run kernels that barely touch HBM (rotary + KV write, attention over a short context, the
-all-reduce waiting on the other ranks, SiLU-mul). `bench/l2_prefetch.py` measured on an H100
-(bench/RESULTS.md run 44) that prefetching the next weight's first 8-16 MB into L2 during those
-kernels takes 6-8 % off a synthetic decode step at TP=1/2/4 shapes (stand-ins that touch no
-memory), when the prefetch is launched on a second stream (on the compute stream its launch costs
-more than it saves). In the real 8B engine at TP=1 it takes 1 % off at 8 MB and adds 1-2 % at
-12-16 MB: the prefetch's requests queue ahead of the latency-bound kernels' own loads.
+Why: at decode sizes every linear layer is a read of its weight from HBM, and the fused
+all-reduce + residual add + RMSNorm between two of them (`kernels/all_reduce_norm.py`) barely
+touches HBM: it pushes one row to the peers and polls until theirs arrive (~6 us a launch on 4x
+H100, 160 of them a 70B step). Its launcher takes an `L2Hint` (`kernels.l2_hint`): programs added
+to its grid wait for the previous kernel like the rest, issue `prefetch.global.L2` for the first
+bytes of the weight that the next GEMV reads, and exit while the exchange goes on (a hint changes
+no result). Measured (bench/RESULTS.md run 53): 70B TP=4 batch-1 decode 14.10 -> 13.96 ms, 8B TP=4
+within noise. Other carriers lost: a prefetch launched as its own kernel (side stream: runs 44,
+46, 49) and the one-GPU RMSNorm / rotary launches (their grids then wait for the lines: 8B batch
+1 bf16 +1 to +6 %, GPTQ int4 +22 %, FP8 +3 to +10 %, run 53).
 
-How: after the model is loaded, `link_weight_prefetch` chains the model's linear layers in the
-order they are registered (the order a decoder layer runs them: qkv, o, gate_up, down, next
-layer's qkv) and gives each the chain's `WeightPrefetch`. A linear layer with at most
-`MAX_ROWS` input rows then calls `after(self)`: the prefetch of its successor's weight is launched
-on the side stream, forked from the compute stream at that point. Before any linear layer computes,
-and at the end of the model's forward, `join()` makes the compute stream wait for the side stream,
-so a captured CUDA graph always ends joined and a prefetch never outlives the step. A chain whose
-order differs from the run order only prefetches the wrong weight: the hint changes no result.
+How: the first eager forward of a tensor-parallel model on CUDA runs under `tracing()`: every
+linear layer and every norm that all-reduces notes itself (`note`) as it runs, so the trace is
+the order the model really runs its layers, whatever the architecture. `link_l2_hints` then gives
+each norm the hint of the first linear layer after it (the post-attention norm: gate_up; the next
+layer's input norm: qkv), kept as the norm's `l2_hint`. The launcher applies it only to calls of
+at most `kernels.l2_prefetch.HINT_MAX_ROWS` rows (decode steps: above that the GEMMs are not
+weight-bound).
 
-Under tensor parallelism it measured no gain (8B TP=2 +0.5 %, TP=4 +1.2 %, 70B TP=4 -0.4 %, run 44:
-the all-reduce's flag polling is as latency-bound as the kernels it would hide); never for quantized
-models (GPTQ int4 at batch 1: 3.30 ms/token with 8 MiB, 3.14 without; FP8 unchanged; run 46). Since
-decode steps launch their kernels with programmatic dependent launch (`kernels/pdl.py`: the next
-linear layer's GEMV starts reading its weight while the previous kernel drains) and bf16 weights
-at 1-2 rows go through that GEMV, the prefetch costs time on one GPU too (8B batch 1: 5.68 ms/token
-with 8 MiB, 5.52 without; run 49): it is off by default. `OPEN_LMI_L2_PREFETCH_MB` (read once, when
-the chain is linked) sets the bytes per prefetch in MiB for unquantized models at any degree; 0
-(the default) turns it off. Only on CUDA devices of compute capability 8.0 and above with Triton.
+`OPEN_LMI_L2_PREFETCH_MB` (read once, when the hints are linked) sets the bytes per hint in MiB;
+0 turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -39,10 +35,11 @@ from torch import nn
 import kernels
 
 ENV = "OPEN_LMI_L2_PREFETCH_MB"
-DEFAULT_MB = 0.0  # run 44 (cuBLAS, no PDL): 8 MB -1.0 % at 8B TP=1; run 49 (PDL + bf16 GEMV): 8 MB +2.9 %
-MAX_ROWS = 16  # decode-sized calls only: above this the GEMMs are not bandwidth-bound on the weight
+DEFAULT_MB = 16.0
 # the tensor a linear layer's kernel reads, by the names the float and quantized paths store it under
 _WEIGHT_NAMES = ("kchunk", "packed", "qweight", "weight")
+
+_trace: list[nn.Module] | None = None  # the modules run so far in a `tracing()` forward
 
 
 def weight_tensor(module: nn.Module) -> torch.Tensor | None:
@@ -54,9 +51,8 @@ def weight_tensor(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def prefetch_bytes(tp_degree: int = 1) -> int:
-    """`OPEN_LMI_L2_PREFETCH_MB` in bytes (default DEFAULT_MB: off, at any degree); a clear error
-    on a bad value. (`tp_degree`: kept for callers; no degree turns it on by itself.)"""
+def prefetch_bytes() -> int:
+    """`OPEN_LMI_L2_PREFETCH_MB` in bytes (default DEFAULT_MB); a clear error on a bad value."""
     raw = os.environ.get(ENV, "").strip()
     try:
         mb = float(raw) if raw else DEFAULT_MB
@@ -67,61 +63,40 @@ def prefetch_bytes(tp_degree: int = 1) -> int:
     return int(mb * (1 << 20))
 
 
-class WeightPrefetch:
-    """One model's prefetch chain: the side stream and whether a prefetch is in flight on it."""
-
-    def __init__(self, device: torch.device, max_bytes: int) -> None:
-        assert device.type == "cuda" and max_bytes > 0
-        self.max_bytes = max_bytes
-        self.side = torch.cuda.Stream(device)
-        self.pending = False
-
-    def after(self, module: nn.Module, x: torch.Tensor) -> None:
-        """`module` has just been launched on `x`: prefetch its successor's weight, off the compute stream."""
-        nxt = module.prefetch_next
-        if nxt is None or x.numel() > MAX_ROWS * x.shape[-1]:
-            return
-        main = torch.cuda.current_stream(x.device)
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            kernels.l2_prefetch(nxt, self.max_bytes)
-        self.pending = True
-
-    def join(self) -> None:
-        """The compute stream waits for the side stream (no-op when nothing is in flight)."""
-        if self.pending:
-            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
-            self.pending = False
+def note(module: nn.Module) -> None:
+    """`module` runs now: recorded when a `tracing()` forward is under way (else nothing)."""
+    if _trace is not None:
+        _trace.append(module)
 
 
-def prefetch_chain(model: nn.Module, linear_type: type) -> list[nn.Module]:
-    """`model`'s `linear_type` layers that hold a weight tensor, in registration order (the chain's order)."""
-    return [m for m in model.modules() if isinstance(m, linear_type) and weight_tensor(m) is not None]
+@contextlib.contextmanager
+def tracing() -> Iterator[list[nn.Module]]:
+    """Record the modules that `note` themselves during the block, in run order."""
+    global _trace
+    assert _trace is None, "one trace at a time"
+    _trace = trace = []
+    try:
+        yield trace
+    finally:
+        _trace = None
 
 
-def link_weight_prefetch(model: nn.Module, linear_type: type, device: torch.device,
-                         tp_degree: int = 1) -> WeightPrefetch | None:
-    """Chain `model`'s `linear_type` layers for prefetch; None (nothing set) where it cannot run or is off."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
-        return None
-    if not kernels.use_triton(torch.empty(0, device=device)):
-        return None
-    max_bytes = prefetch_bytes(tp_degree)
-    if max_bytes == 0:
-        return None
-    chain = prefetch_chain(model, linear_type)
-    if any(getattr(m, "quant_method", None) is not None for m in chain):
-        return None  # quantized weights: 8 MiB cost GPTQ int4 5 % at batch 1, 4 MiB nothing (run 46)
-    if len(chain) < 2:
-        return None
-    prefetch = WeightPrefetch(device, max_bytes)
-    link_chain(chain, prefetch)
-    return prefetch
-
-
-def link_chain(chain: list[nn.Module], prefetch: object) -> None:
-    """Give each layer of `chain` the `prefetch` object and its successor's weight (a detached
-    alias: a parameter assigned to a module would register as one of its parameters)."""
-    for here, nxt in zip(chain, chain[1:] + [None]):
-        vars(here)["prefetch_next"] = None if nxt is None else weight_tensor(nxt).detach()
-        vars(here)["weight_prefetch"] = prefetch
+def link_l2_hints(trace: list[nn.Module], linear_type: type, max_bytes: int) -> int:
+    """Give every other module of `trace` (the norms) the L2 hint of the first `linear_type` module
+    after it (`l2_hint`; None where no linear follows or the weight is not on a CUDA device).
+    Returns how many modules got one."""
+    linked = 0
+    nxt: torch.Tensor | None = None
+    hints: dict[int, object] = {}
+    for module in reversed(trace):
+        if isinstance(module, linear_type):
+            nxt = weight_tensor(module)
+            continue
+        hint = None
+        if nxt is not None and max_bytes > 0:
+            if id(nxt) not in hints:
+                hints[id(nxt)] = kernels.l2_hint(nxt, max_bytes)
+            hint = hints[id(nxt)]
+        vars(module)["l2_hint"] = hint
+        linked += hint is not None
+    return linked

@@ -1,10 +1,11 @@
-"""The L2 weight prefetch of decode steps (serving/executor/models/weight_prefetch.py).
+"""L2 hints of decode steps (serving/executor/models/weight_prefetch.py, kernels/l2_prefetch.py).
 
-CPU: the chain's order over a real model, which tensor a layer's kernel reads (float and int4),
-the knob's parsing, that nothing is linked off CUDA, and the kernel's sm_90 compile keeping its
-prefetch instructions. GPU: the same tokens with the prefetch on and off (bf16), with the decode
-graphs captured (a graph whose side stream did not rejoin would fail to capture); an int4 model
-links no prefetch.
+CPU: the trace of a real forward gives each norm the weight of the linear layer that runs after
+it (Llama: input norm -> qkv, post-attention norm -> gate_up, the final norm none), which tensor
+a layer's kernel reads (float and int4), the knob's parsing, teardown dropping the hints, and the
+standalone prefetch kernel's sm_90 compile. The hinted all-reduce itself: tests/kernels/
+test_all_reduce_norm.py (simulated peers) and test_l2_hints.py; over real peers, the TP=2 token
+agreement of tests/serving/executor/test_gpu_all_reduce.py runs with the hints on (the default).
 """
 
 from __future__ import annotations
@@ -16,15 +17,9 @@ import sys
 import pytest
 import torch
 
+from serving.executor.models import weight_prefetch
 from serving.executor.models.linear import Linear
-from serving.executor.models.weight_prefetch import (
-    ENV,
-    link_chain,
-    link_weight_prefetch,
-    prefetch_bytes,
-    prefetch_chain,
-    weight_tensor,
-)
+from serving.executor.models.weight_prefetch import ENV, link_l2_hints, prefetch_bytes, tracing, weight_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -38,35 +33,53 @@ def _tiny_llama(layers: int = 2):
         "intermediate_size": 48, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
     })
-    return build_model(args, torch.float32, torch.device("cpu"), 64)
+    return args, build_model(args, torch.float32, torch.device("cpu"), 64)
 
 
-def test_chain_follows_a_decoder_layers_run_order() -> None:
-    model = _tiny_llama(2)
-    names = {id(m): n for n, m in model.named_modules()}
-    chain = [names[id(m)] for m in prefetch_chain(model, Linear)]
-    per_layer = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
-    assert chain == [f"model.layers.{i}.{p}" for i in range(2) for p in per_layer]
-    for m in prefetch_chain(model, Linear):
-        assert weight_tensor(m) is m.weight
+def _traced_forward(args, model, tokens: int = 3) -> list[torch.nn.Module]:  # noqa: ANN001
+    from serving.executor.attention_metadata import AttentionMetadata, forward_context
+
+    kv = torch.zeros(2, args.num_hidden_layers, 2, 16, 2, args.head_dim)
+    for i, layer in enumerate(model.attention_layers):
+        layer.bind_kv_cache(kv[0, i], kv[1, i])
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens), query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        num_decodes=0, num_decode_tokens=0, max_query_len=tokens, max_seq_len=tokens)
+    with tracing() as trace, forward_context(meta):
+        model(torch.arange(tokens), torch.arange(tokens))
+    return trace
 
 
-def test_linking_aliases_the_next_weight_without_new_parameters() -> None:
+def test_hints_follow_the_run_order(monkeypatch) -> None:  # noqa: ANN001
+    import kernels
+
+    args, model = _tiny_llama(2)
+    trace = _traced_forward(args, model)
+    # off CUDA no hint is made (no cache to warm): every module is linked to None
+    assert link_l2_hints(trace, Linear, 1 << 20) == 0
+    assert all(getattr(m, "l2_hint", None) is None for m in model.modules())
+    # a stand-in hint names the tensor it was made for: each module gets its successor's weight
+    monkeypatch.setattr(kernels, "l2_hint", lambda t, nbytes: (t.data_ptr(), nbytes))
+    assert link_l2_hints(trace, Linear, 1 << 20) == 2 * 2
+    for layer in model.model.layers:
+        assert layer.input_layernorm.l2_hint == (layer.self_attn.qkv_proj.weight.data_ptr(), 1 << 20)
+        assert layer.post_attention_layernorm.l2_hint == (layer.mlp.gate_up_proj.weight.data_ptr(), 1 << 20)
+    assert model.model.norm.l2_hint is None  # the LM head runs outside the forward
+    assert link_l2_hints(trace, Linear, 0) == 0  # 0 bytes: off
+    assert weight_prefetch._trace is None  # noqa: SLF001 - the trace ended with its block
+
+
+def test_teardown_drops_the_hints() -> None:
+    import kernels
     from serving.executor.teardown import release_module
 
-    model = _tiny_llama(2)
-    params = [n for n, _ in model.named_parameters()]
-    chain = prefetch_chain(model, Linear)
-    token = object()
-    link_chain(chain, token)
-    assert [n for n, _ in model.named_parameters()] == params
-    for here, nxt in zip(chain, chain[1:]):
-        assert here.weight_prefetch is token
-        assert not isinstance(here.prefetch_next, torch.nn.Parameter)
-        assert here.prefetch_next.data_ptr() == nxt.weight.data_ptr()
-    assert chain[-1].prefetch_next is None
-    release_module(model)  # teardown drops the aliases with the weights
-    assert all(m.prefetch_next is None or m.prefetch_next.numel() == 0 for m in chain)
+    args, model = _tiny_llama(1)
+    norm = model.model.layers[0].input_layernorm
+    norm.l2_hint = kernels._mod("l2_prefetch").l2_hint(model.model.layers[0].self_attn.qkv_proj.weight, 4096)  # noqa: SLF001
+    assert norm.l2_hint is not None
+    release_module(model)
+    assert norm.l2_hint is None
 
 
 def test_weight_tensor_is_what_the_quantized_kernel_reads() -> None:
@@ -82,10 +95,9 @@ def test_weight_tensor_is_what_the_quantized_kernel_reads() -> None:
 
 def test_knob_parsing(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.delenv(ENV, raising=False)
-    # off unless asked: no gain under tensor parallelism (run 44), a loss on one GPU since PDL (run 49)
-    assert prefetch_bytes() == 0 and prefetch_bytes(tp_degree=2) == 0
+    assert prefetch_bytes() == int(weight_prefetch.DEFAULT_MB * (1 << 20)) > 0
     monkeypatch.setenv(ENV, "4")
-    assert prefetch_bytes(tp_degree=4) == 4 << 20
+    assert prefetch_bytes() == 4 << 20
     monkeypatch.setenv(ENV, "0.5")
     assert prefetch_bytes() == 1 << 19
     monkeypatch.setenv(ENV, "0")
@@ -94,12 +106,6 @@ def test_knob_parsing(monkeypatch) -> None:  # noqa: ANN001
         monkeypatch.setenv(ENV, bad)
         with pytest.raises(ValueError, match=ENV):
             prefetch_bytes()
-
-
-def test_nothing_linked_off_cuda() -> None:
-    model = _tiny_llama(1)
-    assert link_weight_prefetch(model, Linear, torch.device("cpu")) is None
-    assert all(m.weight_prefetch is None and m.prefetch_next is None for m in prefetch_chain(model, Linear))
 
 
 def test_reference_is_a_checked_no_op() -> None:
@@ -129,21 +135,3 @@ def test_kernel_compiles_for_sm90_with_its_prefetches() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("quantize", ["bf16", "gptq"])
-def test_same_tokens_with_and_without_prefetch(tmp_path, monkeypatch, quantize) -> None:  # noqa: ANN001
-    sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
-    from dummy_model import dummy_llm, greedy_batches
-
-    tokens = {}
-    for mb in ("16", "0"):
-        monkeypatch.setenv(ENV, mb)
-        llm = dummy_llm("llama-3.2-1b", tmp_path, max_num_seqs=8, quantize=quantize)
-        runner = llm.llm_engine.executor.runner
-        # quantized models never prefetch (it cost GPTQ int4 5 %: bench/RESULTS.md run 46)
-        assert (runner.weight_prefetch is not None) == (mb != "0" and quantize == "bf16")
-        assert runner.graph_runner is not None  # the decode graphs captured with the prefetch's side stream
-        tokens[mb] = greedy_batches(llm)  # batch 4, then batch 1 (one row: every decode step prefetches)
-    assert tokens["16"] == tokens["0"]
