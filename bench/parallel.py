@@ -163,8 +163,8 @@ def _degrees(text: str) -> tuple[int, ...]:
 def _engine_modes(tp: int, custom_modes: tuple[str, ...], prefetch: tuple[str, ...] = ("on",)
                   ) -> list[tuple[str, dict]]:
     """(result-key suffix, engine options) per all-reduce mode an engine of degree `tp` runs in, each
-    with the L2 weight hints (models/weight_prefetch.py) on (16 MiB, the default; no suffix) and/or off
-    (suffix `_nopf`)."""
+    with the L2 weight hints (models/weight_prefetch.py) on (16 MiB or $BENCH_PREFETCH_MB at every
+    degree; the engine's default is on from TP=4 only; no suffix) and/or off (suffix `_nopf`)."""
     if tp == 1:
         base = [("", {})]
     else:
@@ -318,7 +318,8 @@ def main() -> None:
                     "norm) or a list: TP > 1 engines with / without "
                     "the custom all-reduce")
     ap.add_argument("--prefetch", default="on", help="on (the default), off or on,off: the L2 weight hints of "
-                    "decode steps (OPEN_LMI_L2_PREFETCH_MB=16 for on, 0 for off; result keys of off end _nopf)")
+                    "decode steps (OPEN_LMI_L2_PREFETCH_MB=16 or $BENCH_PREFETCH_MB for on, 0 for off; result "
+                    "keys of off end _nopf)")
     ap.add_argument("--no-workload", dest="workload", action="store_false",
                     help="tp8b / tp70b: batch-1 decode only, no reference workload")
     ap.add_argument("--out", default="")

@@ -16,10 +16,11 @@ has no observable effect, which is also what the CPU path must do.
 breaks the PDL chain of the compute stream: run 44, run 49). An `L2Hint` instead rides along with
 a latency-bound kernel the step launches anyway: the launcher adds `hint.programs` programs to its
 grid, which wait for the previous kernel like every program of it (so they never compete with
-the GEMV before), issue their share of the lines (`prefetch_share`) and exit. A grid completes
-only once its prefetches have landed, so the hint pays only where the carrier waits anyway: the
-tensor-parallel all-reduce + norm polling for its peers (bench/RESULTS.md run 53: 70B TP=4 -1.0 %;
-on one GPU, RMSNorm and rotary as carriers cost 1-22 %: their short grids waited on the lines).
+the GEMV before), issue their share of the lines (`prefetch_share`) and exit. The carrier's grid
+behaves as if it completed only once its lines landed (the next kernel waits on them), so a hint
+pays only where the carrier waits anyway: the tensor-parallel all-reduce + norm polling for its
+peers (bench/RESULTS.md run 53: 70B TP=4 -1.3 %, 8B TP=2 -1.2 % at 8 MiB but +1.5 % at 16). On one
+GPU, RMSNorm and rotary as carriers cost up to 22 % (8B batch 1): their short grids waited on the lines.
 """
 
 from __future__ import annotations

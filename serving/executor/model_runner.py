@@ -265,7 +265,7 @@ class ModelRunner:
             self._link_l2_hints = False
             with weight_prefetch.tracing() as trace:
                 hidden = self._model_forward(input_ids, positions)
-            linked = weight_prefetch.link_l2_hints(trace, Linear, weight_prefetch.prefetch_bytes())
+            linked = weight_prefetch.link_l2_hints(trace, Linear, weight_prefetch.prefetch_bytes(self.world_size))
             logger.info("L2 weight hints: %d all-reduce launches warm the next weight", linked)
             return hidden
         return (self.model(input_ids, positions) if self.lora is None

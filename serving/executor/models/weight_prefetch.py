@@ -6,10 +6,11 @@ touches HBM: it pushes one row to the peers and polls until theirs arrive (~6 us
 H100, 160 of them a 70B step). Its launcher takes an `L2Hint` (`kernels.l2_hint`): programs added
 to its grid wait for the previous kernel like the rest, issue `prefetch.global.L2` for the first
 bytes of the weight that the next GEMV reads, and exit while the exchange goes on (a hint changes
-no result). Measured (bench/RESULTS.md run 53): 70B TP=4 batch-1 decode 14.10 -> 13.96 ms, 8B TP=4
-within noise. Other carriers lost: a prefetch launched as its own kernel (side stream: runs 44,
-46, 49) and the one-GPU RMSNorm / rotary launches (their grids then wait for the lines: 8B batch
-1 bf16 +1 to +6 %, GPTQ int4 +22 %, FP8 +3 to +10 %, run 53).
+no result). Measured (bench/RESULTS.md run 53, H100s, batch-1 decode): 70B TP=4 14.10 -> 13.91 ms
+(16 MiB), 8B TP=4 2.19 -> 2.18 (16 MiB), 8B TP=2 3.27 -> 3.23 (8 MiB; 16 MiB: 3.28 -> 3.33). Other
+carriers lost: a prefetch
+launched as its own kernel (side stream: runs 44, 46, 49) and the one-GPU RMSNorm / rotary launches
+(their grids then wait for the lines; 8B batch 1, 16 MiB: bf16 +6.5 %, GPTQ int4 +22 %, FP8 +9.6 %).
 
 How: the first eager forward of a tensor-parallel model on CUDA runs under `tracing()`: every
 linear layer and every norm that all-reduces notes itself (`note`) as it runs, so the trace is
@@ -20,7 +21,7 @@ at most `kernels.l2_prefetch.HINT_MAX_ROWS` rows (decode steps: above that the G
 weight-bound).
 
 `OPEN_LMI_L2_PREFETCH_MB` (read once, when the hints are linked) sets the bytes per hint in MiB;
-0 turns it off.
+0 turns it off. Unset: 8 MiB at 2 ranks, 16 MiB at 4 and more (measured best of 4 / 8 / 16 there).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from torch import nn
 import kernels
 
 ENV = "OPEN_LMI_L2_PREFETCH_MB"
+# MiB per hint when the knob is unset, by degree (bench/RESULTS.md run 53, H100s, batch-1 decode): at 2 ranks
+# 8 MiB (8B TP=2 -1.2 %; 16 MiB +1.5 %: more lines than its exchange hides), at 4 and more 16 MiB (70B TP=4
+# -1.3 %, 8 MiB -1.0 %; 8B TP=4 -0.6 %)
+DEFAULT_MB_TP2 = 8.0
 DEFAULT_MB = 16.0
 # the tensor a linear layer's kernel reads, by the names the float and quantized paths store it under
 _WEIGHT_NAMES = ("kchunk", "packed", "qweight", "weight")
@@ -51,11 +56,12 @@ def weight_tensor(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def prefetch_bytes() -> int:
-    """`OPEN_LMI_L2_PREFETCH_MB` in bytes (default DEFAULT_MB); a clear error on a bad value."""
+def prefetch_bytes(tp_degree: int) -> int:
+    """`OPEN_LMI_L2_PREFETCH_MB` in bytes; unset: DEFAULT_MB_TP2 at 2 ranks, DEFAULT_MB at more (one
+    rank has no all-reduce to carry a hint). A clear error on a bad value."""
     raw = os.environ.get(ENV, "").strip()
     try:
-        mb = float(raw) if raw else DEFAULT_MB
+        mb = float(raw) if raw else (DEFAULT_MB_TP2 if tp_degree <= 2 else DEFAULT_MB)
     except ValueError:
         raise ValueError(f"{ENV}={raw!r}: expected a number of MiB (0 turns the prefetch off)") from None
     if mb < 0:
