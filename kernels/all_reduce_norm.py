@@ -27,6 +27,11 @@ return), added to the residual and rounded (the new residual), and normed as `ke
 does. Without a residual (the first layer's input) the sum itself becomes the residual. The
 reference: `reference.all_reduce_rms_norm` over every rank's partials.
 
+With an `L2Hint` (`prefetch`, decode-sized calls) the grid has extra rows of programs past the
+data's: they wait for the previous kernel, prefetch their share of the next weight's first bytes
+into L2 while the exchange goes on, and exit; they take no part in the exchange or the state, and
+wait on no sibling, so the one-wave rule concerns the data's programs only.
+
 Layout of each rank's receive buffer (`PeerBuffers.nbytes`): [3 phases][W slots][slot_elems], the
 sentinel everywhere before the first call (`reset_buffer`).
 """
