@@ -39,6 +39,13 @@ _BULK_CHUNK = 4096  # bytes one bulk prefetch asks for
 _BLOCK = 256  # threads' addresses a program issues at once (num_warps 8 x 32)
 HINT_MAX_ROWS = 16  # hints ride along with calls of at most this many rows: above it the GEMMs are not weight-bound
 HINT_PROGRAMS = 32  # programs a hinted launch adds: each issues 1 / 32 of the lines
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter runs no inline PTX
+
+
+def _first_bytes(t: torch.Tensor, max_bytes: int) -> tuple[torch.Tensor, int]:
+    """Contiguous `t`'s storage as flat uint8, and how many of its first bytes to prefetch."""
+    assert t.is_contiguous(), "prefetch reads the tensor's bytes in storage order"
+    return t.reshape(-1).view(torch.uint8), min(max_bytes, t.numel() * t.element_size())
 
 
 @dataclass(frozen=True)
@@ -61,11 +68,8 @@ class L2Hint:
 
 def l2_hint(t: torch.Tensor, max_bytes: int) -> L2Hint | None:
     """An `L2Hint` for the first min(max_bytes, t's bytes) of contiguous `t`; None below one line."""
-    assert t.is_contiguous(), "prefetch reads the tensor's bytes in storage order"
-    lines = min(max_bytes, t.numel() * t.element_size()) // _LINE
-    if lines <= 0:
-        return None
-    return L2Hint(t.reshape(-1).view(torch.uint8), lines)
+    base, nbytes = _first_bytes(t, max_bytes)
+    return L2Hint(base, nbytes // _LINE) if nbytes >= _LINE else None
 
 
 def hint_launch(hint: L2Hint | None, rows: int, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, dict]:
@@ -75,7 +79,7 @@ def hint_launch(hint: L2Hint | None, rows: int, fallback: torch.Tensor) -> tuple
     if hint is None or rows > HINT_MAX_ROWS:
         return fallback, 0, 0, dict(HINT=False, HINT_ASM=False)
     assert hint.base.device == fallback.device, (hint.base.device, fallback.device)
-    return hint.base, hint.lines, hint.programs, dict(HINT=True, HINT_ASM=os.environ.get("TRITON_INTERPRET") != "1")
+    return hint.base, hint.lines, hint.programs, dict(HINT=True, HINT_ASM=not _INTERPRET)
 
 
 @triton.jit
@@ -88,10 +92,16 @@ def prefetch_share(base_ptr, lines, share, shares, ASM: tl.constexpr):
         line = tl.minimum(start + tl.arange(0, BLOCK), lines - 1)  # lanes past the end repeat the last line
         addr = base_ptr + line.to(tl.int64) * 128
         if ASM:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            _prefetch_line(addr)
         else:
             tl.load(addr)
+
+
+@triton.jit
+def _prefetch_line(addr):
+    # prefetch.global.L2::evict_last of the 128-byte line at each address (no result, nothing waits)
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [addr],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -105,14 +115,12 @@ def _prefetch_kernel(base_ptr, n_units, UNIT: tl.constexpr, MODE: tl.constexpr, 
         tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", "=r,l", [addr],
                                   dtype=tl.int32, is_pure=False, pack=1)
     else:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [addr],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        _prefetch_line(addr)
 
 
 def l2_prefetch(t: torch.Tensor, max_bytes: int, mode: int | None = None) -> None:
     """Ask L2 to fetch the first min(max_bytes, t's bytes) of contiguous `t`; returns at once."""
-    assert t.is_contiguous(), "prefetch reads the tensor's bytes in storage order"
-    nbytes = min(max_bytes, t.numel() * t.element_size())
+    base, nbytes = _first_bytes(t, max_bytes)
     if mode is None:  # per line measured ahead of bulk on an H100 (bench/l2_prefetch.py, bench/RESULTS.md run 44)
         mode = MODE_LINE
     assert mode == MODE_LINE or torch.cuda.get_device_capability(t.device)[0] >= 9, "bulk prefetch needs sm_90"
@@ -121,6 +129,5 @@ def l2_prefetch(t: torch.Tensor, max_bytes: int, mode: int | None = None) -> Non
     n_units = nbytes // unit
     if n_units <= 0:
         return
-    base = t.view(-1).view(torch.uint8)
     grid = (triton.cdiv(n_units, _BLOCK),)
     _prefetch_kernel[grid](base, n_units, UNIT=unit, MODE=mode, BLOCK=_BLOCK, num_warps=_BLOCK // 32)

@@ -261,15 +261,15 @@ class ModelRunner:
 
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's forward (through the LoRA manager, which reads the staged row slots)."""
-        if self._link_l2_hints and not torch.cuda.is_current_stream_capturing():
+        link = self._link_l2_hints and not torch.cuda.is_current_stream_capturing()
+        with weight_prefetch.tracing() if link else contextlib.nullcontext() as trace:
+            hidden = (self.model(input_ids, positions) if self.lora is None
+                      else self.lora.forward(self.model, input_ids, positions))
+        if link:  # the first eager forward: its run order links the hints, once
             self._link_l2_hints = False
-            with weight_prefetch.tracing() as trace:
-                hidden = self._model_forward(input_ids, positions)
             linked = weight_prefetch.link_l2_hints(trace, Linear, weight_prefetch.prefetch_bytes(self.world_size))
             logger.info("L2 weight hints: %d all-reduce launches warm the next weight", linked)
-            return hidden
-        return (self.model(input_ids, positions) if self.lora is None
-                else self.lora.forward(self.model, input_ids, positions))
+        return hidden
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

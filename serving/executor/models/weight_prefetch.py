@@ -8,9 +8,9 @@ to its grid wait for the previous kernel like the rest, issue `prefetch.global.L
 bytes of the weight that the next GEMV reads, and exit while the exchange goes on (a hint changes
 no result). Measured (bench/RESULTS.md run 53, H100s, batch-1 decode): 70B TP=4 14.10 -> 13.91 ms
 (16 MiB), 8B TP=4 2.19 -> 2.18 (16 MiB), 8B TP=2 3.27 -> 3.23 (8 MiB; 16 MiB: 3.28 -> 3.33). Other
-carriers lost: a prefetch
-launched as its own kernel (side stream: runs 44, 46, 49) and the one-GPU RMSNorm / rotary launches
-(their grids then wait for the lines; 8B batch 1, 16 MiB: bf16 +6.5 %, GPTQ int4 +22 %, FP8 +9.6 %).
+carriers lost: a prefetch launched as its own kernel (side stream: runs 44, 46, 49) and the one-GPU
+RMSNorm / rotary launches (their grids then wait for the lines; 8B batch 1, 16 MiB: bf16 +6.5 %,
+GPTQ int4 +22 %, FP8 +9.6 %).
 
 How: the first eager forward of a tensor-parallel model on CUDA runs under `tracing()`: every
 linear layer and every norm that all-reduces notes itself (`note`) as it runs, so the trace is
