@@ -173,7 +173,10 @@ def _engine_modes(tp: int, custom_modes: tuple[str, ...], prefetch: tuple[str, .
                  "off": ("_nccl", {"disable_custom_all_reduce": True}),
                  # the custom all-reduce without the fused all-reduce + add + RMSNorm (its switch: an env var)
                  "unfused": ("_unfused", {"disable_custom_all_reduce": False,
-                                          "env": {"OPEN_LMI_FUSED_NORM_MAX_KB": "0"}})}
+                                          "env": {"OPEN_LMI_FUSED_NORM_MAX_KB": "0"}}),
+                 # fused, but the row-parallel GEMVs write their rows and the fused kernel pushes them
+                 "nopush": ("_nopush", {"disable_custom_all_reduce": False,
+                                        "env": {"OPEN_LMI_PUSH_PARTIALS": "0"}})}
         base = [modes[m] for m in custom_modes]
     out = []
     for pf in prefetch:
@@ -316,7 +319,7 @@ def main() -> None:
     ap.add_argument("--tp-agree", default="2", help="degrees (> 1) compared with TP=1 in the agree part")
     ap.add_argument("--agree-budgets", default="4096,48", help="token budgets of the agree part's engines")
     ap.add_argument("--custom-ar", default="on", help="on, off, unfused (custom all-reduce, not fused with the "
-                    "norm) or a list: TP > 1 engines with / without "
+                    "norm), nopush (fused, the GEMVs not pushing their rows) or a list: TP > 1 engines with / without "
                     "the custom all-reduce")
     ap.add_argument("--prefetch", default="on", help="on (the default), off or on,off: the L2 weight hints of "
                     "decode steps (OPEN_LMI_L2_PREFETCH_MB=16 or $BENCH_PREFETCH_MB for on, 0 for off; result "
@@ -329,8 +332,8 @@ def main() -> None:
     if not args.prefetch or set(args.prefetch) - {"on", "off"}:
         raise SystemExit(f"--prefetch takes on, off or both, got {args.prefetch!r}")
     args.custom_ar = tuple(m.strip() for m in args.custom_ar.split(","))
-    if not args.custom_ar or set(args.custom_ar) - {"on", "off", "unfused"}:
-        raise SystemExit(f"--custom-ar takes on, off, unfused or a list of them, got {args.custom_ar!r}")
+    if not args.custom_ar or set(args.custom_ar) - {"on", "off", "unfused", "nopush"}:
+        raise SystemExit(f"--custom-ar takes on, off, unfused, nopush or a list of them, got {args.custom_ar!r}")
     print(f"device: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}", flush=True)
     results = {}
     for part in args.parts.split(","):

@@ -277,11 +277,20 @@ def skinny_linear(
     scale: torch.Tensor | None = None,  # None (float weight) or fp32 scalar / [N] (FP8)
     bias: torch.Tensor | None = None,  # [N]
     gated: bool = False,  # N = [gate | up] (a SwiGLU MLP's): return silu(gate) * up [M, N / 2]
+    push: object = None,  # kernels.all_reduce_norm.PeerBuffers: push the rows to the fused all-reduce (`skinny_can_push`)
 ) -> torch.Tensor:
     """Decode-sized y = x @ (weight * scale).T + bias in one bandwidth-bound launch (ask `use_skinny` first);
-    `gated` writes the SwiGLU activation from the GEMV's epilogue where the picked kernel has one."""
+    `gated` writes the SwiGLU activation from the GEMV's epilogue where the picked kernel has one;
+    `push` sends a row-parallel partial's rows to the fused all-reduce's buffers (the result unwritten)."""
+    if push is not None:
+        return _mod("skinny_linear").skinny_linear(x, weight, scale, bias, gated=gated, push=push)
     impl = _mod("skinny_linear").skinny_linear if use_triton(x) else quant_reference.skinny_linear
     return impl(x, weight, scale, bias, gated=gated)
+
+
+def skinny_can_push(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_linear(x, weight, push=...)` can push (CUDA, Triton, a GEMV tiling for this shape)."""
+    return use_triton(x) and x.is_cuda and _mod("skinny_linear").can_push(x, weight)
 
 
 def use_skinny(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -316,7 +325,8 @@ _OPS = frozenset(
     ("fp8_linear", "gumbel_sample", "int4_kchunk_linear", "int4_linear", "repack_int4", "repack_int4_kchunk",
      "l2_hint", "l2_prefetch", "mixed_attention", "paged_decode_attention", "prefill_attention", "quant_linear",
      "quantize_fp8",
-     "rms_norm", "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "skinny_linear", "use_skinny", "write_kv_cache")
+     "rms_norm", "rotary_and_write_kv", "rotary_embedding", "silu_and_mul", "skinny_can_push", "skinny_linear", "use_skinny",
+     "write_kv_cache")
 )
 
 
@@ -357,6 +367,7 @@ __all__ = [
     "rotary_and_write_kv",
     "rotary_embedding",
     "silu_and_mul",
+    "skinny_can_push",
     "skinny_linear",
     "use_skinny",
     "use_triton",

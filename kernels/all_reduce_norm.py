@@ -27,6 +27,12 @@ return), added to the residual and rounded (the new residual), and normed as `ke
 does. Without a residual (the first layer's input) the sum itself becomes the residual. The
 reference: `reference.all_reduce_rms_norm` over every rank's partials.
 
+A row-parallel GEMV may push its output rows itself, from its epilogue, as each tile is done
+(`push_partial`; `kernels/fp8_gemv.py` with `push=`): the launch after it then runs with
+`pushed=True` and only resets, receives and norms. The pushed bits are the ones this kernel would
+push (the GEMV's output rounded to the dtype, -0.0 as +0.0), so the result is bitwise the same; the
+exchange starts while the GEMV's last tiles still run instead of after its launch ended.
+
 With an `L2Hint` (`prefetch`, decode-sized calls) the grid has extra rows of programs past the
 data's: they wait for the previous kernel, prefetch their share of the next weight's first bytes
 into L2 while the exchange goes on, and exit; they take no part in the exchange or the state, and
@@ -90,6 +96,22 @@ class PeerBuffers:
 
 
 @triton.jit
+def push_partial(values, offs, mask, phase, peers_ptr, rank, slot_elems, W: tl.constexpr):
+    # Store `values` (the data dtype) at element offsets `offs` (row * N + column) of this rank's slot
+    # of phase `phase` in every rank's receive buffer, its own included, as raw bits; -0.0 goes as
+    # +0.0 (the same number), so no element sent is ever the sentinel.
+    BITS: tl.constexpr = values.dtype.primitive_bitwidth
+    INT: tl.constexpr = tl.int16 if BITS == 16 else tl.int32
+    SENTINEL: tl.constexpr = -(1 << (BITS - 1))
+    bits = values.to(INT, bitcast=True)
+    bits = tl.where(bits == SENTINEL, tl.zeros_like(bits), bits)
+    at = (phase * W + rank) * slot_elems + offs
+    for p in tl.static_range(W):
+        peer = tl.load(peers_ptr + p).to(tl.pointer_type(INT))
+        tl.store(peer + at, bits, mask=mask)
+
+
+@triton.jit
 def _all_reduce_rms_norm_kernel(
     x_ptr,  # [T, N] this rank's partial sums
     residual_ptr,  # [T, N] (only read with HAS_RESIDUAL)
@@ -113,6 +135,7 @@ def _all_reduce_rms_norm_kernel(
     POLL_2D: tl.constexpr,  # poll every slot at once ([W, BLOCK] in registers) rather than one by one
     HAS_RESIDUAL: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    PUSHED: tl.constexpr,  # the GEMV that made x pushed it already (`push_partial`): x is not read
     hint_ptr,  # uint8: the next weight's bytes (only with HINT)
     hint_lines,
     HINT: tl.constexpr,  # program rows past num_rows warm L2 with the next weight (kernels/l2_prefetch.py)
@@ -131,7 +154,7 @@ def _all_reduce_rms_norm_kernel(
     if row < num_rows:
         _reduce_norm_share(x_ptr, residual_ptr, out_ptr, residual_out_ptr, peers_ptr, state_ptr, mine, w_row, row,
                            part, rank, num_rows, stride_x, stride_r, slot_elems, eps, N, BLOCK, CHUNK, W, INT,
-                           SENTINEL, POLL_2D, HAS_RESIDUAL, UNIT_OFFSET)
+                           SENTINEL, POLL_2D, HAS_RESIDUAL, UNIT_OFFSET, PUSHED)
     elif HINT:
         # the exchange barely touches HBM: the next weight's first bytes arrive meanwhile
         C: tl.constexpr = BLOCK // CHUNK
@@ -143,8 +166,10 @@ def _all_reduce_rms_norm_kernel(
 def _reduce_norm_share(x_ptr, residual_ptr, out_ptr, residual_out_ptr, peers_ptr, state_ptr, mine, w_row, row, part,
                        rank, num_rows, stride_x, stride_r, slot_elems, eps, N: tl.constexpr, BLOCK: tl.constexpr,
                        CHUNK: tl.constexpr, W: tl.constexpr, INT: tl.constexpr, SENTINEL: tl.constexpr,
-                       POLL_2D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
-    # Program (row, part): reset, push, receive, sum and norm its share of the row (module docstring).
+                       POLL_2D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                       PUSHED: tl.constexpr):
+    # Program (row, part): reset, push (unless PUSHED), receive, sum and norm its share of the row
+    # (module docstring).
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     C: tl.constexpr = BLOCK // CHUNK
     offs = tl.arange(0, BLOCK)
@@ -159,12 +184,9 @@ def _reduce_norm_share(x_ptr, residual_ptr, out_ptr, residual_out_ptr, peers_ptr
     for r in range(row, prev_rows, num_rows):
         for s in tl.static_range(W):
             tl.store(reset + s * slot_elems + r * N + cols, csent, mask=cmask)
-    # Push this share of the row into this rank's slot of every rank's buffer (its own included).
-    bits = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cmask, other=0.0).to(INT, bitcast=True)
-    bits = tl.where(bits == csent, tl.zeros_like(bits), bits)  # -0.0 goes as +0.0: never the sentinel
-    for p in tl.static_range(W):
-        peer = tl.load(peers_ptr + p).to(tl.pointer_type(INT))
-        tl.store(peer + (phase * W + rank) * slot_elems + row * N + cols, bits, mask=cmask)
+    if not PUSHED:  # push this share of the row into this rank's slot of every rank's buffer
+        part_x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cmask, other=0.0)
+        push_partial(part_x, row * N + cols, cmask, phase, peers_ptr, rank, slot_elems, W)
     # Meanwhile: what the norm needs besides the sum.
     if HAS_RESIDUAL:
         r_row = tl.load(residual_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -223,6 +245,7 @@ def all_reduce_rms_norm(
     unit_offset: bool,
     peers: PeerBuffers,
     prefetch: L2Hint | None = None,  # the next weight: warmed in L2 by added programs (decode-sized calls)
+    pushed: bool = False,  # the GEMV that made x pushed its rows already (`push_partial`): x is not read
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new residual) of sum-over-ranks(x) (+ residual); every rank of the group must call
     it with the same shapes, in the same order. `x` must fit one slot (`peers.fits`)."""
@@ -248,7 +271,7 @@ def all_reduce_rms_norm(
         peers.slot_bytes // x.element_size(), eps,
         N=hidden, BLOCK=block, CHUNK=block // c, W=peers.world_size, INT=tl.int16 if bits == 16 else tl.int32,
         SENTINEL=-(1 << (bits - 1)), POLL_2D=peers.world_size * block <= 32768, HAS_RESIDUAL=residual is not None,
-        UNIT_OFFSET=unit_offset, hint_ptr=hint_ptr, hint_lines=hint_lines, **hint,
+        UNIT_OFFSET=unit_offset, PUSHED=pushed, hint_ptr=hint_ptr, hint_lines=hint_lines, **hint,
         num_warps=min(16, max(4, block // 256)), **pdl,
     )
     return out, residual_out

@@ -27,7 +27,9 @@ copy bandwidth. This one is built only for the byte stream of an FP8 weight:
   to fp16 (clamped to +-65504), tensor cores through `tl.dot` with x padded to 16 rows (M <= 16);
 - K split across programs when N / BLOCK_N cannot fill the GPU, finished deterministically by
   `kernels.int4_common.finish_tile` (fp32 workspace, self-resetting counters; graph-capturable).
-The per-channel scale multiplies the fp32 sums once, before the bias.
+The per-channel scale multiplies the fp32 sums once, before the bias. With `push` (a row-parallel
+partial under tensor parallelism) the epilogue stores the rows into the fused all-reduce's buffers
+instead of the output (`kernels/all_reduce_norm.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.all_reduce_norm import PeerBuffers
 from kernels.int4_common import finish_gemv_tile, gemv_rows, stack_rows
 from kernels.int4_matmul import _num_sms, gated_workspace, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
@@ -209,7 +212,8 @@ def _fp8_gemv_kernel(
     w_ptr,  # [N, K / 4] int32: the float8e4nv weight's bytes, four a word
     scale_ptr,  # [N] fp32 (stride 0: one per tensor)
     bias_ptr, out_ptr, partial_ptr, counter_ptr,  # as kernels/int4_common.finish_tile's
-    M, N, K, iters_per_split, split_k, stride_xm, stride_wn, stride_scale, stride_om,
+    push_ptr, push_state,  # with PUSH_W: the fused all-reduce's buffers (int64 [W]) and state (int32 [3])
+    M, N, K, iters_per_split, split_k, stride_xm, stride_wn, stride_scale, stride_om, push_rank, slot_elems,
     HAS_BIAS: tl.constexpr,
     USE_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % (BLOCK_K * UNROLL) == 0: no K masks
@@ -222,6 +226,7 @@ def _fp8_gemv_kernel(
     ASM_CVT: tl.constexpr,  # convert with `e4m3_to_f32` / `e4m3_to_f16` (GPU only) instead of Triton's cast
     EPW: tl.constexpr,  # weights a word: 4 (e4m3, scaled) or 2 (bf16, no scale; FMA modes only)
     GATED: tl.constexpr,  # W is [gate | up] (N = 2 I rows): write silu(gate) * up [M, I] (`finish_gated_tile`)
+    PUSH_W: tl.constexpr,  # > 0: push the rows to the W ranks' all-reduce buffers instead of out (`push_partial`)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     release_dependents(PDL)
@@ -321,7 +326,8 @@ def _fp8_gemv_kernel(
         scale = tl.load(scale_ptr + tl.minimum(offs_n, N - 1) * stride_scale)
         y = y * scale[None, :]
     finish_gemv_tile(y, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
-                     partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, GATED, BLOCK_N)
+                     partial_ptr, counter_ptr, stride_om, push_ptr, push_state, push_rank, slot_elems, HAS_BIAS,
+                     USE_SPLIT, GATED, BLOCK_N, PUSH_W)
 
 
 def block_m_for(M: int, mode: int) -> int:
@@ -354,11 +360,14 @@ def word_aligned(weight: torch.Tensor) -> bool:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-             config: GemvConfig, gated: bool = False) -> torch.Tensor:
+             config: GemvConfig, gated: bool = False, push: PeerBuffers | None = None) -> torch.Tensor:
     """y = x @ (weight * scale).T + bias with an explicit tiling (the picker in `kernels/skinny_linear.py`
     or the sweep chooses it). A bf16 weight (two a word, `scale` None) runs the FMA modes only.
     `gated`: the weight is a packed [gate | up] of 2 I rows and the result silu(gate) * up `[M, I]`
-    (each program's rows are half gate, half up; the tiling is the one N = 2 I would take)."""
+    (each program's rows are half gate, half up; the tiling is the one N = 2 I would take).
+    `push`: y is a row-parallel partial sum that the next launch, `kernels.all_reduce_norm`'s with
+    `pushed=True`, sums over the ranks: each tile's rows go straight into every rank's receive
+    buffer from the epilogue (`push_partial`), and the returned tensor is left unwritten."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     M, K = x.shape
@@ -383,6 +392,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     if gated and (N % 2 or config.block_n % 2):
         raise ValueError(f"fp8_gemv: a gated weight needs an even row count and tile, got N = {N}, {config.short()}")
     out = torch.empty((M, N // 2 if gated else N), device=x.device, dtype=x.dtype)
+    if push is not None and (gated or not push.fits(out)):
+        raise ValueError(f"fp8_gemv: cannot push {'a gated' if gated else 'this'} output {tuple(out.shape)} "
+                         f"{out.dtype} into the all-reduce's slots ({push.slot_bytes} bytes of {push.dtype})")
     if N == 0:
         return out
     split = config.split_k
@@ -397,11 +409,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     epw = 4 if fp8 else 2
     _fp8_gemv_kernel[(tiles, split)](
         x, weight.view(torch.int32), scale.reshape(-1) if fp8 else out, bias if bias is not None else out, out,
-        partial, counters, M, N, K, iters_per_split, split, x.stride(0), weight.stride(0) // epw,
-        1 if fp8 and scale.numel() > 1 else 0, out.stride(0),
+        partial, counters, push.peer_ptrs if push else out, push.state if push else counters,
+        M, N, K, iters_per_split, split, x.stride(0), weight.stride(0) // epw,
+        1 if fp8 and scale.numel() > 1 else 0, out.stride(0), push.rank if push else 0,
+        push.slot_bytes // out.element_size() if push else 0,
         HAS_BIAS=bias is not None, USE_SPLIT=split > 1, EVEN_K=K % step == 0, MODE=config.mode,
         STAGES=config.stages, UNROLL=config.unroll, BLOCK_M=block_m_for(M, config.mode), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, ASM_CVT=bool(config.cvt) and x.is_cuda, EPW=epw, GATED=gated,
+        PUSH_W=push.world_size if push else 0,
         num_warps=config.num_warps,
         num_stages=config.stages, **pdl,
     )

@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.all_reduce_norm import push_partial
+
 
 @triton.jit
 def unit_float(words, J: tl.constexpr, BITS: tl.constexpr):
@@ -146,13 +148,29 @@ def _sum_partials(acc, partial_ptr, part_offs, part_mask, split_k, split_elems):
 
 
 @triton.jit
-def finish_tile(
+def _store_final(total, offs_m, offs_n, out_mask, N, out_ptr, stride_om, push_ptr, push_state, push_rank, slot_elems,
+                 PUSH_W: tl.constexpr):
+    # A tile's final fp32 rows, rounded to the output dtype: stored to out, or with PUSH_W (the group's
+    # size) pushed into every rank's receive buffer for the fused all-reduce that follows
+    # (`kernels.all_reduce_norm.push_partial`; out is then not written).
+    y = total.to(out_ptr.dtype.element_ty)
+    if PUSH_W > 0:
+        phase = tl.load(push_state)  # the all-reduce's phase: set by its previous launch, long done
+        push_partial(y, offs_m[:, None] * N + offs_n[None, :], out_mask, phase, push_ptr, push_rank, slot_elems,
+                     PUSH_W)
+    else:
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], y, mask=out_mask)
+
+
+@triton.jit
+def _finish(
     acc, offs_m, offs_n, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr,
-    counter_ptr, stride_om, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
+    counter_ptr, stride_om, push_ptr, push_state, push_rank, slot_elems, HAS_BIAS: tl.constexpr,
+    USE_SPLIT: tl.constexpr, PUSH_W: tl.constexpr,
 ):
-    # acc [BM, BN] fp32 -> out (+ bias). With split-K: store this split's partial; the last split
-    # of the tile (per-tile counter) sums all partials in split order and resets the counter.
-    out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    # acc [BM, BN] fp32 -> out (+ bias), or pushed (`_store_final`). With split-K: store this split's
+    # partial; the last split of the tile (per-tile counter) sums all partials in split order and
+    # resets the counter.
     out_mask = mask_m[:, None] & mask_n[None, :]
     if USE_SPLIT:
         part_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -161,12 +179,25 @@ def finish_tile(
             total = _sum_partials(acc, partial_ptr, part_offs, out_mask, split_k, M * N)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _store_final(total, offs_m, offs_n, out_mask, N, out_ptr, stride_om, push_ptr, push_state, push_rank,
+                         slot_elems, PUSH_W)
             tl.store(counter_ptr + tile, 0)  # ready for the next launch
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _store_final(acc, offs_m, offs_n, out_mask, N, out_ptr, stride_om, push_ptr, push_state, push_rank,
+                     slot_elems, PUSH_W)
+
+
+@triton.jit
+def finish_tile(
+    acc, offs_m, offs_n, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr,
+    counter_ptr, stride_om, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
+):
+    # acc [BM, BN] fp32 -> out (+ bias). With split-K: store this split's partial; the last split
+    # of the tile (per-tile counter) sums all partials in split order and resets the counter.
+    _finish(acc, offs_m, offs_n, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr,
+            counter_ptr, stride_om, out_ptr, counter_ptr, 0, 0, HAS_BIAS, USE_SPLIT, 0)
 
 
 @triton.jit
@@ -191,16 +222,19 @@ def gemv_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 @triton.jit
 def finish_gemv_tile(
     acc, offs_m, rows, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-    stride_om, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_om, push_ptr, push_state, push_rank, slot_elems, HAS_BIAS: tl.constexpr, USE_SPLIT: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr, PUSH_W: tl.constexpr,
 ):
     # A GEMV's epilogue over the `gemv_rows` of its program: `finish_gated_tile` (silu(gate) * up of
-    # the N / 2 output columns) with GATED, else `finish_tile`.
+    # the N / 2 output columns) with GATED, else `finish_tile`'s, the rows pushed to the fused
+    # all-reduce's buffers with PUSH_W (`_store_final`; push_* unused without).
     if GATED:
+        tl.static_assert(PUSH_W == 0, "a gated GEMV's rows are not a row-parallel partial")
         finish_gated_tile(acc, offs_m, rows, mask_m, mask_n, split, split_k, tile, M, N // 2, bias_ptr, out_ptr,
                           partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, BLOCK_N)
     else:
-        finish_tile(acc, offs_m, rows, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr,
-                    counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
+        _finish(acc, offs_m, rows, mask_m, mask_n, split, split_k, tile, M, N, bias_ptr, out_ptr, partial_ptr,
+                counter_ptr, stride_om, push_ptr, push_state, push_rank, slot_elems, HAS_BIAS, USE_SPLIT, PUSH_W)
 
 
 @triton.jit

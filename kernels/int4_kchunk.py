@@ -209,7 +209,8 @@ def _kchunk_gemv_kernel(
             acc3 = _apply_group(acc3, d3l, d3h, s3l, s3h, s, z, LO_UNIT, REDUCE_EACH)
     acc, offs_m = stack_rows(acc0, acc1, acc2, acc3, ROWS)
     finish_gemv_tile(acc, offs_m, offs_n, offs_m < M, mask_n, split, split_k, pid_n, M, N, bias_ptr, out_ptr,
-                     partial_ptr, counter_ptr, stride_om, HAS_BIAS, USE_SPLIT, GATED, BLOCK_N)
+                     partial_ptr, counter_ptr, stride_om, out_ptr, counter_ptr, 0, 0, HAS_BIAS, USE_SPLIT, GATED,
+                     BLOCK_N, 0)
 
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])

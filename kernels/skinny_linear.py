@@ -41,6 +41,7 @@ import triton.language as tl
 
 from kernels import fp8_gemv
 from kernels.activation import silu_and_mul
+from kernels.all_reduce_norm import PeerBuffers
 from kernels.fp8_gemv import GemvConfig
 from kernels.int4_common import finish_tile
 from kernels.int4_matmul import _num_sms, split_k_workspace
@@ -324,13 +325,24 @@ def cublas_wins(M: int, N: int, K: int, itemsize: int) -> bool:
 
 # ---- launcher -------------------------------------------------------------------------------------
 
+def can_push(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_linear(x, weight, push=...)` can push its rows to the fused all-reduce: the
+    call runs `kernels/fp8_gemv.py` (whose epilogue pushes), not the tiled kernel."""
+    M, K = x.shape
+    return (use_skinny(M, weight.shape[0], K, weight.dtype, x.device) and fp8_gemv.word_aligned(weight)
+            and isinstance(pick_skinny_config(M, weight.shape[0], K, weight.dtype, _num_sms(x.device.index or 0)),
+                           GemvConfig))
+
+
 def skinny_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None = None,
-    config: SkinnyConfig | GemvConfig | None = None, gated: bool = False,
+    config: SkinnyConfig | GemvConfig | None = None, gated: bool = False, push: PeerBuffers | None = None,
 ) -> torch.Tensor:
     """`skinny_linear` with an explicit tiling (tests and the sweep pass their own); a `GemvConfig`
     runs `kernels/fp8_gemv.py` (FP8 and bf16 weights). `gated`: the weight is a packed [gate | up]
-    and the result silu(gate) * up, from the GEMV's epilogue (else through `kernels/activation.py`)."""
+    and the result silu(gate) * up, from the GEMV's epilogue (else through `kernels/activation.py`).
+    `push`: the rows go to the fused all-reduce's buffers, not to the output (`fp8_gemv`'s `push`;
+    a `GemvConfig` only: `can_push`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     M, K = x.shape
@@ -357,7 +369,9 @@ def skinny_linear_impl(
             mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight.element_size(), 2))]
             config = config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
     if isinstance(config, GemvConfig):
-        return fp8_gemv.fp8_gemv(x, weight, scale, bias, config, gated=gated)
+        return fp8_gemv.fp8_gemv(x, weight, scale, bias, config, gated=gated, push=push)
+    if push is not None:
+        raise ValueError(f"skinny_linear: the tiled kernel ({config.short()}) cannot push its rows; see can_push")
     if gated:
         return silu_and_mul(skinny_linear_impl(x, weight, scale, bias, config))
     assert config.sub == 1 or (config.mode != MODE_DOT and config.num_stages > 1 and config.block_k % config.sub == 0)
@@ -382,8 +396,8 @@ def skinny_linear_impl(
 
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-    gated: bool = False,
+    gated: bool = False, push: PeerBuffers | None = None,
 ) -> torch.Tensor:
     """y = x @ (weight * scale).T + bias for M <= 16 rows, one launch (tiling from `pick_skinny_config`);
-    `gated`: silu(gate) * up of a packed [gate | up] weight."""
-    return skinny_linear_impl(x, weight, scale, bias, gated=gated)
+    `gated`: silu(gate) * up of a packed [gate | up] weight; `push`: see `skinny_linear_impl`."""
+    return skinny_linear_impl(x, weight, scale, bias, gated=gated, push=push)

@@ -27,7 +27,10 @@ peer-to-peer kernels run.
 Where the model follows an all-reduce with the residual add and RMSNorm (Llama-style layers),
 `enable_fused_norm` (a collective, once the model's dtype is known) sets up a second buffer for
 `kernels/all_reduce_norm.py`: one launch that exchanges the partial rows without a barrier and
-norms them; `fused_rms_norm` runs it for messages up to `OPEN_LMI_FUSED_NORM_MAX_KB`.
+norms them; `fused_rms_norm` runs it for messages up to `OPEN_LMI_FUSED_NORM_MAX_KB`. A row-parallel GEMV
+whose output that call sums may push its rows into the kernel's buffers itself (`push_target`,
+`note_pushed`; `OPEN_LMI_PUSH_PARTIALS=0` turns it off): the exchange then starts from the GEMV's
+epilogue, tile by tile.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ DISABLE_ENV = "OPEN_LMI_DISABLE_CUSTOM_ALL_REDUCE"
 ONE_SHOT_ENV, TWO_SHOT_ENV = "OPEN_LMI_ONE_SHOT_MAX_KB", "OPEN_LMI_TWO_SHOT_MAX_KB"
 # The fused all-reduce + residual add + RMSNorm's largest message per rank, KiB (0: off).
 FUSED_NORM_ENV = "OPEN_LMI_FUSED_NORM_MAX_KB"
+# "0" stops row-parallel GEMVs from pushing their rows to the fused kernel themselves (`push_target`)
+PUSH_ENV = "OPEN_LMI_PUSH_PARTIALS"
 # Its default: decode batches up to 32 rows of a 4096-wide model, 16 of an 8192-wide one. Every rank
 # reads W x the message, as in the one-shot kernel.
 _FUSED_NORM_MAX = 256 << 10
@@ -166,6 +171,10 @@ class CustomAllReduce:
         # per dtype enabled (enable_fused_norm): the receive buffer, its handle, the kernel's PeerBuffers
         self._fused: dict[torch.dtype, tuple[torch.Tensor, object, object]] = {}
         self._fused_kernel = None  # kernels.all_reduce_norm.all_reduce_rms_norm, set by enable_fused_norm
+        # GEMVs push row-parallel partials into the fused kernel's buffers (`push_target`); the
+        # pushed tensor (pointer, shape, dtype) until the fused call that sums it
+        self.push_partials = os.environ.get(PUSH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        self._pushed: tuple[int, tuple[int, ...], torch.dtype] | None = None
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device,
@@ -234,6 +243,7 @@ class CustomAllReduce:
 
     def run(self, t: torch.Tensor, path: str) -> torch.Tensor:
         """Sum `t` over the group in place along `path` (ONE_SHOT or TWO_SHOT); returns `t`."""
+        assert self._pushed is None, "a pushed partial must be summed by the fused kernel, not this one"
         nbytes = t.numel() * t.element_size()
         if (nbytes > self._buffer.numel() or nbytes % _ALIGN or t.storage_offset() * t.element_size() % _ALIGN
                 or t.dtype not in _DTYPES or not t.is_contiguous()):
@@ -304,7 +314,8 @@ class CustomAllReduce:
             logger.warning("fused all-reduce + RMSNorm off: setting it up failed (%s)", error or "on another rank")
             self._fused.pop(dtype, None)
             return False
-        logger.info("fused all-reduce + RMSNorm on: messages up to %d KiB (%s)", slot >> 10, dtype)
+        logger.info("fused all-reduce + RMSNorm on: messages up to %d KiB (%s); row-parallel GEMVs push their rows: %s",
+                    slot >> 10, dtype, "on" if self.push_partials else f"off ({PUSH_ENV})")
         return True
 
     def _fused_self_test(self, dtype: torch.dtype) -> None:
@@ -326,14 +337,40 @@ class CustomAllReduce:
         where the fused kernel does not take `x` (off, too large, another dtype, not row-contiguous):
         the same answer on every rank, which then all-reduce and norm separately. `prefetch`: an
         L2 hint for the next weight (`kernels.l2_hint`), warmed while the ranks exchange."""
+        pushed = self._pushed is not None
+        if pushed:  # the GEMV that made x sent its rows already: this call must be the one they were for
+            assert self._pushed == (x.data_ptr(), tuple(x.shape), x.dtype), (self._pushed, x.data_ptr(), x.shape)
+            self._pushed = None
         if not self.fused_takes(x):
+            assert not pushed, "a pushed partial must be summed by the fused kernel"
             return None
-        return self._fused_kernel(x, weight, eps, residual, unit_offset, self._fused[x.dtype][2], prefetch)
+        return self._fused_kernel(x, weight, eps, residual, unit_offset, self._fused[x.dtype][2], prefetch,
+                                  pushed=pushed)
 
     def fused_takes(self, x: torch.Tensor) -> bool:
         """Whether `fused_rms_norm` runs the fused kernel for `x` (the same on every rank)."""
         entry = self._fused.get(x.dtype)
         return entry is not None and x.dim() == 2 and x.stride(1) == 1 and entry[2].fits(x)
+
+    def push_target(self, rows: int, hidden: int, dtype: torch.dtype) -> object | None:
+        """The fused kernel's `PeerBuffers` when a row-parallel GEMV may push its [rows, hidden] output
+        straight into them (`kernels.all_reduce_norm.push_partial`), for `fused_rms_norm` to sum
+        next; None where that call would not run the fused kernel, or pushing is off."""
+        entry = self._fused.get(dtype)
+        if entry is None or not self.push_partials or self._pushed is not None:
+            return None
+        peers = entry[2]
+        fits = rows * hidden * dtype.itemsize <= peers.slot_bytes and rows <= peers.max_programs
+        return peers if fits and rows > 0 else None
+
+    def pushed_pending(self) -> tuple[int, tuple[int, ...], torch.dtype] | None:
+        """The pushed partial not yet summed (pointer, shape, dtype), or None."""
+        return self._pushed
+
+    def note_pushed(self, x: torch.Tensor) -> None:
+        """`x`'s rows were pushed by the GEMV that made it: the next `fused_rms_norm` must be of `x`."""
+        assert self._pushed is None, "a pushed partial was never summed"
+        self._pushed = (x.data_ptr(), tuple(x.shape), x.dtype)
 
     def close(self) -> None:
         """Drop the buffers and their handles (the caching pool frees the memory with the group)."""

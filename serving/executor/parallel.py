@@ -144,6 +144,7 @@ def _close_custom() -> None:
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
     """Sum `t` over the tensor-parallel ranks, in place; returns `t` (untouched on one rank)."""
     if _shard.world_size > 1:
+        assert _custom is None or _custom.pushed_pending() is None, "a pushed partial awaits the fused all-reduce"
         path = _custom.policy.path(t) if _custom is not None else None
         if path is not None:
             _custom.run(t, path)
@@ -174,6 +175,21 @@ def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, resid
     if residual is None:
         return kernels.rms_norm(x, weight, eps, None, unit_offset), x
     return kernels.rms_norm(x, weight, eps, residual, unit_offset)
+
+
+def push_target(rows: int, hidden: int, dtype: torch.dtype) -> object | None:
+    """Where a row-parallel GEMV may push its [rows, hidden] partial for the `all_reduce_rms_norm`
+    that sums it next (`kernels.all_reduce_norm.PeerBuffers`), or None: then it writes its output
+    as usual. A GEMV that pushes says so with `note_pushed(out)`."""
+    if _shard.world_size > 1 and _custom is not None:
+        return _custom.push_target(rows, hidden, dtype)
+    return None
+
+
+def note_pushed(out: torch.Tensor) -> None:
+    """`out`'s rows were pushed (`push_target`): the next `all_reduce_rms_norm` must be of `out`."""
+    assert _custom is not None
+    _custom.note_pushed(out)
 
 
 def all_reduce_rms_norm_path(x: torch.Tensor) -> str:

@@ -124,3 +124,72 @@ def fused_norm_worker(rank: int, world_size: int, init_file: str, cases: list[tu
         torch.save(out, Path(out_dir) / f"fused{rank}.pt")
     finally:
         parallel.destroy_tensor_parallel()
+
+
+def pushed_partial_worker(rank: int, world_size: int, init_file: str, cases: list[tuple[int, int, int]],
+                          out_dir: str) -> None:
+    """One rank: for each (rows, hidden, in_features), a bf16 `RowParallelLinear` then the fused
+    all-reduce + add + norm (`RMSNorm.add_and_norm`), the partial made by `partial(x, push=True)` (the
+    GEMV pushes its rows) and by `partial(x)` (the fused kernel pushes them), three eager calls of
+    each interleaved, then two such layers captured in one CUDA graph (pushed) replayed three times
+    beside the same two run eagerly unpushed; save `pushed{r}.pt` = {"pushed": [...], "plain": [...],
+    "graphed": [(replays, eager)], "can_push": [...]}."""
+    from kernels import skinny_can_push
+    from serving.executor.models.linear import RowParallelLinear
+    from serving.executor.models.norm import RMSNorm
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    parallel.init_tensor_parallel(rank, world_size, f"file://{init_file}", "nccl", device=device)
+    dtype = torch.bfloat16
+    try:
+        assert parallel.enable_fused_norm(dtype)
+        out: dict[str, list] = {"pushed": [], "plain": [], "graphed": [], "can_push": []}
+        for rows, hidden, in_features in cases:
+            gen = torch.Generator().manual_seed(rows * 7 + hidden + in_features)
+            full_w = (torch.randn(hidden, in_features, generator=gen) / in_features**0.5).to(dtype)
+            lin = RowParallelLinear(in_features, hidden, bias=False, shard=parallel.tp_shard()).to(device)
+            start, size = parallel.tp_shard().split(in_features)
+            lin.weight.data.copy_(full_w[:, start:start + size].to(device))
+            norm = RMSNorm(hidden, 1e-5).to(device)
+            norm.weight.data.copy_((1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device))
+            xs = [torch.randn(rows, in_features, generator=gen).to(dtype).to(device) for _ in range(3)]
+            residual = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+            local = [x[:, start:start + size].contiguous() for x in xs]
+            out["can_push"].append(skinny_can_push(local[0], lin.weight))
+
+            def layer(x: torch.Tensor, res: torch.Tensor, push: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                return norm.add_and_norm(lin.partial(x, push=push), res, reduce=True)
+
+            pushed, plain = [], []
+            for x in local:
+                pushed.append(tuple(t.cpu() for t in layer(x, residual, True)))
+                plain.append(tuple(t.cpu() for t in layer(x, residual, False)))
+            out["pushed"].append(pushed)
+            out["plain"].append(plain)
+            static_x = local[0].clone()
+
+            def two_layers(push: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                _, res = layer(static_x, residual, push)
+                return layer(static_x, res, push)  # the second call's residual: the first's sum
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture
+                two_layers(True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = two_layers(True)
+            replays, eager = [], []
+            for x in local:
+                static_x.copy_(x)
+                graph.replay()
+                torch.cuda.synchronize()
+                replays.append(tuple(t.cpu().clone() for t in static_out))
+                eager.append(tuple(t.cpu() for t in two_layers(False)))
+            out["graphed"].append((replays, eager))
+        torch.save(out, Path(out_dir) / f"pushed{rank}.pt")
+    finally:
+        parallel.destroy_tensor_parallel()

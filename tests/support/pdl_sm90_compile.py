@@ -5,6 +5,7 @@ it reads the PTX in program order and checks the contract `kernels/pdl.py` state
 - `griddepcontrol.launch_dependents` and `griddepcontrol.wait` are both there, the release first;
 - nothing is stored (`st.global`, atomics) before the wait;
 - kernels with a weight prologue still issue their weight loads before the wait (the overlap is kept);
+- a GEMV that pushes its rows to the fused all-reduce stores nothing to its peers before the wait;
 - the kernel that carries an L2 hint (`kernels/l2_prefetch.py`), compiled with it, issues its
   `prefetch.global.L2` instructions only after a wait (never competing with the kernel before).
 Prints `ok <kernel> loads_before_wait=<n>` or `FAIL <kernel> <error>` per kernel; exit status 1 if any failed.
@@ -46,7 +47,13 @@ CASES = [
       "eps": "fp32"}, 16, 1, True),
     ("all_reduce_rms_norm", _all_reduce_rms_norm_kernel,
      dict(N=4096, BLOCK=4096, CHUNK=1024, W=2, INT=tl.int16, SENTINEL=-(1 << 15), POLL_2D=True, HAS_RESIDUAL=True,
-          UNIT_OFFSET=False, HINT=False, HINT_ASM=False),
+          UNIT_OFFSET=False, PUSHED=False, HINT=False, HINT_ASM=False),
+     {"x_ptr": _BF16, "residual_ptr": _BF16, "weight_ptr": _BF16, "out_ptr": _BF16, "residual_out_ptr": _BF16,
+      "peers_ptr": "*i64", "state_ptr": "*i32", "eps": "fp32"}, 16, 1, True),
+    # after a GEMV that pushed its rows (kernels/fp8_gemv.py `push`): no push of its own
+    ("all_reduce_rms_norm+pushed", _all_reduce_rms_norm_kernel,
+     dict(N=4096, BLOCK=4096, CHUNK=1024, W=4, INT=tl.int16, SENTINEL=-(1 << 15), POLL_2D=True, HAS_RESIDUAL=True,
+          UNIT_OFFSET=False, PUSHED=True, HINT=False, HINT_ASM=False),
      {"x_ptr": _BF16, "residual_ptr": _BF16, "weight_ptr": _BF16, "out_ptr": _BF16, "residual_out_ptr": _BF16,
       "peers_ptr": "*i64", "state_ptr": "*i32", "eps": "fp32"}, 16, 1, True),
     ("silu_and_mul", _silu_and_mul_kernel, dict(D=14336, BLOCK=1024), {"x_ptr": _BF16, "out_ptr": _BF16}, 4, 1,
@@ -69,8 +76,13 @@ CASES = [
       "partial_ptr": "*fp32", "counter_ptr": "*i32"}, 4, 1, True),
     ("fp8_gemv", _fp8_gemv_kernel,
      dict(HAS_BIAS=False, USE_SPLIT=True, EVEN_K=True, MODE=MODE_ACC, STAGES=1, UNROLL=2, BLOCK_M=1, BLOCK_N=16,
-          BLOCK_K=512, ASM_CVT=True, EPW=4),
-     dict(_GEMM_PTRS, w_ptr="*i32"), 4, 1, True),
+          BLOCK_K=512, ASM_CVT=True, EPW=4, GATED=False, PUSH_W=0),
+     dict(_GEMM_PTRS, w_ptr="*i32", push_ptr="*i64", push_state="*i32"), 4, 1, True),
+    # a bf16 row-parallel partial pushed to 4 ranks from the epilogue (the phase read after the wait)
+    ("fp8_gemv+push", _fp8_gemv_kernel,
+     dict(HAS_BIAS=False, USE_SPLIT=False, EVEN_K=True, MODE=MODE_ACC, STAGES=1, UNROLL=1, BLOCK_M=1, BLOCK_N=8,
+          BLOCK_K=512, ASM_CVT=True, EPW=2, GATED=False, PUSH_W=4),
+     dict(_GEMM_PTRS, w_ptr="*i32", push_ptr="*i64", push_state="*i32"), 4, 1, True),
     ("skinny_fma", _skinny_kernel,
      dict(HAS_SCALE=False, HAS_BIAS=False, USE_SPLIT=True, EVEN_K=True, MODE=MODE_FMA, STAGES=1, SUB=1, BLOCK_M=1,
           BLOCK_N=16, BLOCK_K=256, DOT_PRECISION="tf32"),

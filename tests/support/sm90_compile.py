@@ -86,11 +86,14 @@ def compile_sm90(m: int, fp8: bool, cfg, split: bool, even_k: bool = True) -> in
     return resources(kernel)[0]
 
 
-def _compile_gemv(m: int, cfg: GemvConfig, split: bool, even_k: bool, epw: int) -> int:
-    # kernels/fp8_gemv.py's kernel, with the inline-asm conversions the GPU runs (epw 4: FP8, 2: bf16 weights)
+def _compile_gemv(m: int, cfg: GemvConfig, split: bool, even_k: bool, epw: int, push_w: int = 0) -> int:
+    # kernels/fp8_gemv.py's kernel, with the inline-asm conversions the GPU runs (epw 4: FP8, 2: bf16 weights;
+    # push_w > 0: the rows pushed to that many ranks' all-reduce buffers)
     const = dict(HAS_BIAS=True, USE_SPLIT=split, EVEN_K=even_k, MODE=cfg.mode, STAGES=cfg.stages, UNROLL=cfg.unroll,
-                 BLOCK_M=block_m_for(m, cfg.mode), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ASM_CVT=bool(cfg.cvt), EPW=epw, PDL=True)
-    kernel = compile_variant(_fp8_gemv_kernel, const, dict(_SIG, w_ptr="*i32"), _DIVISIBLE, cfg.num_warps, cfg.stages)
+                 BLOCK_M=block_m_for(m, cfg.mode), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ASM_CVT=bool(cfg.cvt),
+                 EPW=epw, GATED=False, PUSH_W=push_w, PDL=True)
+    kernel = compile_variant(_fp8_gemv_kernel, const, dict(_SIG, w_ptr="*i32", push_ptr="*i64", push_state="*i32"),
+                             _DIVISIBLE, cfg.num_warps, cfg.stages)
     assert kernel.metadata.shared <= 227 * 1024, f"{cfg.short()}: {kernel.metadata.shared} bytes of shared memory"
     return resources(kernel)[0]
 
@@ -113,6 +116,10 @@ def main() -> int:
                     fp8 = wdtype == torch.float8_e4m3fn
                     failed += not report(f"{key} even_k={even_k}", lambda: "regs=%d" % compile_sm90(
                         m, fp8, cfg, cfg.split_k > 1, even_k))
+                    if isinstance(cfg, GemvConfig):  # as a row-parallel partial pushed to 2 and 4 ranks
+                        for push_w in (2, 4):
+                            failed += not report(f"{key} even_k={even_k} push={push_w}", lambda: "regs=%d" % _compile_gemv(
+                                m, cfg, cfg.split_k > 1, even_k, 4 if fp8 else 2, push_w))
     return 1 if failed else 0
 
 

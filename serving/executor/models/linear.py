@@ -191,10 +191,21 @@ class RowParallelLinear(Linear):
             return self._linear(x, self.bias)
         return parallel.all_reduce(self.partial(x))
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, push: bool = False) -> torch.Tensor:
         """This rank's share of `forward(x)` before the all-reduce (the bias on rank 0 only), for a
-        caller that sums it itself (fused with the residual add and norm: `RMSNorm.add_and_norm`)."""
-        return self._linear(x, self.bias if self.bias_rank or not self.reduce else None)
+        caller that sums it itself (fused with the residual add and norm: `RMSNorm.add_and_norm`).
+        `push`: the caller passes the result, unchanged, to `parallel.all_reduce_rms_norm` next; a
+        decode-sized float GEMV then sends its rows straight into that kernel's buffers from its
+        epilogue (`parallel.push_target`) and leaves the returned tensor unwritten."""
+        bias = self.bias if self.bias_rank or not self.reduce else None
+        if push and self.reduce and self.quant_method is None and x.dim() == 2 and x.dtype == self.weight.dtype:
+            peers = parallel.push_target(x.shape[0], self.weight.shape[0], x.dtype)
+            if peers is not None and kernels.skinny_can_push(x, self.weight):
+                note(self)  # the run order the L2 hints are linked from (models/weight_prefetch.py)
+                out = kernels.skinny_linear(x, self.weight, None, bias, push=peers)
+                parallel.note_pushed(out)
+                return out
+        return self._linear(x, bias)
 
 
 def sums_later(module: nn.Module) -> bool:

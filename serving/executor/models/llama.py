@@ -60,26 +60,30 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual, partial = self.forward_partial(positions, hidden, residual)
+        hidden, residual, partial = self.forward_partial(positions, hidden, residual, fused_out=False)
         return (parallel.all_reduce(hidden) if partial else hidden), residual
 
     def forward_partial(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, partial: bool = False
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, partial: bool = False,
+        fused_out: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The layer, leaving its MLP's all-reduce to the next norm: (hidden, residual, whether
         hidden is still this rank's partial sum). `partial`: the incoming hidden is one (the
         embedding's or the previous layer's), summed in this layer's input norm. Under tensor
-        parallelism each row-parallel sum then runs fused with the residual add and RMSNorm after it."""
+        parallelism each row-parallel sum then runs fused with the residual add and RMSNorm after it.
+        `fused_out`: the caller sums a partial hidden with `RMSNorm.add_and_norm` (its GEMV may push
+        the rows: `RowParallelLinear.partial`), not with a plain all-reduce."""
         m = self.residual_multiplier  # Granite scales each block's output before the residual add
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, reduce=partial)
         attn = self.self_attn.attend(self.self_attn.project(positions, hidden))
         o_proj = self.self_attn.o_proj
         later = sums_later(o_proj)
-        attn = o_proj.partial(attn) if later else o_proj(attn)
+        # push: the partial goes unchanged into the fused all-reduce + norm (not scaled first)
+        attn = o_proj.partial(attn, push=m == 1.0) if later else o_proj(attn)
         hidden, residual = self.post_attention_layernorm.add_and_norm(attn if m == 1.0 else attn * m, residual,
                                                                       reduce=later)
         later = isinstance(self.mlp, GatedMLP) and sums_later(self.mlp.down_proj)
-        hidden = self.mlp.partial(hidden) if later else self.mlp(hidden)
+        hidden = self.mlp.partial(hidden, push=fused_out and m == 1.0) if later else self.mlp(hidden)
         return (hidden if m == 1.0 else hidden * m), residual, later
 
 

@@ -48,9 +48,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._activated(x))
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of `forward(x)` before its all-reduce (`linear.sums_later(self.down_proj)`)."""
-        return self.down_proj.partial(self._activated(x))
+    def partial(self, x: torch.Tensor, push: bool = False) -> torch.Tensor:
+        """This rank's share of `forward(x)` before its all-reduce (`linear.sums_later(self.down_proj)`);
+        `push` as `RowParallelLinear.partial`'s."""
+        return self.down_proj.partial(self._activated(x), push)
 
     def _activated(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "silu":

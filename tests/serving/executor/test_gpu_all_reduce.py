@@ -96,6 +96,14 @@ def test_tp2_with_the_custom_all_reduce_gives_tp1_tokens_and_leaves_no_shared_me
     assert not (shm_after - shm_before)
 
 
+def _spawn_ranks(worker, world: int, cases: list, tmp_path, prefix: str) -> list[dict]:  # noqa: ANN001
+    """Run `worker` on `world` GPUs (skip with fewer) and load what each rank saved as `{prefix}{rank}.pt`."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    mp.spawn(worker, args=(world, str(tmp_path / "store"), cases, str(tmp_path)), nprocs=world)
+    return [torch.load(tmp_path / f"{prefix}{r}.pt") for r in range(world)]
+
+
 # (rows, hidden, dtype, with a residual): decode rows of an 8B / 70B width, a 7-row odd batch,
 # the first layer's input (no residual), float32 (the agreement runs), and one too large to fuse.
 FUSED_CASES = [(1, 4096, "bfloat16", True), (7, 4096, "bfloat16", True), (32, 4096, "bfloat16", True),
@@ -104,14 +112,11 @@ FUSED_CASES = [(1, 4096, "bfloat16", True), (7, 4096, "bfloat16", True), (32, 40
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_all_reduce_rms_norm_equals_the_reference_on_every_rank(tmp_path, world):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
     from all_reduce_worker import fused_norm_input, fused_norm_shared, fused_norm_worker
 
     from kernels import reference
 
-    mp.spawn(fused_norm_worker, args=(world, str(tmp_path / "store"), FUSED_CASES, str(tmp_path)), nprocs=world)
-    ranks = [torch.load(tmp_path / f"fused{r}.pt") for r in range(world)]
+    ranks = _spawn_ranks(fused_norm_worker, world, FUSED_CASES, tmp_path, "fused")
     assert all(r["on"] == {"bfloat16": True, "float32": True} for r in ranks), [r["on"] for r in ranks]
     assert ranks[0]["paths"][:-1] == ["fused"] * (len(FUSED_CASES) - 1), ranks[0]["paths"]
     assert ranks[0]["paths"][-1] != "fused"  # 2 MiB: over the fused kernel's slot, all-reduce then norm
@@ -134,3 +139,47 @@ def test_fused_all_reduce_rms_norm_equals_the_reference_on_every_rank(tmp_path, 
                     assert torch.equal(n0, n1) and torch.equal(r0, r1), (FUSED_CASES[i], key)
         for a, b in zip(ranks[0]["graphed"][i], ranks[0]["graphed"][i][1:]):  # replays of one input agree
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# (rows, hidden, in_features): an 8B rank's o_proj / down_proj shapes at TP=2 and 4, two rows, a 70B width
+PUSH_CASES = [(1, 4096, 4096), (1, 4096, 14336), (2, 4096, 4096), (1, 8192, 8192)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pushed_partials_equal_the_fused_kernels_own_push(tmp_path, world):
+    from all_reduce_worker import pushed_partial_worker
+
+    ranks = _spawn_ranks(pushed_partial_worker, world, PUSH_CASES, tmp_path, "pushed")
+    assert all(all(r["can_push"]) for r in ranks), [r["can_push"] for r in ranks]  # the GEMV pushed every case
+    for i, case in enumerate(PUSH_CASES):
+        for r in ranks:
+            for (n_p, r_p), (n_q, r_q) in zip(r["pushed"][i], r["plain"][i]):  # bitwise: the same bits were sent
+                assert torch.equal(n_p, n_q) and torch.equal(r_p, r_q), case
+            replays, eager = r["graphed"][i]
+            for (n_g, r_g), (n_e, r_e) in zip(replays, eager):
+                assert torch.equal(n_g, n_e) and torch.equal(r_g, r_e), case
+            for (n0, r0), (n1, r1) in zip(ranks[0]["pushed"][i], r["pushed"][i]):  # every rank the same rows
+                assert torch.equal(n0, n1) and torch.equal(r0, r1), case
+
+
+def test_tp2_bf16_tokens_are_the_same_with_and_without_pushed_partials(tmp_path, monkeypatch):
+    # bf16 decode of one or two rows runs the GEMV that pushes (float32 never does): the tokens of
+    # TP=2 must not depend on who pushes the rows (the same bits either way).
+    tok = Path(__file__).resolve().parents[3] / ".bench_models" / "tokenizer"
+    path = str(build_tiny_model("llama", tmp_path / "llama", tokenizer_dir=tok if tok.is_dir() else tmp_path / "none"))
+    prompts = [list(range(5, 5 + n)) for n in (3, 17)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    options = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=2, gpu_memory_utilization=0.3,
+                   skip_tokenizer_init=True, tensor_parallel_size=2)
+    got = {}
+    for push in ("1", "0"):
+        monkeypatch.setenv("OPEN_LMI_PUSH_PARTIALS", push)
+        llm = LLM(path, **options)
+        try:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+            got[push] = [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            llm.llm_engine.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    assert got["1"] == got["0"]
