@@ -149,10 +149,10 @@ def pushed_partial_worker(rank: int, world_size: int, init_file: str, cases: lis
         for rows, hidden, in_features in cases:
             gen = torch.Generator().manual_seed(rows * 7 + hidden + in_features)
             full_w = (torch.randn(hidden, in_features, generator=gen) / in_features**0.5).to(dtype)
-            lin = RowParallelLinear(in_features, hidden, bias=False, shard=parallel.tp_shard()).to(device)
+            lin = RowParallelLinear(in_features, hidden, bias=False, shard=parallel.tp_shard()).to(device, dtype)
             start, size = parallel.tp_shard().split(in_features)
             lin.weight.data.copy_(full_w[:, start:start + size].to(device))
-            norm = RMSNorm(hidden, 1e-5).to(device)
+            norm = RMSNorm(hidden, 1e-5).to(device, dtype)
             norm.weight.data.copy_((1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device))
             xs = [torch.randn(rows, in_features, generator=gen).to(dtype).to(device) for _ in range(3)]
             residual = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
