@@ -60,16 +60,22 @@ class L2Hint:
     base: torch.Tensor  # uint8 [>= lines * 128]: the weight's storage
     lines: int
     programs: int = HINT_PROGRAMS
+    bulk: bool = False  # sm_90: 4 KiB `cp.async.bulk.prefetch.L2` chunks (the TMA unit's) instead of lines
 
     def __post_init__(self) -> None:
         assert self.base.dtype == torch.uint8 and self.base.dim() == 1 and self.base.is_contiguous()
         assert 0 < self.lines * _LINE <= self.base.numel() and self.programs > 0
 
 
-def l2_hint(t: torch.Tensor, max_bytes: int) -> L2Hint | None:
-    """An `L2Hint` for the first min(max_bytes, t's bytes) of contiguous `t`; None below one line."""
+def l2_hint(t: torch.Tensor, max_bytes: int, bulk: bool | None = None) -> L2Hint | None:
+    """An `L2Hint` for the first min(max_bytes, t's bytes) of contiguous `t`; None below one line
+    (bulk: one chunk). `bulk` None: `OPEN_LMI_L2_HINT_BULK` (unset: lines)."""
+    if bulk is None:
+        bulk = os.environ.get("OPEN_LMI_L2_HINT_BULK", "").strip() in ("1", "true", "on")
     base, nbytes = _first_bytes(t, max_bytes)
-    return L2Hint(base, nbytes // _LINE) if nbytes >= _LINE else None
+    if bulk:
+        nbytes = nbytes // _BULK_CHUNK * _BULK_CHUNK
+    return L2Hint(base, nbytes // _LINE, bulk=bulk) if nbytes >= _LINE else None
 
 
 def hint_launch(hint: L2Hint | None, rows: int, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, dict]:
@@ -79,7 +85,7 @@ def hint_launch(hint: L2Hint | None, rows: int, fallback: torch.Tensor) -> tuple
     if hint is None or rows > HINT_MAX_ROWS:
         return fallback, 0, 0, dict(HINT=False, HINT_ASM=False)
     assert hint.base.device == fallback.device, (hint.base.device, fallback.device)
-    return hint.base, hint.lines, hint.programs, dict(HINT=True, HINT_ASM=not _INTERPRET)
+    return hint.base, hint.lines, hint.programs, dict(HINT=True, HINT_ASM=0 if _INTERPRET else 2 if hint.bulk else 1)
 
 
 @triton.jit
@@ -88,13 +94,20 @@ def prefetch_share(base_ptr, lines, share, shares, ASM: tl.constexpr):
     (uint8), BLOCK at a time, interleaved with the other programs'. Fire and forget: nothing waits
     for the data. Without ASM (the CPU interpreter) each line's first byte is loaded instead."""
     BLOCK: tl.constexpr = 1024
-    for start in range(share * BLOCK, lines, shares * BLOCK):
-        line = tl.minimum(start + tl.arange(0, BLOCK), lines - 1)  # lanes past the end repeat the last line
-        addr = base_ptr + line.to(tl.int64) * 128
-        if ASM:
-            _prefetch_line(addr)
-        else:
-            tl.load(addr)
+    if ASM == 2:  # 4 KiB chunks (32 lines, whole chunks only: `l2_hint`), each one bulk prefetch
+        chunks = lines // 32
+        for start in range(share * BLOCK, chunks, shares * BLOCK):
+            chunk = tl.minimum(start + tl.arange(0, BLOCK), chunks - 1)
+            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", "=r,l",
+                                      [base_ptr + chunk.to(tl.int64) * 4096], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        for start in range(share * BLOCK, lines, shares * BLOCK):
+            line = tl.minimum(start + tl.arange(0, BLOCK), lines - 1)  # lanes past the end repeat the last line
+            addr = base_ptr + line.to(tl.int64) * 128
+            if ASM == 1:
+                _prefetch_line(addr)
+            else:
+                tl.load(addr)
 
 
 @triton.jit
