@@ -66,15 +66,13 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [num_seqs, H, D]: written and returned instead of a new tensor
     window: int = 0,  # > 0: a sliding window, each query sees its last `window` positions
     softcap: float = 0.0,  # > 0: scores capped as c * tanh(s / c) before the softmax
-    prefetch: L2Hint | None = None,  # the next weight's first bytes, warmed in L2 meanwhile (a hint: no result changes)
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
     if use_triton(query):
-        return _mod("paged_decode_attention").paged_decode_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window, softcap=softcap,
-            prefetch=prefetch)
-    return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-                                            window=window, softcap=softcap)
+        impl = _mod("paged_decode_attention").paged_decode_attention
+    else:
+        impl = reference.paged_decode_attention
+    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window, softcap=softcap)
 
 
 def prefill_attention(

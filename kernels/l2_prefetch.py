@@ -21,6 +21,9 @@ behaves as if it completed only once its lines landed (the next kernel waits on 
 pays only where the carrier waits anyway: the tensor-parallel all-reduce + norm polling for its
 peers (bench/RESULTS.md run 53: 70B TP=4 -1.3 %, 8B TP=2 -1.2 % at 8 MiB but +1.5 % at 16). On one
 GPU, RMSNorm and rotary as carriers cost up to 22 % (8B batch 1): their short grids waited on the lines.
+The batch-1 decode attention as the carrier of o_proj's weight (run 55) was no better: one H100 4 MiB
++0.4 % (8B bf16), 8B TP=4 +0.9 % (4 MiB) / +2.1 % (8), 70B TP=4 +0.5 % (8) / +1.6 % (16); and 4 KiB
+bulk prefetches (`cp.async.bulk.prefetch.L2`) in place of lines +5 to +12 % on one H100.
 """
 
 from __future__ import annotations
@@ -60,22 +63,16 @@ class L2Hint:
     base: torch.Tensor  # uint8 [>= lines * 128]: the weight's storage
     lines: int
     programs: int = HINT_PROGRAMS
-    bulk: bool = False  # sm_90: 4 KiB `cp.async.bulk.prefetch.L2` chunks (the TMA unit's) instead of lines
 
     def __post_init__(self) -> None:
         assert self.base.dtype == torch.uint8 and self.base.dim() == 1 and self.base.is_contiguous()
         assert 0 < self.lines * _LINE <= self.base.numel() and self.programs > 0
 
 
-def l2_hint(t: torch.Tensor, max_bytes: int, bulk: bool | None = None) -> L2Hint | None:
-    """An `L2Hint` for the first min(max_bytes, t's bytes) of contiguous `t`; None below one line
-    (bulk: one chunk). `bulk` None: `OPEN_LMI_L2_HINT_BULK` (unset: lines)."""
-    if bulk is None:
-        bulk = os.environ.get("OPEN_LMI_L2_HINT_BULK", "").strip() in ("1", "true", "on")
+def l2_hint(t: torch.Tensor, max_bytes: int) -> L2Hint | None:
+    """An `L2Hint` for the first min(max_bytes, t's bytes) of contiguous `t`; None below one line."""
     base, nbytes = _first_bytes(t, max_bytes)
-    if bulk:
-        nbytes = nbytes // _BULK_CHUNK * _BULK_CHUNK
-    return L2Hint(base, nbytes // _LINE, bulk=bulk) if nbytes >= _LINE else None
+    return L2Hint(base, nbytes // _LINE) if nbytes >= _LINE else None
 
 
 def hint_launch(hint: L2Hint | None, rows: int, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, dict]:
@@ -85,7 +82,7 @@ def hint_launch(hint: L2Hint | None, rows: int, fallback: torch.Tensor) -> tuple
     if hint is None or rows > HINT_MAX_ROWS:
         return fallback, 0, 0, dict(HINT=False, HINT_ASM=False)
     assert hint.base.device == fallback.device, (hint.base.device, fallback.device)
-    return hint.base, hint.lines, hint.programs, dict(HINT=True, HINT_ASM=0 if _INTERPRET else 2 if hint.bulk else 1)
+    return hint.base, hint.lines, hint.programs, dict(HINT=True, HINT_ASM=not _INTERPRET)
 
 
 @triton.jit
@@ -94,20 +91,13 @@ def prefetch_share(base_ptr, lines, share, shares, ASM: tl.constexpr):
     (uint8), BLOCK at a time, interleaved with the other programs'. Fire and forget: nothing waits
     for the data. Without ASM (the CPU interpreter) each line's first byte is loaded instead."""
     BLOCK: tl.constexpr = 1024
-    if ASM == 2:  # 4 KiB chunks (32 lines, whole chunks only: `l2_hint`), each one bulk prefetch
-        chunks = lines // 32
-        for start in range(share * BLOCK, chunks, shares * BLOCK):
-            chunk = tl.minimum(start + tl.arange(0, BLOCK), chunks - 1)
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", "=r,l",
-                                      [base_ptr + chunk.to(tl.int64) * 4096], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        for start in range(share * BLOCK, lines, shares * BLOCK):
-            line = tl.minimum(start + tl.arange(0, BLOCK), lines - 1)  # lanes past the end repeat the last line
-            addr = base_ptr + line.to(tl.int64) * 128
-            if ASM == 1:
-                _prefetch_line(addr)
-            else:
-                tl.load(addr)
+    for start in range(share * BLOCK, lines, shares * BLOCK):
+        line = tl.minimum(start + tl.arange(0, BLOCK), lines - 1)  # lanes past the end repeat the last line
+        addr = base_ptr + line.to(tl.int64) * 128
+        if ASM:
+            _prefetch_line(addr)
+        else:
+            tl.load(addr)
 
 
 @triton.jit

@@ -11,9 +11,7 @@ covers at least `MIN_SPLIT_LEN` positions: where one split holds the whole conte
 writes the output directly. Every launch parameter is derived from tensor
 shapes, never from tensor values, so the op can be captured in a CUDA graph. With a sliding
 window W (`window` > 0) the splits cover a sequence's last W positions only; with a soft cap c
-(`softcap` > 0, Gemma 2) each score s becomes c * tanh(s / c) before the softmax. With an
-`L2Hint` (`prefetch`, decode-sized calls) added program rows warm L2 with the next weight (o_proj's)
-while the attention runs, as the fused all-reduce's do (`kernels/l2_prefetch.py`).
+(`softcap` > 0, Gemma 2) each score s becomes c * tanh(s / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import triton
 import triton.language as tl
 
 from kernels.int4_matmul import _tile_counters
-from kernels.l2_prefetch import L2Hint, hint_launch, prefetch_share
 from kernels.launch import aligned
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 from kernels.prefill_attention import soft_cap
@@ -88,11 +85,6 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    num_seqs,  # program rows past it only prefetch (HINT)
-    hint_ptr,  # uint8: the next weight's bytes (only with HINT)
-    hint_lines,
-    HINT: tl.constexpr,  # program rows past num_seqs warm L2 with the next weight (kernels/l2_prefetch.py)
-    HINT_ASM: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     release_dependents(PDL)
@@ -100,12 +92,6 @@ def _paged_decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if HINT:
-        if seq >= num_seqs:  # batch-1 attention barely reads HBM: the next weight's first bytes arrive meanwhile
-            per_row = tl.num_programs(1) * tl.num_programs(2)
-            prefetch_share(hint_ptr, hint_lines, (seq - num_seqs) * per_row + kv_head * tl.num_programs(2) + split,
-                           (tl.num_programs(0) - num_seqs) * per_row, HINT_ASM)
-            return
 
     seq_len = tl.load(seq_lens_ptr + seq)
     if SLIDING:  # the splits share the visible positions [seq_len - window, seq_len)
@@ -214,7 +200,6 @@ def paged_decode_attention_impl(
     window: int = 0,
     softcap: float = 0.0,
     min_split: int | None = None,
-    prefetch: L2Hint | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention` with the tile, split count and launch shape exposed (tests,
     bench/studies/decode_attention_sweep.py and decode_attention_batch1.py pin them)."""
@@ -252,8 +237,7 @@ def paged_decode_attention_impl(
     assert num_splits == 1 or num_seqs * num_kv_heads <= counters.numel(), (num_seqs, num_kv_heads)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     pdl = launch_options(query)
-    hint_ptr, hint_lines, hint_programs, hint = hint_launch(prefetch, num_seqs, out)
-    _paged_decode_kernel[(num_seqs + triton.cdiv(hint_programs, num_kv_heads * num_splits), num_kv_heads, num_splits)](
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
         v_cache,
@@ -285,10 +269,6 @@ def paged_decode_attention_impl(
         DOT_PRECISION=precision,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
-        num_seqs=num_seqs,
-        hint_ptr=hint_ptr,
-        hint_lines=hint_lines,
-        **hint,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
@@ -306,12 +286,9 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
-    prefetch: L2Hint | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context (with `window` W > 0,
     its last W positions; with `softcap` c > 0, scores capped as c * tanh(s / c)) -> [num_seqs, H, D].
-    `prefetch`: the next weight's first bytes (o_proj's), warmed in L2 by programs added to the grid
-    at decode sizes while the attention runs (`kernels/l2_prefetch.py`; no result changes).
 
     Shapes: query [S, H, D] (unit stride over D); caches [NB, BS, KVH, D] with H % KVH == 0;
     block_tables [>=S, max_blocks]; seq_lens [>=S]. A row with seq_len 0 (graph padding)
@@ -320,4 +297,4 @@ def paged_decode_attention(
     place of a fresh tensor (a step's eager attention writes its layer's buffer directly).
     """
     return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window,
-                                       softcap=softcap, prefetch=prefetch)
+                                       softcap=softcap)

@@ -38,7 +38,6 @@ from serving.executor.spec_verify import accept_all_drafts, verify_drafts
 from serving.executor.step_inputs import StepInputs, prepare_inputs
 from serving.executor.teardown import release_module, release_tensor
 from serving.executor.weights import init_dummy_weights, load_weights
-from serving.executor.models.attention import PagedAttention
 from serving.executor.models.linear import Linear
 from serving.executor.models import weight_prefetch
 from serving.executor.quant import check_device
@@ -93,12 +92,10 @@ class ModelRunner:
             init_dummy_weights(self.model, seed=config.seed)
         else:
             load_weights(self.model, self.model_dir)
-        # Decode steps warm L2 with the weight read after each latency-bound launch (the fused all-reduce +
-        # norm under TP, the decode attention): linked after the first eager forward on CUDA, from the order
-        # it ran the layers (models/weight_prefetch.py), where the hints' size for this degree is not 0.
-        self._link_l2_hints = (self.device.type == "cuda" and kernels.use_triton(torch.empty(0, device=self.device))
-                               and max(weight_prefetch.prefetch_bytes(world_size, c) for c in ("all_reduce", "attention"))
-                               > 0)
+        # Under TP, decode steps warm L2 with the weight read after each fused all-reduce + norm: linked
+        # after the first eager forward on CUDA, from the order it ran the layers (models/weight_prefetch.py).
+        self._link_l2_hints = (world_size > 1 and self.device.type == "cuda"
+                               and kernels.use_triton(torch.empty(0, device=self.device)))
         # Multi-LoRA: wrap the adapted projections, allocate the slots (before the KV cache is sized).
         self.lora = LoRAManager(self.model, config, args, max(self.max_num_batched_tokens, config.max_num_seqs)
                                 ) if config.enable_lora else None
@@ -270,11 +267,8 @@ class ModelRunner:
                       else self.lora.forward(self.model, input_ids, positions))
         if link:  # the first eager forward: its run order links the hints, once
             self._link_l2_hints = False
-            sizes = {c: weight_prefetch.prefetch_bytes(self.world_size, c) for c in ("all_reduce", "attention")}
-            linked = weight_prefetch.link_l2_hints(
-                trace, Linear, lambda m: sizes["attention" if isinstance(m, PagedAttention) else "all_reduce"])
-            logger.info("L2 weight hints: %d launches (all-reduce + norm %d MiB, attention %d MiB) warm the next weight",
-                        linked, sizes["all_reduce"] >> 20, sizes["attention"] >> 20)
+            linked = weight_prefetch.link_l2_hints(trace, Linear, weight_prefetch.prefetch_bytes(self.world_size))
+            logger.info("L2 weight hints: %d all-reduce launches warm the next weight", linked)
         return hidden
 
     @torch.inference_mode()

@@ -72,27 +72,6 @@ def test_split_merge_is_one_launch_that_resets_its_counters_and_repeats_bit_iden
     assert torch.all(first[3] == 0)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_an_l2_hint_adds_programs_that_change_nothing(device, num_splits):
-    # Decode-sized calls take the next weight's first bytes as a hint: added program rows prefetch
-    # them and exit (kernels/l2_prefetch.py); the answer, and the merge counters, are as without.
-    from kernels.int4_matmul import _tile_counters
-    from kernels.l2_prefetch import l2_hint
-
-    seq_lens, num_kv_heads, head_dim = [150, 1, 0], 2, 64
-    k, v, tables, lens = make_paged_cache(seq_lens, num_kv_heads, head_dim, 16, torch.float32, device)
-    q = torch.randn(len(seq_lens), num_kv_heads * 4, head_dim, device=device)
-    plain = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits, min_split=1)
-    hint = l2_hint(torch.zeros(777, 33, device=device), 9000)
-    hinted = paged_decode_attention_impl(q, k, v, tables, lens, 0.125, block_n=16, num_splits=num_splits,
-                                         min_split=1, prefetch=hint)
-    assert torch.equal(hinted, plain)
-    assert not _tile_counters(q.device)[: len(seq_lens) * num_kv_heads].any()
-    public = paged_decode_attention(q, k, v, tables, lens, 0.125, prefetch=hint)
-    torch.testing.assert_close(public, reference.paged_decode_attention(q, k, v, tables, lens, 0.125),
-                               **tol(torch.float32))
-
-
 @pytest.mark.parametrize("min_split", [1, 16, 40, 64, 1000])
 def test_min_split_only_changes_how_many_programs_share_a_context(device, min_split):
     # A split covers at least min_split positions (whole tiles): contexts shorter than that run in

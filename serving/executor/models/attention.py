@@ -15,7 +15,6 @@ from serving.executor.attention_metadata import get_attention_metadata
 from serving.executor.models.linear import OutputPart, PackedColumnParallelLinear, RowParallelLinear
 from serving.executor.models.norm import RMSNorm
 from serving.executor.models.params import SINGLE
-from serving.executor.models.weight_prefetch import note
 from serving.executor.parallel import TPShard, attention_shard
 from serving.executor.quant import linear_method
 from serving.checkpoint.model_args import ModelArgs
@@ -79,8 +78,6 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.cos_sin_cache = torch.empty(0)  # shared, set by the model
-        # o_proj's weight, warmed in L2 by the decode attention's launch (models/weight_prefetch.py)
-        self.l2_hint = None
 
     @classmethod
     def of_model(cls, args: ModelArgs, shard: TPShard, quant: QuantConfig | None, prefix: str,
@@ -128,7 +125,6 @@ class PagedAttention(nn.Module):
 
         In a mixed-step graph (`meta.mixed`) one fixed-grid launch serves every row, so the whole
         step can be captured (`serving/executor/mixed_graphs.py`)."""
-        note(self)  # the run order the L2 hints are linked from (models/weight_prefetch.py)
         meta = get_attention_metadata()
         num_tokens = q.shape[0]
         nd = meta.num_decode_tokens
@@ -143,7 +139,7 @@ class PagedAttention(nn.Module):
         elif meta.num_prefills == 0:
             kernels.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,
-                window=self.window, softcap=self.softcap, prefetch=self.l2_hint,
+                window=self.window, softcap=self.softcap,
             )
         elif nd == 0:
             kernels.prefill_attention(

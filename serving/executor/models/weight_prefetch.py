@@ -20,35 +20,27 @@ layer's input norm: qkv), kept as the norm's `l2_hint`. The launcher applies it 
 at most `kernels.l2_prefetch.HINT_MAX_ROWS` rows (decode steps: above that the GEMMs are not
 weight-bound).
 
-The decode attention carries one too (batch-1 attention reads little of HBM for ~4-5 us): o_proj's
-weight, the linear layer after it.
-
-`OPEN_LMI_L2_PREFETCH_MB` (read once, when the hints are linked) sets the all-reduce's bytes per hint
-in MiB, `OPEN_LMI_L2_PREFETCH_ATTN_MB` the attention's; 0 turns them off. Unset: the all-reduce's 8 MiB
-at 2 ranks, 16 MiB at 4 and more (measured best of 4 / 8 / 16 there); the attention's per degree
-(`ATTENTION_DEFAULT_MB`).
+`OPEN_LMI_L2_PREFETCH_MB` (read once, when the hints are linked) sets the bytes per hint in MiB;
+0 turns it off. Unset: 8 MiB at 2 ranks, 16 MiB at 4 and more (measured best of 4 / 8 / 16 there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 import kernels
 
-ENV = "OPEN_LMI_L2_PREFETCH_MB"  # the fused all-reduce + norm's hints, MiB
-ATTENTION_ENV = "OPEN_LMI_L2_PREFETCH_ATTN_MB"  # the decode attention's (o_proj's weight), MiB
+ENV = "OPEN_LMI_L2_PREFETCH_MB"
 # MiB per hint when the knob is unset, by degree (bench/RESULTS.md run 53, H100s, batch-1 decode): at 2 ranks
 # 8 MiB (8B TP=2 -1.2 %; 16 MiB +1.5 %: more lines than its exchange hides), at 4 and more 16 MiB (70B TP=4
-# -1.3 %, 8 MiB -1.0 %; 8B TP=4 -0.6 %); one rank has no all-reduce
+# -1.3 %, 8 MiB -1.0 %; 8B TP=4 -0.6 %)
 DEFAULT_MB_TP2 = 8.0
 DEFAULT_MB = 16.0
-# The decode attention's hints by degree (1, 2, >= 4): to be measured
-ATTENTION_DEFAULT_MB = {1: 0.0, 2: 0.0, 4: 0.0}
 # the tensor a linear layer's kernel reads, by the names the float and quantized paths store it under
 _WEIGHT_NAMES = ("kchunk", "packed", "qweight", "weight")
 
@@ -64,23 +56,16 @@ def weight_tensor(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def prefetch_bytes(tp_degree: int, carrier: str = "all_reduce") -> int:
-    """The bytes per hint of `carrier` ("all_reduce": the fused all-reduce + norm, `OPEN_LMI_L2_PREFETCH_MB`;
-    "attention": the decode attention, `OPEN_LMI_L2_PREFETCH_ATTN_MB`) at `tp_degree` ranks; unset: the
-    measured defaults above (one rank: no all-reduce). A clear error on a bad value."""
-    name = ATTENTION_ENV if carrier == "attention" else ENV
-    assert carrier in ("all_reduce", "attention"), carrier
-    raw = os.environ.get(name, "").strip()
-    if carrier == "attention":
-        default = ATTENTION_DEFAULT_MB[min(4, 1 << (max(tp_degree, 1).bit_length() - 1))]
-    else:
-        default = 0.0 if tp_degree <= 1 else DEFAULT_MB_TP2 if tp_degree == 2 else DEFAULT_MB
+def prefetch_bytes(tp_degree: int) -> int:
+    """`OPEN_LMI_L2_PREFETCH_MB` in bytes; unset: DEFAULT_MB_TP2 at 2 ranks, DEFAULT_MB at more (one
+    rank has no all-reduce to carry a hint). A clear error on a bad value."""
+    raw = os.environ.get(ENV, "").strip()
     try:
-        mb = float(raw) if raw else default
+        mb = float(raw) if raw else (DEFAULT_MB_TP2 if tp_degree <= 2 else DEFAULT_MB)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number of MiB (0 turns the prefetch off)") from None
+        raise ValueError(f"{ENV}={raw!r}: expected a number of MiB (0 turns the prefetch off)") from None
     if mb < 0:
-        raise ValueError(f"{name}={raw!r}: must be >= 0")
+        raise ValueError(f"{ENV}={raw!r}: must be >= 0")
     return int(mb * (1 << 20))
 
 
@@ -102,24 +87,22 @@ def tracing() -> Iterator[list[nn.Module]]:
         _trace = None
 
 
-def link_l2_hints(trace: list[nn.Module], linear_type: type, max_bytes: int | Callable[[nn.Module], int]) -> int:
-    """Give every other module of `trace` (the norms, the attention) the L2 hint of the first
-    `linear_type` module after it (`l2_hint`; None where no linear follows, the size is 0 or the
-    weight is not on a CUDA device). `max_bytes`: bytes per hint, or a function of the carrier.
+def link_l2_hints(trace: list[nn.Module], linear_type: type, max_bytes: int) -> int:
+    """Give every other module of `trace` (the norms) the L2 hint of the first `linear_type` module
+    after it (`l2_hint`; None where no linear follows or the weight is not on a CUDA device).
     Returns how many modules got one."""
     linked = 0
     nxt: torch.Tensor | None = None
-    hints: dict[tuple[int, int], object] = {}
+    hints: dict[int, object] = {}
     for module in reversed(trace):
         if isinstance(module, linear_type):
             nxt = weight_tensor(module)
             continue
         hint = None
-        nbytes = max_bytes(module) if callable(max_bytes) else max_bytes
-        if nxt is not None and nbytes > 0:
-            if (id(nxt), nbytes) not in hints:
-                hints[(id(nxt), nbytes)] = kernels.l2_hint(nxt, nbytes)
-            hint = hints[(id(nxt), nbytes)]
+        if nxt is not None and max_bytes > 0:
+            if id(nxt) not in hints:
+                hints[id(nxt)] = kernels.l2_hint(nxt, max_bytes)
+            hint = hints[id(nxt)]
         vars(module)["l2_hint"] = hint
         linked += hint is not None
     return linked

@@ -19,9 +19,7 @@ import torch
 
 from serving.executor.models import weight_prefetch
 from serving.executor.models.linear import Linear
-from serving.executor.models.attention import PagedAttention
-from serving.executor.models.weight_prefetch import (ATTENTION_ENV, ENV, link_l2_hints, prefetch_bytes, tracing,
-                                                     weight_tensor)
+from serving.executor.models.weight_prefetch import ENV, link_l2_hints, prefetch_bytes, tracing, weight_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -63,18 +61,12 @@ def test_hints_follow_the_run_order(monkeypatch) -> None:  # noqa: ANN001
     assert all(getattr(m, "l2_hint", None) is None for m in model.modules())
     # a stand-in hint names the tensor it was made for: each module gets its successor's weight
     monkeypatch.setattr(kernels, "l2_hint", lambda t, nbytes: (t.data_ptr(), nbytes))
-    assert link_l2_hints(trace, Linear, 1 << 20) == 2 * 3
+    assert link_l2_hints(trace, Linear, 1 << 20) == 2 * 2
     for layer in model.model.layers:
         assert layer.input_layernorm.l2_hint == (layer.self_attn.qkv_proj.weight.data_ptr(), 1 << 20)
-        assert layer.self_attn.l2_hint == (layer.self_attn.o_proj.weight.data_ptr(), 1 << 20)  # the attention's
         assert layer.post_attention_layernorm.l2_hint == (layer.mlp.gate_up_proj.weight.data_ptr(), 1 << 20)
     assert model.model.norm.l2_hint is None  # the LM head runs outside the forward
     assert link_l2_hints(trace, Linear, 0) == 0  # 0 bytes: off
-    # sizes per carrier (the model runner: the attention's knob for attention, the all-reduce's for norms)
-    assert link_l2_hints(trace, Linear, lambda m: 4096 if isinstance(m, PagedAttention) else 0) == 2
-    for layer in model.model.layers:
-        assert layer.self_attn.l2_hint == (layer.self_attn.o_proj.weight.data_ptr(), 4096)
-        assert layer.input_layernorm.l2_hint is None
     assert weight_prefetch._trace is None  # noqa: SLF001 - the trace ended with its block
 
 
@@ -103,27 +95,19 @@ def test_weight_tensor_is_what_the_quantized_kernel_reads() -> None:
 
 def test_knob_parsing(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.delenv(ATTENTION_ENV, raising=False)
     # unset: the size measured best per degree (bench/RESULTS.md run 53): 8 MiB at 2 ranks, 16 at 4 and 8
     assert prefetch_bytes(4) == prefetch_bytes(8) == int(weight_prefetch.DEFAULT_MB * (1 << 20)) == 16 << 20
     assert prefetch_bytes(2) == 8 << 20
-    assert prefetch_bytes(1) == 0  # one rank: no all-reduce to carry one
-    for tp, key in ((1, 1), (2, 2), (3, 2), (4, 4), (8, 4)):  # the attention's own defaults
-        assert prefetch_bytes(tp, "attention") == int(weight_prefetch.ATTENTION_DEFAULT_MB[key] * (1 << 20))
     monkeypatch.setenv(ENV, "4")
     assert prefetch_bytes(2) == prefetch_bytes(4) == 4 << 20
-    monkeypatch.setenv(ATTENTION_ENV, "2")
-    assert prefetch_bytes(1, "attention") == prefetch_bytes(4, "attention") == 2 << 20
-    assert prefetch_bytes(4) == 4 << 20  # each carrier its own knob
     monkeypatch.setenv(ENV, "0.5")
     assert prefetch_bytes(4) == 1 << 19
     monkeypatch.setenv(ENV, "0")
     assert prefetch_bytes(4) == 0
-    for name, carrier in ((ENV, "all_reduce"), (ATTENTION_ENV, "attention")):
-        for bad in ("lots", "-1"):
-            monkeypatch.setenv(name, bad)
-            with pytest.raises(ValueError, match=name):
-                prefetch_bytes(4, carrier)
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=ENV):
+            prefetch_bytes(4)
 
 
 def test_reference_is_a_checked_no_op() -> None:
