@@ -21,7 +21,11 @@ at most `kernels.l2_prefetch.HINT_MAX_ROWS` rows (decode steps: above that the G
 weight-bound).
 
 `OPEN_LMI_L2_PREFETCH_MB` (read once, when the hints are linked) sets the bytes per hint in MiB;
-0 turns it off. Unset: 8 MiB at 2 ranks, 16 MiB at 4 and more (measured best of 4 / 8 / 16 there).
+0 turns it off. Unset: 4 MiB at 2 ranks, 16 MiB at 4 and more (measured best of 4 / 8 / 16 there).
+With row-parallel GEMVs pushing their rows (`kernels/all_reduce_norm.py`) the exchange is shorter and
+a hint larger than it can hide delays the next GEMV: run 55, 8B TP=2 4 MiB 3.197 ms, none 3.221, 8 MiB
+3.335; 8B TP=4 4 / 8 / 16 MiB 2.106 / 2.107 / 2.128 (16 kept at 4 ranks: the 70B's 13.72 ms was
+measured there, its 4 and 8 MiB were not).
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from torch import nn
 import kernels
 
 ENV = "OPEN_LMI_L2_PREFETCH_MB"
-# MiB per hint when the knob is unset, by degree (bench/RESULTS.md run 53, H100s, batch-1 decode): at 2 ranks
-# 8 MiB (8B TP=2 -1.2 %; 16 MiB +1.5 %: more lines than its exchange hides), at 4 and more 16 MiB (70B TP=4
-# -1.3 %, 8 MiB -1.0 %; 8B TP=4 -0.6 %)
-DEFAULT_MB_TP2 = 8.0
+# MiB per hint when the knob is unset, by degree (bench/RESULTS.md runs 53 and 55, H100s, batch-1 decode): at
+# 2 ranks 4 MiB (with pushed partials, 8B TP=2: 4 MiB -0.7 % against none, 8 MiB +3.5 %: more lines than the
+# shorter exchange hides), at 4 and more 16 MiB (run 53: 70B TP=4 -1.3 %, 8 MiB -1.0 %; 8B TP=4 -0.6 %; run
+# 55 with pushed partials: 70B 13.72 ms at 16, 8B 2.128 at 16 against 2.106 at 4)
+DEFAULT_MB_TP2 = 4.0
 DEFAULT_MB = 16.0
 # the tensor a linear layer's kernel reads, by the names the float and quantized paths store it under
 _WEIGHT_NAMES = ("kchunk", "packed", "qweight", "weight")
