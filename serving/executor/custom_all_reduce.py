@@ -173,8 +173,14 @@ class CustomAllReduce:
         self._fused_kernel = None  # kernels.all_reduce_norm.all_reduce_rms_norm, set by enable_fused_norm
         # GEMVs push row-parallel partials into the fused kernel's buffers (`push_target`); the
         # pushed tensor (pointer, shape, dtype) until the fused call that sums it
-        self.push_partials = os.environ.get(PUSH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        self.push_partials = self.push_enabled()
         self._pushed: tuple[int, tuple[int, ...], torch.dtype] | None = None
+
+    @staticmethod
+    def push_enabled(env: dict[str, str] | None = None) -> bool:
+        """`OPEN_LMI_PUSH_PARTIALS` (unset: on): whether row-parallel GEMVs may push their rows."""
+        env = os.environ if env is None else env
+        return env.get(PUSH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device,
@@ -360,8 +366,7 @@ class CustomAllReduce:
         if entry is None or not self.push_partials or self._pushed is not None:
             return None
         peers = entry[2]
-        fits = rows * hidden * dtype.itemsize <= peers.slot_bytes and rows <= peers.max_programs
-        return peers if fits and rows > 0 else None
+        return peers if rows > 0 and peers.fits(torch.empty((rows, hidden), dtype=dtype, device="meta")) else None
 
     def pushed_pending(self) -> tuple[int, tuple[int, ...], torch.dtype] | None:
         """The pushed partial not yet summed (pointer, shape, dtype), or None."""

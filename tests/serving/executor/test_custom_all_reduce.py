@@ -19,9 +19,11 @@ from serving.executor.custom_all_reduce import (
     DISABLE_ENV,
     ONE_SHOT,
     ONE_SHOT_ENV,
+    PUSH_ENV,
     TWO_SHOT,
     TWO_SHOT_ENV,
     AllReducePolicy,
+    CustomAllReduce,
     default_policy,
     refusal,
 )
@@ -110,3 +112,55 @@ def test_gloo_ranks_sum_through_the_process_group(tmp_path):
         assert got["paths"] == ["gloo"] * len(cases)
         for mine, oracle in zip(got["got"], got["oracle"]):
             assert torch.equal(mine, oracle)
+
+
+def _fused_only(monkeypatch, push: str | None) -> CustomAllReduce:  # noqa: ANN001
+    # The fused kernel's bookkeeping without a process group: bf16 buffers of 16 KiB a slot, 4 programs at once;
+    # the kernel replaced by a recorder of what it was asked.
+    from kernels.all_reduce_norm import PeerBuffers
+
+    if push is None:
+        monkeypatch.delenv(PUSH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PUSH_ENV, push)
+    made = CustomAllReduce.__new__(CustomAllReduce)
+    made.world_size, made.policy = 2, default_policy(2)
+    made._buffer = torch.empty(1024, dtype=torch.uint8)  # noqa: SLF001
+    made.push_partials = CustomAllReduce.push_enabled()
+    made._pushed = None  # noqa: SLF001
+    peers = PeerBuffers(torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32), 0, 2, 16 << 10,
+                        torch.bfloat16, 4)
+    made._fused = {torch.bfloat16: (torch.empty(0), None, peers)}  # noqa: SLF001
+    made.calls = []
+    made._fused_kernel = lambda x, *args, pushed: made.calls.append((x, pushed)) or (x, x)  # noqa: SLF001
+    return made
+
+
+def test_a_pushed_partial_must_be_the_next_fused_call(monkeypatch):
+    made = _fused_only(monkeypatch, None)  # pushing is on unless switched off
+    peers = made._fused[torch.bfloat16][2]  # noqa: SLF001
+    assert made.push_target(2, 4096, torch.bfloat16) is peers
+    assert made.push_target(0, 4096, torch.bfloat16) is None
+    assert made.push_target(3, 4096, torch.bfloat16) is None  # 24 KiB: over the slot
+    assert made.push_target(5, 64, torch.bfloat16) is None  # more rows than programs at once
+    assert made.push_target(1, 64, torch.float32) is None  # no fused buffers of that dtype
+    out, other = torch.zeros(2, 4096, dtype=torch.bfloat16), torch.zeros(2, 4096, dtype=torch.bfloat16)
+    made.note_pushed(out)
+    assert made.pushed_pending() is not None
+    assert made.push_target(2, 4096, torch.bfloat16) is None  # one pushed partial at a time
+    with pytest.raises(AssertionError):
+        made.run(torch.zeros(8), ONE_SHOT)  # only the fused kernel may sum it
+    with pytest.raises(AssertionError):
+        made.fused_rms_norm(other, torch.ones(4096, dtype=torch.bfloat16), 1e-6, None, False)
+    made._pushed = None  # noqa: SLF001
+    made.note_pushed(out)
+    made.fused_rms_norm(out, torch.ones(4096, dtype=torch.bfloat16), 1e-6, None, False)
+    made.fused_rms_norm(other, torch.ones(4096, dtype=torch.bfloat16), 1e-6, None, False)
+    assert [(x is out, pushed) for x, pushed in made.calls] == [(True, True), (False, False)]
+    assert made.pushed_pending() is None
+
+
+@pytest.mark.parametrize("value", ["0", "off", "false"])
+def test_pushing_is_switched_off_by_its_env(monkeypatch, value):
+    assert _fused_only(monkeypatch, value).push_target(1, 4096, torch.bfloat16) is None
+    assert _fused_only(monkeypatch, "1").push_target(1, 4096, torch.bfloat16) is not None
