@@ -10,7 +10,8 @@ tensor-core program's output tile (bands of GROUP_M row tiles, for L2 reuse of t
 of its tile through an fp32 workspace and a self-resetting counter (the last one sums in order);
 `gemv_rows` / `finish_gemv_tile` place a GEMV program's rows and finish them, also over a packed
 [gate | up] weight whose epilogue writes silu(gate) * up (`finish_gated_tile`: the SwiGLU activation
-without its own launch and round trip).
+without its own launch and round trip), or whose finished rows go straight into the fused
+all-reduce's buffers (`PUSH_W`: a row-parallel partial, `kernels/all_reduce_norm.push_partial`).
 """
 
 from __future__ import annotations
