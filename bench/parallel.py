@@ -164,7 +164,7 @@ def _engine_modes(tp: int, custom_modes: tuple[str, ...], prefetch: tuple[str, .
                   ) -> list[tuple[str, dict]]:
     """(result-key suffix, engine options) per all-reduce mode an engine of degree `tp` runs in, each
     with the L2 weight hints (models/weight_prefetch.py) on (16 MiB or $BENCH_PREFETCH_MB at every
-    degree; the engine's default when unset: 8 MiB at TP=2, 16 at TP >= 4; no suffix) and/or off (suffix
+    degree; the engine's default when unset: 4 MiB at TP=2, 16 at TP >= 4; no suffix) and/or off (suffix
     `_nopf`)."""
     if tp == 1:
         base = [("", {})]

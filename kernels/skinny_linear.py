@@ -325,13 +325,23 @@ def cublas_wins(M: int, N: int, K: int, itemsize: int) -> bool:
 
 # ---- launcher -------------------------------------------------------------------------------------
 
+def _call_config(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | GemvConfig:
+    """The tiling a call without an explicit one runs: `pick_skinny_config`'s, the tiled kernel's
+    where the GEMV's pick cannot read the weight's rows as words."""
+    (M, K), N = x.shape, weight.shape[0]
+    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
+    config = pick_skinny_config(M, N, K, weight.dtype, num_sms)
+    if isinstance(config, GemvConfig) and not fp8_gemv.word_aligned(weight):
+        mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight.element_size(), 2))]
+        config = config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
+    return config
+
+
 def can_push(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_linear(x, weight, push=...)` can push its rows to the fused all-reduce: the
     call runs `kernels/fp8_gemv.py` (whose epilogue pushes), not the tiled kernel."""
-    M, K = x.shape
-    return (use_skinny(M, weight.shape[0], K, weight.dtype, x.device) and fp8_gemv.word_aligned(weight)
-            and isinstance(pick_skinny_config(M, weight.shape[0], K, weight.dtype, _num_sms(x.device.index or 0)),
-                           GemvConfig))
+    return (use_skinny(x.shape[0], weight.shape[0], x.shape[1], weight.dtype, x.device)
+            and isinstance(_call_config(x, weight), GemvConfig))
 
 
 def skinny_linear_impl(
@@ -362,12 +372,7 @@ def skinny_linear_impl(
     if M == 0 or N == 0:
         return out
     if config is None:
-        num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
-        config = pick_skinny_config(M, N, K, weight.dtype, num_sms)
-        if isinstance(config, GemvConfig) and not fp8_gemv.word_aligned(weight):
-            # rows not readable as words
-            mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight.element_size(), 2))]
-            config = config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
+        config = _call_config(x, weight)
     if isinstance(config, GemvConfig):
         return fp8_gemv.fp8_gemv(x, weight, scale, bias, config, gated=gated, push=push)
     if push is not None:

@@ -177,10 +177,9 @@ class CustomAllReduce:
         self._pushed: tuple[int, tuple[int, ...], torch.dtype] | None = None
 
     @staticmethod
-    def push_enabled(env: dict[str, str] | None = None) -> bool:
+    def push_enabled() -> bool:
         """`OPEN_LMI_PUSH_PARTIALS` (unset: on): whether row-parallel GEMVs may push their rows."""
-        env = os.environ if env is None else env
-        return env.get(PUSH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        return os.environ.get(PUSH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device,

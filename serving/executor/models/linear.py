@@ -61,16 +61,23 @@ class Linear(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: Loaded, shard_id: object = None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+                push: object = None) -> torch.Tensor:
         note(self)  # the run order the L2 hints are linked from (models/weight_prefetch.py)
-        return self._compute(x, bias, gated)
+        return self._compute(x, bias, gated, push)
 
-    def _compute(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-        # gated: the weight is a packed [gate | up]; the result is silu(gate) * up
+    def _compute(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+                 push: object = None) -> torch.Tensor:
+        # gated: the weight is a packed [gate | up]; the result is silu(gate) * up. push: the fused
+        # all-reduce's buffers (`parallel.push_target`), where a row-parallel partial's GEMV may send its rows
         if self.quant_method is None:
             w = self.weight
             if (x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and x.dtype == w.dtype
                     and kernels.use_skinny(x.shape[0], w.shape[0], w.shape[1], w.dtype, x.device)):
+                if push is not None and kernels.skinny_can_push(x, w):
+                    out = kernels.skinny_linear(x, w, None, bias, push=push)  # the returned rows unwritten
+                    parallel.note_pushed(out)
+                    return out
                 # decode rows: one bandwidth-bound launch (with the activation in its epilogue when gated)
                 return kernels.skinny_linear(x, w, None, bias, gated=gated)
             y = F.linear(x, w, bias)
@@ -172,7 +179,7 @@ class RowParallelLinear(Linear):
         spec = LinearSpec(in_features, in_start, size, {"": OutputPart(out_features, 0, out_features)},
                           {"": (0, out_features)}, name)
         super().__init__(size, out_features, bias, quant_method, spec)
-        self.in_start, self.full_in_features = in_start, in_features
+        self.in_start, self.full_in_features, self.out_features = in_start, in_features, out_features
         assert reduce or not bias or shard.world_size == 1, "a partial sum with a bias would add it on every rank"
         self.reduce = reduce and shard.world_size > 1
         self.bias_rank = shard.rank == 0
@@ -198,14 +205,8 @@ class RowParallelLinear(Linear):
         decode-sized float GEMV then sends its rows straight into that kernel's buffers from its
         epilogue (`parallel.push_target`) and leaves the returned tensor unwritten."""
         bias = self.bias if self.bias_rank or not self.reduce else None
-        if push and self.reduce and self.quant_method is None and x.dim() == 2 and x.dtype == self.weight.dtype:
-            peers = parallel.push_target(x.shape[0], self.weight.shape[0], x.dtype)
-            if peers is not None and kernels.skinny_can_push(x, self.weight):
-                note(self)  # the run order the L2 hints are linked from (models/weight_prefetch.py)
-                out = kernels.skinny_linear(x, self.weight, None, bias, push=peers)
-                parallel.note_pushed(out)
-                return out
-        return self._linear(x, bias)
+        peers = parallel.push_target(x.shape[0], self.out_features, x.dtype) if push and self.reduce else None
+        return self._linear(x, bias, push=peers)
 
 
 def sums_later(module: nn.Module) -> bool:
