@@ -20,11 +20,6 @@ a bf16 copy of the weight per call) and each `large_configs` candidate (`_kchunk
 bigger tiles, `int4_kchunk_gemm` with one dot per K tile or one per nibble), split-K to reach one
 program per SM:
 µs, TFLOP/s, GB/s (int4 bytes), ratio to bf16 and relative error; then the 8B step totals per M.
-
-`--slabs` times the dequantise-then-cuBLAS path for M = 128..2048 (about 2 minutes): the whole weight
-at once (a bf16 copy written to HBM and read back) against slabs of `SLAB_MIB` MiB of columns
-dequantised into one reused buffer (`KChunkConfig.slab_n`, L2-resident), beside bf16 cuBLAS and the
-tensor-core kernel serving picks where it has one; then the 8B step totals per M and slab size.
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ from bench.quant_kernels import _copies, int4_weights, time_us  # noqa: E402
 from bench.quant_speed import _rel, _try  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.int4_kchunk import (  # noqa: E402
-    DENSE, GEMM_JOIN, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config,
+    GEMM_JOIN, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config,
 )
 from kernels.int4_matmul import _split_for, pick_config, quant_linear_impl  # noqa: E402
 
@@ -215,62 +210,6 @@ def run_large_shape(name: str, k: int, n: int, num_sms: int, report: dict) -> di
     return best
 
 
-SLAB_MS = (128, 256, 512, 1024, 2048)
-SLAB_MIB = (4, 8, 12, 16, 24, 32)
-
-
-def slab_cols(k: int, mib: float) -> int:
-    """Columns of a `mib` MiB bf16 slab of a K-row weight, a multiple of 128."""
-    return max(128, int(mib * 2**20 / (2 * k)) // 128 * 128)
-
-
-def slabs(num_sms: int, json_path: str, report: dict, t0: float) -> None:
-    """`--slabs`: whole-weight against slab dequantisation for cuBLAS, per shape and M, then step totals."""
-    totals: dict = {m: {} for m in SLAB_MS}
-    for name, k, n in SHAPES:
-        w16 = [torch.randn(n, k, device="cuda", dtype=BF16) / 64 for _ in range(_copies(k * n * 2))]
-        w4 = [(q, quant_reference.repack_int4_kchunk(q), s, z) for q, s, z in int4_weights(k, n, GROUP, _copies(k * n // 2))]
-        q0, p0, s0, z0 = w4[0]
-        for m in SLAB_MS:
-            x = torch.randn(m, k, device="cuda", dtype=BF16)
-            ref = quant_reference.quant_linear(x, q0, s0, z0, None, 4, GROUP)
-            t16 = time_us([lambda w=w: F.linear(x, w) for w in w16])
-            cands = [("bf16", None), ("whole", DENSE)]
-            cands += [(f"{mib} MiB", DENSE._replace(slab_n=slab_cols(k, mib))) for mib in SLAB_MIB]
-            picked = pick_kchunk_config(m, n, k, GROUP, num_sms)
-            if picked.block_m:
-                cands.append(("tensor-core (picked)", picked))
-            line = [f"## {name} K={k} N={n} M={m}:"]
-            row = {"name": name, "K": k, "N": n, "M": m, "us": {}}
-            for label, cfg in cands:
-                if cfg is None:
-                    t = t16
-                else:
-                    err = _try(lambda c=cfg: _rel(int4_kchunk_linear_impl(x, p0, s0, z0, GROUP, None, c), ref))
-                    t = _try(lambda c=cfg: time_us([lambda w=w: int4_kchunk_linear_impl(x, w[1], w[2], w[3], GROUP,
-                                                                                        None, c) for w in w4]))
-                    if not isinstance(err, float) or err > 1e-2:
-                        line.append(f"{label} WRONG ({err})")
-                        continue
-                if isinstance(t, float):
-                    row["us"][label] = t
-                    totals[m][label] = totals[m].get(label, 0.0) + t * NUM_LAYERS / 1e3
-                    line.append(f"{label} {t:.1f} us (x{t / t16:.2f})")
-                else:
-                    line.append(f"{label} FAIL {t}")
-            print(" ".join(line[:1]) + " " + "; ".join(line[1:]), flush=True)
-            report["rows"].append(row)
-        del w16, w4
-        torch.cuda.empty_cache()
-        print(f"# {name} done: {time.perf_counter() - t0:.0f} s", flush=True)
-        _write(json_path, report)
-    print("\n# linear layers of one 8B step (qkv, o, gate_up, down x 32 layers), ms (x bf16)")
-    for m in SLAB_MS:
-        b16 = totals[m].get("bf16", float("nan"))
-        print(f"M={m}: " + "; ".join(f"{label} {v:.2f} (x{v / b16:.2f})" for label, v in totals[m].items()), flush=True)
-    report["per_step_ms"] = {str(m): totals[m] for m in SLAB_MS}
-
-
 def _short(cfg: KChunkConfig) -> str:
     """The fields that matter for the tensor-core paths."""
     if cfg.block_m == 0:
@@ -311,7 +250,6 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--quick", action="store_true", help="three tilings per M at one split (a smoke run)")
     ap.add_argument("--large", action="store_true", help="the tensor-core paths at M = 64..2048 instead")
-    ap.add_argument("--slabs", action="store_true", help="whole-weight vs slab dequantisation for cuBLAS instead")
     args = ap.parse_args()
     t0 = time.perf_counter()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -320,11 +258,6 @@ def main() -> None:
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:,.0f} GB/s", flush=True)
     report: dict = {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "rows": []}
-    if args.slabs:
-        slabs(num_sms, args.json, report, t0)
-        _write(args.json, report)
-        print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
-        return
     if args.large:
         large(num_sms, args.json, report, t0)
         _write(args.json, report)

@@ -14,9 +14,7 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
   multiplied by the matching x columns in `tl.dot`.
 - `gemm` set (many rows): `kernels/int4_kchunk_gemm.py`, tensor cores with the dequantised weights
   as the MMA's register operand (out^T = W^T x^T), no copy of the weight.
-- `block_m` 0 (prefill, large decode batches): `dequantize_kchunk` writes the weight in x's dtype
-  and cuBLAS multiplies it, a slab of `slab_n` columns at a time into one reused buffer small
-  enough to stay in L2 (`DENSE`, slab_n 0: the whole weight at once, written to and read back from HBM).
+- `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV writes silu(gate) * up from its
 epilogue (`kernels/int4_common.finish_gemv_tile`); the other paths run `kernels/activation.py` after.
@@ -57,7 +55,6 @@ class KChunkConfig(NamedTuple):
     reduce_each: bool = False  # GEMV: sum each nibble's products at once instead of an FMA tile
     group_m: int = 1  # tensor cores: row tiles per band of the program order (L2 reuse of weight tiles)
     gemm: int = 0  # tensor cores: `int4_kchunk_gemm` (W^T x^T) with GEMM_JOIN or GEMM_NIBBLES, else 0
-    slab_n: int = 0  # block_m 0: columns dequantised (then multiplied by cuBLAS) at a time; 0: all of them
 
 
 @triton.jit
@@ -272,16 +269,15 @@ def _kchunk_dequant_kernel(
     w_ptr,  # [K // 32, N, 4] int32
     scales_ptr,  # [G, N]
     zeros_ptr,  # [G, N]
-    out_ptr,  # [K, col_end - col0], the output dtype (row stride stride_ok)
-    col0, col_end, group_size, stride_wc, stride_sg, stride_ok,
+    out_ptr,  # [K, N], the output dtype
+    N, group_size, stride_wc, stride_sg, stride_ok,
     BLOCK_N: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    # Columns col0 .. col_end - 1 of the weight in x's dtype, one 32-row chunk per program row (large
-    # M: cuBLAS multiplies them).
+    # The whole weight in x's dtype, one 32-row chunk per program row (large M: cuBLAS multiplies it).
     c = tl.program_id(0)
-    offs_n = col0 + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < col_end
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
     offs_w = tl.arange(0, 4)
     words = tl.load(w_ptr + c * stride_wc + (offs_n * 4)[:, None] + offs_w[None, :], mask=mask_n[:, None],
                     other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, 4]
@@ -291,50 +287,21 @@ def _kchunk_dequant_kernel(
     rows = (c * 32 + offs_w).to(tl.int64)[None, :] * stride_ok  # [1, 4]: nibble j adds 4 j rows
     for j in tl.static_range(8):
         w = nibble_float(words, j, ASM) * (s * 16.0) - (z + 16.0) * s
-        tl.store(out_ptr + rows + 4 * j * stride_ok + (offs_n - col0)[:, None], w.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + rows + 4 * j * stride_ok + offs_n[:, None], w.to(out_ptr.dtype.element_ty),
                  mask=mask_n[:, None])
 
 
 def dequantize_kchunk(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                      dtype: torch.dtype, col0: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Columns `col0 .. col0 + out.shape[1]` of the dense `[K, N]` weight in `dtype` (one launch), into
-    `out` (`[K, cols]`, unit column stride) or, without it, the whole weight in a new tensor."""
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The dense `[K, N]` weight in `dtype` (one launch; large M multiplies it with cuBLAS)."""
     chunks, n, _ = packed.shape
-    if out is None:
-        assert col0 == 0
-        out = torch.empty((chunks * 32, n), device=packed.device, dtype=dtype)
-    cols = out.shape[1]
-    assert out.shape[0] == chunks * 32 and out.stride(1) == 1 and out.dtype == dtype, (out.shape, out.stride())
-    assert 0 <= col0 and col0 + cols <= n, (col0, cols, n)
+    w = torch.empty((chunks * 32, n), device=packed.device, dtype=dtype)
     block_n = 128
-    _kchunk_dequant_kernel[(chunks, triton.cdiv(cols, block_n))](
-        packed, scales, zeros, out, col0, col0 + cols, group_size, packed.stride(0), scales.stride(0), out.stride(0),
+    _kchunk_dequant_kernel[(chunks, triton.cdiv(n, block_n))](
+        packed, scales, zeros, w, n, group_size, packed.stride(0), scales.stride(0), w.stride(0),
         BLOCK_N=block_n, ASM=packed.is_cuda, num_warps=4,
     )
-    return out
-
-
-def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       group_size: int, bias: torch.Tensor | None, slab_n: int) -> torch.Tensor:
-    """x @ W (+ bias) through cuBLAS on the weight dequantised `slab_n` columns at a time into one
-    buffer (0 or >= N: the whole weight). A slab that fits in L2 is written there and read back from
-    there: HBM carries the int4 words only, where the whole weight's copy is written out and read back."""
-    M = x.shape[0]
-    N = packed.shape[1]
-    if slab_n <= 0 or slab_n >= N:
-        w = dequantize_kchunk(packed, scales, zeros, group_size, x.dtype)
-        return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    slab = torch.empty((packed.shape[0] * 32, slab_n), device=x.device, dtype=x.dtype)
-    for col0 in range(0, N, slab_n):
-        cols = min(slab_n, N - col0)
-        w = dequantize_kchunk(packed, scales, zeros, group_size, x.dtype, col0, slab[:, :cols])
-        dst = out[:, col0:col0 + cols]  # row stride N: cuBLAS writes it in place
-        if bias is not None:
-            torch.addmm(bias[col0:col0 + cols], x, w, out=dst)
-        else:
-            torch.mm(x, w, out=dst)
-    return out
+    return w
 
 
 DENSE = KChunkConfig(0, 0, 0, 1, 0)  # dequantise the whole weight once, then cuBLAS
@@ -423,8 +390,9 @@ def int4_kchunk_linear_impl(
     one_group = group_size >= K
     if not one_group and group_size % 32:
         raise ValueError(f"the k-chunk layout needs groups of a multiple of 32 rows, got {group_size}")
-    if config.block_m == 0:  # dequantise, then cuBLAS (large M: the dequantise is amortised)
-        return dequantized_matmul(x, packed, scales, zeros, group_size, bias, config.slab_n)
+    if config.block_m == 0:  # DENSE: dequantise, then cuBLAS (large M: the dequantise is amortised)
+        w = dequantize_kchunk(packed, scales, zeros, group_size, x.dtype)
+        return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
     gemv = config.block_m < 16
     if config.block_k % 32:
         raise ValueError(f"block_k must be a multiple of 32, got {config}")
