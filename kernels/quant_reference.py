@@ -190,6 +190,23 @@ def fp8_linear(
     return _gated(F.linear(x, dequantize_fp8_weight(weight, weight_scale, x.dtype), bias), gated)
 
 
+def fp8_scaled_matmul(
+    x_q: torch.Tensor,  # [M, K] float8_e4m3fn
+    x_scale: torch.Tensor,  # [M, 1] or [M] fp32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [N] fp32
+    bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: object = None,  # the Triton kernel's tiling (unused here)
+) -> torch.Tensor:
+    """`kernels/fp8_gemm.py`'s op: (x_q * x_scale) @ (weight * w_scale)^T + bias in fp32, in out_dtype."""
+    x = x_q.float() * x_scale.float().reshape(-1, 1)
+    y = x @ (weight.float() * w_scale.float().reshape(-1, 1)).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
 def skinny_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] bf16 / fp16 / float8_e4m3fn
