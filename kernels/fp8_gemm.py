@@ -12,7 +12,8 @@ program owns a `[BLOCK_M, BLOCK_N]` output tile and walks K in BLOCK_K steps, Tr
 loads `num_stages` deep; both scales are applied once to the fp32 accumulator; when the tiles alone
 cannot fill the GPU, K is split over programs that meet through `kernels/int4_common.finish_tile`
 (fp32 partials summed in split order by the last one: deterministic). `pick_fp8_gemm_config` picks
-the tiling from the shapes (fixed per M bucket, so M moving inside a bucket never recompiles).
+the tiling from the shapes (fixed per M bucket, so M moving inside a bucket never recompiles);
+`use_fp8_gemm` says where it beat `_scaled_mm` (`kernels/fp8_matmul.scaled_mm_linear` asks it).
 """
 
 from __future__ import annotations
@@ -89,19 +90,33 @@ def _fp8_gemm_kernel(
                 counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
 
+TRITON_MAX_ROWS = 128  # above, `torch._scaled_mm` (compute-bound from ~512 rows, where it matches the best tiling)
+WIDE_N = 16384  # a wide weight (a SwiGLU MLP's [gate | up]): `_scaled_mm` already wins above 64 rows
+
+
+def use_fp8_gemm(M: int, N: int, K: int) -> bool:
+    """Whether `fp8_gemm` beat `torch._scaled_mm` at this shape (bench/fp8_gemm_sweep.py on an H200,
+    bench/RESULTS.md run 57: 16 < M <= 128, except wide N above 64 rows)."""
+    return 16 < M <= TRITON_MAX_ROWS and not (M > 64 and N >= WIDE_N)
+
+
 def pick_fp8_gemm_config(M: int, N: int, K: int, num_sms: int) -> Fp8GemmConfig:
-    """The tiling for one call, from shapes alone (one per M bucket): row tiles of the bucket's
-    largest M, K split until the tiles reach about one program per SM."""
+    """The tiling for one call, from shapes alone (one per M bucket: 17-32, 33-64, 65-128 rows, and
+    above), from bench/fp8_gemm_sweep.py on an H200 (bench/RESULTS.md run 57, 8B shapes): 16-row
+    tiles (32 on wide N) of 64 columns (128 on wide N) split to ~2 programs per SM up to 32 rows;
+    64-row tiles split to ~1 program per SM up to 128; 128 x 256 tiles above (where `_scaled_mm`
+    runs in serving). K steps of 128, 4 warps and 4 stages below 128 rows."""
+    wide = N >= WIDE_N
     if M <= 32:
-        top, bm, bn, bk, warps, stages = 32, 32, 128, 128, 4, 5
+        top, bm, bn, bk, warps, stages, per_sm = 32, (32 if wide else 16), (128 if wide else 64), 128, 4, 4, 2
     elif M <= 64:
-        top, bm, bn, bk, warps, stages = 64, 64, 128, 128, 4, 5
+        top, bm, bn, bk, warps, stages, per_sm = 64, 64, (128 if wide else 64), 128, 4, 4, 1
     elif M <= 128:
-        top, bm, bn, bk, warps, stages = 128, 128, 128, 128, 8, 4
+        top, bm, bn, bk, warps, stages, per_sm = 128, 64, (128 if wide else 64), 128, 4, 4, 1
     else:
-        top, bm, bn, bk, warps, stages = max(256, triton.next_power_of_2(M)), 128, 128, 128, 8, 4
+        top, bm, bn, bk, warps, stages, per_sm = max(256, triton.next_power_of_2(M)), 128, 256, 128, 8, 3, 1
     tiles = triton.cdiv(N, bn) * triton.cdiv(top, bm)
-    return Fp8GemmConfig(bm, bn, bk, _split_for(tiles, triton.cdiv(K, bk), num_sms), warps, stages)
+    return Fp8GemmConfig(bm, bn, bk, _split_for(tiles, triton.cdiv(K, bk), per_sm * num_sms), warps, stages)
 
 
 def fp8_gemm(

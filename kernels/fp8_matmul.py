@@ -6,6 +6,8 @@ scalar or `[N]`. Out: `[M, N]` in x's dtype. On Hopper (sm_90+) each row of x ge
 (torch 2.11 accepts rowwise scales with a bf16 output only, so fp16 callers get a cast). On
 sm_89 a per-tensor activation scale is used, with a per-tensor weight scale only. Elsewhere, and
 for shapes `_scaled_mm` refuses (K or N not a multiple of 16), the torch reference runs.
+From 17 to 128 rows on Hopper, where `kernels.fp8_gemm.use_fp8_gemm` says so, the activations'
+FP8 rows go to `kernels/fp8_gemm.py` (our tiles; the weight stream sets the time there) instead.
 Up to 16 rows (decode) on sm_89+, where `kernels.skinny_linear.use_skinny` says so for the shape,
 `kernels/skinny_linear.py` runs instead: one launch, weights converted in registers, activations
 not quantised (bandwidth-bound there).
@@ -22,6 +24,7 @@ import triton.language as tl
 
 from kernels import quant_reference
 from kernels.activation import silu_and_mul
+from kernels.fp8_gemm import fp8_gemm, use_fp8_gemm
 from kernels.skinny_linear import skinny_linear, use_skinny
 
 FP8_MAX = quant_reference.FP8_MAX
@@ -103,6 +106,9 @@ def scaled_mm_linear(
         if not per_channel:
             w_scale = w_scale.expand(1, N).contiguous()  # [1, N]
         out_dtype = torch.bfloat16
+        if cap[0] == 9 and use_fp8_gemm(x.shape[0], N, K) and weight.stride(1) == 1:
+            # Hopper, 17-128 rows: the weight stream sets the time; our tiles beat `_scaled_mm` there
+            return fp8_gemm(x_q, x_scale, weight, w_scale.reshape(N), bias, x.dtype)
     else:
         # sm_89: tensorwise scales only. One scale for the whole activation (no host sync).
         x_scale = (x.abs().amax().float() / FP8_MAX).clamp_min(1e-12)
