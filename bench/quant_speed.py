@@ -131,7 +131,7 @@ def table(bw: float, tflops: float, report: dict) -> None:
             t16 = time_us([lambda w=w: F.linear(x, w) for w in w16])
             t4o = _try(lambda: time_us([lambda w=w: quant_linear_impl(x, w[0], w[2], w[3], None, 4, GROUP) for w in w4]))
             t4n = _try(lambda: time_us([lambda w=w: kernels.int4_kchunk_linear(x, w[1], w[2], w[3], GROUP) for w in w4]))
-            t8o = _try(lambda: time_us([lambda w=w: scaled_mm_linear(x, w[0], w[1]) for w in w8]))
+            t8o = _try(lambda: time_us([lambda w=w: scaled_mm_linear(x, w[0], w[1], own_tiles=False) for w in w8]))
             t8n = _try(lambda: time_us([lambda w=w: kernels.fp8_linear(x, w[0], w[1]) for w in w8]))
             q, p, s, z = w4[0]
             e4 = _try(lambda: _rel(kernels.int4_kchunk_linear(x, p, s, z, GROUP),

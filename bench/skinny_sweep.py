@@ -160,7 +160,7 @@ def run_case(model: str, tp: int, proj: str, k: int, n: int, dtype: str, ms: lis
         if dtype == "bf16":
             cublas = time_us([lambda w=w: F.linear(x, w) for w, _ in ws])
         else:
-            cublas = time_us([lambda w=w, s=s: scaled_mm_linear(x, w, s) for w, s in ws])
+            cublas = time_us([lambda w=w, s=s: scaled_mm_linear(x, w, s, own_tiles=False) for w, s in ws])
         nbytes = n * k * itemsize + m * k * 2 + m * n * 2 + (4 * n if itemsize == 1 else 0)
         cands = []
         over = time.time() - T0 > BUDGET_S  # past the budget: time only the pick (and cuBLAS)
@@ -296,7 +296,7 @@ def run_gemv_case(tp: int, proj: str, k: int, n: int, ms: list[int], num_sms: in
         ref = quant_reference.skinny_linear(x.float(), w0, s0)
         nbytes = n * k + m * k * 2 + m * n * 2 + 4 * n
         bf16 = time_us([lambda w=w: F.linear(x, w) for w in wb])
-        scaled = time_us([lambda w=w, s=s: scaled_mm_linear(x, w, s) for w, s in ws])
+        scaled = time_us([lambda w=w, s=s: scaled_mm_linear(x, w, s, own_tiles=False) for w, s in ws])
         pick = pick_skinny_config(m, n, k, w0.dtype, num_sms)
         today = _try(lambda: time_us([lambda w=w, s=s: skinny_linear_impl(x, w, s, None, pick) for w, s in ws]))
         cands = []

@@ -91,8 +91,10 @@ def fp8_linear(
 
 def scaled_mm_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+    own_tiles: bool = True,
 ) -> torch.Tensor:
-    """`fp8_linear` through activation quantisation + `torch._scaled_mm` at any M (the path above 16 rows)."""
+    """`fp8_linear` through activation quantisation + `torch._scaled_mm` at any M (the path above 16 rows),
+    or `kernels/fp8_gemm.py` where `use_fp8_gemm` says it wins (`own_tiles` False: never; benches' baseline)."""
     N, K = weight.shape
     cap = _capability(x.device.index or 0)
     per_channel = weight_scale.numel() > 1
@@ -106,7 +108,7 @@ def scaled_mm_linear(
         if not per_channel:
             w_scale = w_scale.expand(1, N).contiguous()  # [1, N]
         out_dtype = torch.bfloat16
-        if cap[0] == 9 and use_fp8_gemm(x.shape[0], N, K) and weight.stride(1) == 1:
+        if own_tiles and cap[0] == 9 and use_fp8_gemm(x.shape[0], N, K) and weight.stride(1) == 1:
             # Hopper, 17-128 rows: the weight stream sets the time; our tiles beat `_scaled_mm` there
             return fp8_gemm(x_q, x_scale, weight, w_scale.reshape(N), bias, x.dtype)
     else:
