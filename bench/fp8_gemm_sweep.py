@@ -22,7 +22,6 @@ launch) at the picked tiling and at the candidates with block_k 128; then the st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,8 +34,8 @@ sys.path.insert(0, ROOT)
 
 import triton  # noqa: E402
 
-from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
-from bench.quant_kernels import _copies, time_us  # noqa: E402
+import kernels  # noqa: E402
+from bench.quant_kernels import _copies, start_report, time_us, write_report  # noqa: E402
 from bench.quant_speed import _rel, _try  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, pick_fp8_gemm_config  # noqa: E402
@@ -71,12 +70,7 @@ def with_splits(cfg: Fp8GemmConfig, m: int, n: int, k: int, num_sms: int) -> lis
 def _weights(k: int, n: int) -> tuple[list, list]:
     """Rotating copies (>= 256 MB each kind): bf16 [N, K]; FP8 (e4m3 [N, K], per-channel fp32 scale [N])."""
     w16 = [torch.randn(n, k, device="cuda", dtype=BF16) / 64 for _ in range(_copies(k * n * 2))]
-    w8 = []
-    for i in range(_copies(k * n)):
-        w = w16[i % len(w16)]
-        scale = (w.float().abs().amax(dim=1) / 448.0).clamp_min(1e-12)
-        w8.append(((w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale))
-    return w16, w8
+    return w16, [kernels.quantize_fp8(w16[i % len(w16)]) for i in range(_copies(k * n))]
 
 
 def fused(ms: list[int], num_sms: int, report: dict, t0: float) -> None:
@@ -141,17 +135,11 @@ def main() -> None:
     args = ap.parse_args()
     ms = [int(v) for v in (args.ms or ("17,32,64,128" if args.fused else "24,32,64,128,256,512,2048")).split(",")]
     t0 = time.perf_counter()
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name(0)}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}",
-          flush=True)
-    bw = copy_bandwidth_gbs()
-    print(f"copy bandwidth {bw:,.0f} GB/s", flush=True)
-    report: dict = {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "rows": []}
+    num_sms, report = start_report()
+    bw = report["copy_gbs"]
     if args.fused:
         fused(ms, num_sms, report, t0)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(report, fh, indent=1)
+        write_report(args.json, report)
         print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
         return
     totals = {m: {"bf16": 0.0, "scaled_mm": 0.0, "picked": 0.0, "best": 0.0} for m in ms}
@@ -195,9 +183,7 @@ def main() -> None:
         del w16, w8
         torch.cuda.empty_cache()
         print(f"# {name} done: {time.perf_counter() - t0:.0f} s", flush=True)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(report, fh, indent=1)
+        write_report(args.json, report)
     print("\n# linear layers of one 8B step (qkv, o, gate_up, down x 32 layers), ms")
     for m in ms:
         t = totals[m]
@@ -205,9 +191,7 @@ def main() -> None:
               f"picked {t['picked']:.3f} (x{t['picked'] / t['scaled_mm']:.2f} _scaled_mm); best per shape "
               f"{t['best']:.3f} (x{t['best'] / t['scaled_mm']:.2f})", flush=True)
     report["per_step_ms"] = {str(m): totals[m] for m in ms}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1)
+    write_report(args.json, report)
     print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
 
 

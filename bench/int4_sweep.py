@@ -25,7 +25,6 @@ program per SM:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -38,8 +37,7 @@ sys.path.insert(0, ROOT)
 
 import triton  # noqa: E402
 
-from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
-from bench.quant_kernels import _copies, int4_weights, time_us  # noqa: E402
+from bench.quant_kernels import _copies, int4_weights, start_report, time_us, write_report  # noqa: E402
 from bench.quant_speed import _rel, _try  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.int4_kchunk import (  # noqa: E402
@@ -228,7 +226,7 @@ def large(num_sms: int, json_path: str, report: dict, t0: float) -> None:
             totals[m][1] += t_dq * NUM_LAYERS / 1e3
             totals[m][2] += (b[0] if b else float("nan")) * NUM_LAYERS / 1e3
         print(f"# {name} done: {time.perf_counter() - t0:.0f} s", flush=True)
-        _write(json_path, report)
+        write_report(json_path, report)
     print("\n# linear layers of one 8B step (qkv, o, gate_up, down x 32 layers), ms")
     for m in LARGE_MS:
         b16, dq, new = totals[m]
@@ -238,13 +236,6 @@ def large(num_sms: int, json_path: str, report: dict, t0: float) -> None:
                              for m in LARGE_MS}
 
 
-def _write(path: str, report: dict) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as fh:
-            json.dump(report, fh, indent=1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="")
@@ -252,15 +243,11 @@ def main() -> None:
     ap.add_argument("--large", action="store_true", help="the tensor-core paths at M = 64..2048 instead")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name(0)}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}",
-          flush=True)
-    bw = copy_bandwidth_gbs()
-    print(f"copy bandwidth {bw:,.0f} GB/s", flush=True)
-    report: dict = {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "rows": []}
+    num_sms, report = start_report()
+    bw = report["copy_gbs"]
     if args.large:
         large(num_sms, args.json, report, t0)
-        _write(args.json, report)
+        write_report(args.json, report)
         print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
         return
     totals = {m: [0.0, 0.0, 0.0] for m in MS}
@@ -271,7 +258,7 @@ def main() -> None:
             totals[m][1] += t_old * NUM_LAYERS / 1e3
             totals[m][2] += (b[0] if b else float("nan")) * NUM_LAYERS / 1e3
         print(f"# {name} done: {time.perf_counter() - t0:.0f} s", flush=True)
-        _write(args.json, report)  # after each shape: a run cut short keeps what it measured
+        write_report(args.json, report)  # after each shape: a run cut short keeps what it measured
     floor = {m: sum(int4_bytes(m, k, n) for _, k, n in SHAPES) * NUM_LAYERS / bw / 1e6 for m in MS}
     print("\n# linear layers of one 8B decode step (qkv, o, gate_up, down x 32 layers, no LM head), ms")
     for m in MS:
@@ -280,7 +267,7 @@ def main() -> None:
               f"(x{new / b16:.2f}; int4 floor {floor[m]:.3f} = {floor[m] / new:.0%} of it)", flush=True)
     report["per_step_ms"] = {str(m): {"bf16": totals[m][0], "general": totals[m][1], "kchunk_best": totals[m][2],
                                       "int4_floor": floor[m]} for m in MS}
-    _write(args.json, report)
+    write_report(args.json, report)
     print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
 
 

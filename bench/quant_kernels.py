@@ -59,6 +59,27 @@ def time_us(calls: list, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def start_report() -> tuple[int, dict]:
+    """A sweep's first lines: the device, its SM count and versions, then the copy bandwidth measured now;
+    returns (SM count, the report dict with device, copy_gbs and an empty rows list)."""
+    import triton
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name(0)}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
+    bw = copy_bandwidth_gbs()
+    print(f"copy bandwidth {bw:,.0f} GB/s", flush=True)
+    return num_sms, {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "rows": []}
+
+
+def write_report(path: str, report: dict) -> None:
+    """The report as JSON at `path` (nothing without one); called as parts finish, so a cut run keeps them."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=1)
+
+
 def int4_weights(k: int, n: int, group_size: int, copies: int):
     out = []
     for _ in range(copies):

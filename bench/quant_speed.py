@@ -23,7 +23,6 @@ One command (one H100/H200):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import triton  # noqa: E402
 
 import kernels  # noqa: E402
 from bench.ceilings import copy_bandwidth_gbs, matmul_tflops  # noqa: E402
-from bench.quant_kernels import _copies, int4_weights, time_us  # noqa: E402
+from bench.quant_kernels import _copies, int4_weights, time_us, write_report  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.fp8_matmul import scaled_mm_linear  # noqa: E402
 from kernels.int4_matmul import quant_linear_impl  # noqa: E402
@@ -205,18 +204,14 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name(0), "copy_gbs": bw, "matmul_tflops": tflops}
     table(bw, tflops, report)
     print(f"# kernel table: {time.perf_counter() - t0:.0f} s", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1)
+    write_report(args.json, report)
     if not args.no_e2e:
         torch.cuda.empty_cache()
         end_to_end(args.workload, args.json)
     if args.sweep:  # last: the figures above are the ones to report
         sweep(num_sms, report)
         print(f"# sweep done: {time.perf_counter() - t0:.0f} s", flush=True)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(report, fh, indent=1)
+        write_report(args.json, report)
     print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
 
 

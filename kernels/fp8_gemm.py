@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from kernels.int4_common import finish_tile, grouped_tile
-from kernels.int4_matmul import _split_for, split_k_workspace
+from kernels.quant_reference import FP8_ACT_BLOCK
+from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
 
 
 class Fp8GemmConfig(NamedTuple):
@@ -114,7 +115,7 @@ def _fp8_gemm_kernel(
                 counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
 
-ACT_BLOCK = 128  # `fp8_gemm` with x_scale None: one activation scale per row and ACT_BLOCK columns
+ACT_BLOCK = FP8_ACT_BLOCK  # `fp8_gemm` with x_scale None: one activation scale per row and ACT_BLOCK columns
 TRITON_MAX_ROWS = 128  # above, `torch._scaled_mm` (compute-bound from ~512 rows, where it matches the best tiling)
 WIDE_N = 16384  # a wide weight (a SwiGLU MLP's [gate | up]): `_scaled_mm` already wins above 64 rows
 
@@ -171,8 +172,7 @@ def fp8_gemm(
     if M == 0:
         return out
     if config is None:
-        config = pick_fp8_gemm_config(M, N, K, torch.cuda.get_device_properties(x_q.device).multi_processor_count
-                                      if x_q.is_cuda else 132)
+        config = pick_fp8_gemm_config(M, N, K, _num_sms(x_q.device.index or 0) if x_q.is_cuda else 132)
     if quant_a and config.block_k != ACT_BLOCK:
         raise ValueError(f"quantising x in the GEMM needs block_k = {ACT_BLOCK} (its scales' block), got {config}")
     split = config.split_k

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from kernels import reference
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_ACT_BLOCK = 128  # `fp8_scaled_matmul` with x_scale None (kernels/fp8_gemm.py): columns sharing an activation scale
 
 
 def unpack_int_weight(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -204,7 +205,7 @@ def quantize_blocks_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
 
 def fp8_scaled_matmul(
     x_q: torch.Tensor,  # [M, K] float8_e4m3fn, or bf16 / fp16 with x_scale None
-    x_scale: torch.Tensor | None,  # [M, 1] or [M] fp32; None: x_q quantised in 1 x 128 blocks here
+    x_scale: torch.Tensor | None,  # [M, 1] or [M] fp32; None: x_q quantised in 1 x FP8_ACT_BLOCK blocks here
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     w_scale: torch.Tensor,  # [N] fp32
     bias: torch.Tensor | None = None,  # [N]
@@ -213,9 +214,8 @@ def fp8_scaled_matmul(
 ) -> torch.Tensor:
     """`kernels/fp8_gemm.py`'s op: (x_q * x_scale) @ (weight * w_scale)^T + bias in fp32, in out_dtype."""
     if x_scale is None:
-        block = 128  # kernels/fp8_gemm.ACT_BLOCK
-        q, scales = quantize_blocks_fp8(x_q, block)
-        x = q.float() * scales.repeat_interleave(block, dim=1)[:, : x_q.shape[1]]
+        q, scales = quantize_blocks_fp8(x_q, FP8_ACT_BLOCK)
+        x = q.float() * scales.repeat_interleave(FP8_ACT_BLOCK, dim=1)[:, : x_q.shape[1]]
     else:
         x = x_q.float() * x_scale.float().reshape(-1, 1)
     y = x @ (weight.float() * w_scale.float().reshape(-1, 1)).t()
