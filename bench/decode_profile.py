@@ -20,6 +20,7 @@ early launch, its wait for the previous kernel included, so the per-kernel sums 
 
   python bench/decode_profile.py --tp 1,4                    # Llama-3-8B shape, on 4 GPUs (~1 min)
   python bench/decode_profile.py --shape llama-3-70b --tp 4  # the 70B shape
+  python bench/decode_profile.py --tp 1 --quantize bf16,gptq,fp8  # quantized weights (tests/support QUANT_VARIANTS)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch  # noqa: E402
 import bench.parallel  # noqa: E402, F401 - adds the 70B shape to SHAPES
 from bench.ceilings import time_ms  # noqa: E402
 from bench.studies.profile_workload import busy_and_gaps, family  # noqa: E402
-from dummy_model import SHAPES, make_dummy_model_dir  # noqa: E402
+from dummy_model import QUANT_VARIANTS, SHAPES, dummy_dir, make_dummy_model_dir  # noqa: E402
 
 # The all-reduce's kernels (NCCL's, torch symm_mem's one-/two-shot, their barriers) before the
 # families of bench/studies/profile_workload.py (GEMM, attention, norm, rotary, KV write, ...).
@@ -106,7 +107,7 @@ def summarize(steps: list[list[dict]]) -> dict:
 
 
 def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, seq_len: int, replays: int,
-          traced: int, out_file: str) -> None:
+          traced: int, out_file: str, quantization: str | None = None) -> None:
     import torch.distributed as dist
 
     from serving.engine_config import EngineConfig
@@ -122,7 +123,8 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
                                       custom_all_reduce=custom)
     config = EngineConfig.from_options(model_dir, tensor_parallel_size=world, load_format="dummy", dtype="bfloat16",
                                        max_num_seqs=8, max_model_len=4096, num_gpu_blocks_override=1024,
-                                       skip_tokenizer_init=True, disable_custom_all_reduce=not custom)
+                                       skip_tokenizer_init=True, disable_custom_all_reduce=not custom,
+                                       quantization=quantization)
     runner = ModelRunner(config, model_dir, device=device, rank=rank, world_size=world)
     graphs = runner.graph_runner
     assert graphs is not None and 1 in graphs.graphs, "no batch-1 decode graph was captured"
@@ -168,7 +170,10 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
         summary = {"grouping": grouping, **summarize(steps)}
         layers = runner.model_args.num_hidden_layers
         # What a decode step reads of this rank's weights: all but the embedding table (one row).
-        read = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters() if "embed" not in n)
+        # Quantized layers may hold their packed words and scales as buffers (rotary tables count too: small).
+        tensors = {id(t): t for n, t in [*runner.model.named_parameters(), *runner.model.named_buffers()]
+                   if "embed" not in n}
+        read = sum(t.numel() * t.element_size() for t in tensors.values())
         Path(out_file).write_text(json.dumps({"tp": world, "all_reduce_path": path,
                                               "layers": layers, "seq_len": seq_len, "weight_bytes_read": read,
                                               "graph_step_us": float(step_us.item()), **summary}))
@@ -178,23 +183,24 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
 
 
 def profile_degree(shape: str, tp: int, custom: bool, model_root: str, out_dir: Path, seq_len: int = 128,
-                   replays: int = 200, traced: int = 20) -> dict:
-    """Spawn `tp` ranks, profile rank 0's batch-1 decode graph; the summary dict (see `summarize`)."""
+                   replays: int = 200, traced: int = 20, quantize: str = "bf16") -> dict:
+    """Spawn `tp` ranks, profile rank 0's batch-1 decode graph (weights as the `QUANT_VARIANTS` variant
+    `quantize`); the summary dict (see `summarize`)."""
     import torch.multiprocessing as mp
 
-    model_dir = str(make_dummy_model_dir(shape, Path(model_root) / shape))
-    out_file = out_dir / f"decode_profile_{shape}_tp{tp}{'' if custom or tp == 1 else '_nccl'}.json"
+    model_dir = str(make_dummy_model_dir(shape, dummy_dir(model_root, shape, quantize), quantize=quantize))
+    out_file = out_dir / f"decode_profile_{shape}_{quantize}_tp{tp}{'' if custom or tp == 1 else '_nccl'}.json"
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(tp, os.path.join(tmp, "init"), model_dir, custom, seq_len, replays, traced,
-                              str(out_file)), nprocs=tp, join=True)
-    return {"shape": shape, **json.loads(out_file.read_text())}
+                              str(out_file), QUANT_VARIANTS[quantize][1]), nprocs=tp, join=True)
+    return {"shape": shape, "quantize": quantize, **json.loads(out_file.read_text())}
 
 
 def print_profile(result: dict, top: int = 14) -> None:
     layers = result["layers"]
     ar = {"none": "one GPU"}.get(result["all_reduce_path"], f"all-reduce: {result['all_reduce_path']}")
-    print(f"\n== decode step profile, {result['shape']} TP={result['tp']} ({ar}), batch 1, {result['seq_len']} "
-          f"tokens of context, rank 0, {result['steps']} traced replays (kernels grouped by {result['grouping']})")
+    print(f"\n== decode step profile, {result['shape']} {result.get('quantize', 'bf16')} TP={result['tp']} ({ar}), "
+          f"batch 1, {result['seq_len']} tokens of context, rank 0, {result['steps']} traced replays (kernels grouped by {result['grouping']})")
     print(f"graph alone (untraced, max over ranks): {result['graph_step_us']:.0f} us/step; traced: span "
           f"{result['span_us']:.0f} us = kernels {result['busy_us']:.0f} + gaps {result['gap_us']:.0f} "
           f"({result['kernels_per_step']:.0f} kernels; gap {result['gap_us'] / max(1, result['kernels_per_step']):.2f} "
@@ -222,6 +228,7 @@ def main() -> None:
     ap.add_argument("--tp", default="1,4", help="degrees, each in its own processes")
     ap.add_argument("--custom-ar", default="on", help="'on', 'off' (NCCL) or 'on,off' for TP > 1")
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--quantize", default="bf16", help=f"comma-separated variants of {sorted(QUANT_VARIANTS)}")
     ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/decode_profile"))
     ap.add_argument("--out", default="", help="also write every summary to this JSON file")
@@ -233,9 +240,11 @@ def main() -> None:
         if tp > torch.cuda.device_count():
             print(f"TP={tp}: only {torch.cuda.device_count()} GPUs, skipped")
             continue
-        for mode in (args.custom_ar.split(",") if tp > 1 else ["on"]):
-            results.append(profile_degree(args.shape, tp, mode == "on", args.model_root, out_dir, args.seq_len))
-            print_profile(results[-1])
+        for quantize in args.quantize.split(","):
+            for mode in (args.custom_ar.split(",") if tp > 1 else ["on"]):
+                results.append(profile_degree(args.shape, tp, mode == "on", args.model_root, out_dir, args.seq_len,
+                                              quantize=quantize))
+                print_profile(results[-1])
     if args.out:
         Path(args.out).write_text(json.dumps(results))
 

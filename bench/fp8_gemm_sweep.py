@@ -39,7 +39,7 @@ from bench.quant_kernels import _copies, start_report, time_us, write_report  # 
 from bench.quant_speed import _rel, _try  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, pick_fp8_gemm_config  # noqa: E402
-from kernels.fp8_matmul import quantize_rows_fp8  # noqa: E402
+from kernels.fp8_rows import quantize_rows_fp8  # noqa: E402
 from kernels.int4_matmul import _split_for  # noqa: E402
 
 BF16 = torch.bfloat16

@@ -118,11 +118,16 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
     unit_offset: bool = False,  # Gemma: scale by 1 + weight in float32, cast once
+    fp8_rows: bool = False,  # an FP8 linear reads the result: write its FP8 rows too where they serve
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm; with `residual`, first x = x + residual and return (normed, x). `unit_offset`: the
-    weight is stored as w - 1 (Gemma), the row scaled by 1 + w in float32 and cast once."""
-    impl = _mod("rms_norm").rms_norm if use_triton(x) else reference.rms_norm
-    return impl(x, weight, eps, residual, unit_offset)
+    weight is stored as w - 1 (Gemma), the row scaled by 1 + w in float32 and cast once. `fp8_rows`:
+    the normed rows' per-token FP8 copy rides along for the FP8 linear after it (`kernels/fp8_rows.py`;
+    Triton on Hopper, more than 16 rows; elsewhere nothing is written and the result is the same)."""
+    if use_triton(x):
+        wanted = fp8_rows and _mod("fp8_rows").wanted(x)
+        return _mod("rms_norm").rms_norm(x, weight, eps, residual, unit_offset, fp8_rows=wanted)
+    return reference.rms_norm(x, weight, eps, residual, unit_offset, fp8_rows=fp8_rows)
 
 
 def rotary_embedding(
@@ -153,10 +158,13 @@ def rotary_and_write_kv(
     impl(positions, query, key, value, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation: x = [gate | up] along the last dim -> silu(gate) * up."""
-    impl = _mod("activation").silu_and_mul if use_triton(x) else reference.silu_and_mul
-    return impl(x)
+def silu_and_mul(x: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
+    """SwiGLU activation: x = [gate | up] along the last dim -> silu(gate) * up. `fp8_rows`: as
+    `rms_norm`'s (the SwiGLU before an FP8 down projection)."""
+    if use_triton(x):
+        wanted = fp8_rows and _mod("fp8_rows").wanted(x)
+        return _mod("activation").silu_and_mul(x, fp8_rows=wanted)
+    return reference.silu_and_mul(x, fp8_rows=fp8_rows)
 
 
 # Multi-LoRA: rows grouped by adapter slot once per step (on the host: `lora_segments_host`, numpy;
@@ -265,10 +273,12 @@ def fp8_linear(
     weight_scale: torch.Tensor,  # fp32 scalar (per-tensor) or [N] (per-channel)
     bias: torch.Tensor | None = None,  # [N]
     gated: bool = False,  # N = [gate | up] (a SwiGLU MLP's): return silu(gate) * up [M, N / 2]
+    fp8_rows: bool = False,  # gated, before an FP8 linear: the SwiGLU writes its FP8 rows (kernels/fp8_rows.py)
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale).T + bias -> [M, N] in x's dtype (FP8 matmul on Hopper)."""
-    impl = _mod("fp8_matmul").fp8_linear if use_triton(x) else quant_reference.fp8_linear
-    return impl(x, weight, weight_scale, bias, gated=gated)
+    if use_triton(x):
+        return _mod("fp8_matmul").fp8_linear(x, weight, weight_scale, bias, gated=gated, fp8_rows=fp8_rows)
+    return quant_reference.fp8_linear(x, weight, weight_scale, bias, gated=gated, fp8_rows=fp8_rows)
 
 
 def skinny_linear(

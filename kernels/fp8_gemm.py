@@ -1,6 +1,6 @@
 """FP8 (e4m3) GEMM on tensor cores for per-token-quantised activations: y = (x_q * x_scale) @ (w * w_scale)^T + bias.
 
-In: `x_q` float8_e4m3fn `[M, K]` with fp32 `x_scale [M, 1]` (`kernels.fp8_matmul.quantize_rows_fp8`),
+In: `x_q` float8_e4m3fn `[M, K]` with fp32 `x_scale [M, 1]` (`kernels.fp8_rows.quantize_rows_fp8`),
 `weight` float8_e4m3fn `[N, K]` (torch Linear orientation, K contiguous: the K-major B operand
 Hopper's FP8 MMA wants) with fp32 `w_scale [N]`, optional `bias [N]`. Out: `[M, N]` in `out_dtype`.
 The torch reference with the same signature is `quant_reference.fp8_scaled_matmul`.

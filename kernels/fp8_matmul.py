@@ -6,6 +6,8 @@ scalar or `[N]`. Out: `[M, N]` in x's dtype. On Hopper (sm_90+) each row of x ge
 (torch 2.11 accepts rowwise scales with a bf16 output only, so fp16 callers get a cast). On
 sm_89 a per-tensor activation scale is used, with a per-tensor weight scale only. Elsewhere, and
 for shapes `_scaled_mm` refuses (K or N not a multiple of 16), the torch reference runs.
+The activations' FP8 rows come with x where the op that wrote x made them (`kernels/fp8_rows.py`:
+the RMSNorm before qkv / gate_up, the SwiGLU before down), else from a launch of their own.
 From 17 to 128 rows on Hopper, where `kernels.fp8_gemm.use_fp8_gemm` says so, the activations'
 FP8 rows go to `kernels/fp8_gemm.py` (our tiles; the weight stream sets the time there) instead.
 Up to 16 rows (decode) on sm_89+, where `kernels.skinny_linear.use_skinny` says so for the shape,
@@ -19,53 +21,14 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels import quant_reference
 from kernels.activation import silu_and_mul
 from kernels.fp8_gemm import fp8_gemm, use_fp8_gemm
+from kernels.fp8_rows import attached, quantize_rows_fp8, wanted
 from kernels.skinny_linear import skinny_linear, use_skinny
 
 FP8_MAX = quant_reference.FP8_MAX
-
-
-@triton.jit
-def _quantize_rows_kernel(
-    x_ptr,  # [M, K]
-    q_ptr,  # [M, K] float8e4nv
-    scale_ptr,  # [M] fp32
-    K,
-    stride_xm,
-    stride_qm,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
-    tl.store(scale_ptr + row, scale)
-    inv = 1.0 / scale
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
-        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-
-
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token FP8: `[M, K]` -> (float8_e4m3fn `[M, K]`, fp32 scale `[M, 1]`)."""
-    M, K = x.shape
-    assert x.stride(1) == 1
-    q = torch.empty((M, K), device=x.device, dtype=torch.float8_e4m3fn)
-    scale = torch.empty((M, 1), device=x.device, dtype=torch.float32)
-    if M:
-        _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK=1024, num_warps=4)
-    return q, scale
 
 
 @functools.cache
@@ -79,6 +42,7 @@ def fp8_linear(
     weight_scale: torch.Tensor,  # fp32 scalar or [N]
     bias: torch.Tensor | None = None,  # [N]
     gated: bool = False,  # weight = [gate | up]: return silu(gate) * up [M, N / 2]
+    fp8_rows: bool = False,  # gated: the SwiGLU also writes its FP8 rows, where they serve (kernels/fp8_rows.py)
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale).T + bias -> `[M, N]` in x's dtype."""
     N, K = weight.shape
@@ -86,7 +50,7 @@ def fp8_linear(
             and weight.stride(1) == 1 and use_skinny(x.shape[0], N, K, weight.dtype, x.device)):
         return skinny_linear(x, weight, weight_scale, bias, gated=gated)
     y = scaled_mm_linear(x, weight, weight_scale, bias)
-    return silu_and_mul(y) if gated else y
+    return silu_and_mul(y, fp8_rows=fp8_rows and wanted(y)) if gated else y
 
 
 def scaled_mm_linear(
@@ -103,7 +67,8 @@ def scaled_mm_linear(
         return quant_reference.fp8_linear(x, weight, weight_scale, bias)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if cap >= (9, 0):
-        x_q, x_scale = quantize_rows_fp8(x)  # [M, K], [M, 1]
+        rows = attached(x)  # written by the RMSNorm / SwiGLU that produced x (kernels/fp8_rows.py)
+        x_q, x_scale = rows[:2] if rows is not None else quantize_rows_fp8(x)  # [M, K], [M, 1]
         w_scale = weight_scale.float().reshape(1, -1)
         if not per_channel:
             w_scale = w_scale.expand(1, N).contiguous()  # [1, N]

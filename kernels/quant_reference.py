@@ -186,6 +186,7 @@ def fp8_linear(
     weight_scale: torch.Tensor,  # fp32 scalar or [N]
     bias: torch.Tensor | None = None,  # [N]
     gated: bool = False,  # N = [gate | up]: return silu(gate) * up `[M, N / 2]`
+    fp8_rows: bool = False,  # the Triton path's FP8 rows for the next linear (kernels/fp8_rows.py); none here
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale).T + bias -> `[M, N]` in x's dtype (weights dequantised)."""
     return _gated(F.linear(x, dequantize_fp8_weight(weight, weight_scale, x.dtype), bias), gated)

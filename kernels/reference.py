@@ -167,6 +167,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
     unit_offset: bool = False,  # Gemma: scale by 1 + weight in float32, cast once
+    fp8_rows: bool = False,  # the Triton path's FP8 rows for the next linear (kernels/fp8_rows.py); none here
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm; with `residual`, first x = x + residual and return (normed, x)."""
     if residual is not None:
@@ -246,8 +247,8 @@ def l2_prefetch(t: torch.Tensor, max_bytes: int, mode: int | None = None) -> Non
     assert max_bytes >= 0
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation: x = [gate | up] along the last dim -> silu(gate) * up."""
+def silu_and_mul(x: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
+    """SwiGLU activation: x = [gate | up] along the last dim -> silu(gate) * up (`fp8_rows`: as `rms_norm`'s)."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
 

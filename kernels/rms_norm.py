@@ -5,6 +5,8 @@ normed rows (and the new residual `x + residual`), one program per row, fp32 sta
 Rounding follows the reference: the sum is rounded to the input dtype before it is normed.
 `unit_offset` (Gemma): the weight is stored as w - 1, the row is scaled by 1 + w in float32 and
 cast once at the end (Llama rounds the normed row before the weight multiplies it).
+`fp8_rows=True`: the normed rows' per-token FP8 copy too, attached to the result for the FP8 linear
+after it (`kernels/fp8_rows.py`; `kernels.rms_norm` asks for it where `fp8_rows.wanted`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8_rows as rows_fp8
+from kernels.fp8_rows import store_fp8_row
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 
@@ -23,6 +27,8 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     residual_out_ptr,
+    q_ptr,  # [num_tokens, N] float8e4nv: the normed rows' FP8 copy (FP8_ROWS)
+    scale_ptr,  # [num_tokens] fp32: its per-row scales (FP8_ROWS)
     stride_x,
     stride_r,
     eps,
@@ -30,6 +36,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    FP8_ROWS: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     release_dependents(PDL)
@@ -44,7 +51,10 @@ def _rms_norm_kernel(
         s = (x + r).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * N + offs, s, mask=mask)
         x = s.to(tl.float32)
-    tl.store(out_ptr + row * N + offs, normed_row(x, w, out_ptr.dtype.element_ty, eps, N, UNIT_OFFSET), mask=mask)
+    y = normed_row(x, w, out_ptr.dtype.element_ty, eps, N, UNIT_OFFSET)
+    tl.store(out_ptr + row * N + offs, y, mask=mask)
+    if FP8_ROWS:
+        store_fp8_row(q_ptr + row * N, scale_ptr, row, y, offs, mask)
 
 
 @triton.jit
@@ -67,6 +77,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
     unit_offset: bool = False,  # Gemma: scale by 1 + weight in float32, cast once
+    fp8_rows: bool = False,  # also the normed rows' FP8 copy, attached to the result (kernels/fp8_rows.py)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm; with `residual`, first x = x + residual and return (normed, x).
 
@@ -82,6 +93,7 @@ def rms_norm(
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
         residual_out = torch.empty_like(out)
+    fp8 = rows_fp8.empty_rows(num_tokens, hidden, x.device) if fp8_rows else None
     if num_tokens > 0:
         block = triton.next_power_of_2(hidden)
         pdl = launch_options(x)
@@ -91,6 +103,8 @@ def rms_norm(
             weight,
             out,
             residual_out,
+            fp8.q if fp8 is not None else out,
+            fp8.scale if fp8 is not None else out,
             x.stride(0),
             residual.stride(0) if residual is not None else 0,
             eps,
@@ -98,9 +112,12 @@ def rms_norm(
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             UNIT_OFFSET=unit_offset,
+            FP8_ROWS=fp8 is not None,
             num_warps=min(16, max(1, block // 256)),
             **pdl,
         )
+    if fp8 is not None:
+        rows_fp8.attach(out, fp8)
     if residual is not None:
         return out, residual_out
     return out

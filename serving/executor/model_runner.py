@@ -40,7 +40,7 @@ from serving.executor.teardown import release_module, release_tensor
 from serving.executor.weights import init_dummy_weights, load_weights
 from serving.executor.models.linear import Linear
 from serving.executor.models import weight_prefetch
-from serving.executor.quant import check_device
+from serving.executor.quant import check_device, link_fp8_rows
 from serving.checkpoint.quantization import resolve_quantization
 
 logger = logging.getLogger(__name__)
@@ -92,10 +92,11 @@ class ModelRunner:
             init_dummy_weights(self.model, seed=config.seed)
         else:
             load_weights(self.model, self.model_dir)
-        # Under TP, decode steps warm L2 with the weight read after each fused all-reduce + norm: linked
-        # after the first eager forward on CUDA, from the order it ran the layers (models/weight_prefetch.py).
-        self._link_l2_hints = (world_size > 1 and self.device.type == "cuda"
-                               and kernels.use_triton(torch.empty(0, device=self.device)))
+        # Linked after the first eager forward on CUDA, from the order it ran the layers: under TP, the L2
+        # hints (decode steps warm L2 with the weight read after each fused all-reduce + norm,
+        # models/weight_prefetch.py); FP8 linears' activation rows written by the ops before them (quant/fp8.py).
+        self._link_after_trace = (self.device.type == "cuda"
+                                  and kernels.use_triton(torch.empty(0, device=self.device)))
         # Multi-LoRA: wrap the adapted projections, allocate the slots (before the KV cache is sized).
         self.lora = LoRAManager(self.model, config, args, max(self.max_num_batched_tokens, config.max_num_seqs)
                                 ) if config.enable_lora else None
@@ -261,14 +262,18 @@ class ModelRunner:
 
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's forward (through the LoRA manager, which reads the staged row slots)."""
-        link = self._link_l2_hints and not torch.cuda.is_current_stream_capturing()
+        link = self._link_after_trace and not torch.cuda.is_current_stream_capturing()
         with weight_prefetch.tracing() if link else contextlib.nullcontext() as trace:
             hidden = (self.model(input_ids, positions) if self.lora is None
                       else self.lora.forward(self.model, input_ids, positions))
-        if link:  # the first eager forward: its run order links the hints, once
-            self._link_l2_hints = False
-            linked = weight_prefetch.link_l2_hints(trace, Linear, weight_prefetch.prefetch_bytes(self.world_size))
-            logger.info("L2 weight hints: %d all-reduce launches warm the next weight", linked)
+        if link:  # the first eager forward: its run order links the hints and the FP8 rows, once
+            self._link_after_trace = False
+            if self.world_size > 1:
+                linked = weight_prefetch.link_l2_hints(trace, Linear, weight_prefetch.prefetch_bytes(self.world_size))
+                logger.info("L2 weight hints: %d all-reduce launches warm the next weight", linked)
+            linked = link_fp8_rows(trace, Linear)
+            if linked:
+                logger.info("FP8 activations: %d norms / SwiGLUs write the rows their FP8 linear reads", linked)
         return hidden
 
     @torch.inference_mode()

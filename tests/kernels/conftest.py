@@ -21,6 +21,7 @@ _TRITON_MODULES = (
     "kernels.paged_decode_attention",
     "kernels.prefill_attention",
     "kernels.mixed_attention",
+    "kernels.fp8_rows",  # before rms_norm and activation, which import its `store_fp8_row`
     "kernels.rms_norm",
     "kernels.rotary",
     "kernels.activation",

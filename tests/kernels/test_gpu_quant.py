@@ -150,7 +150,7 @@ def test_fp8_real_shapes(K, N, per_channel, dtype):
 
 
 def test_fp8_quantize_rows_and_graph():
-    from kernels.fp8_matmul import quantize_rows_fp8
+    from kernels.fp8_rows import quantize_rows_fp8
 
     x = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16) * torch.rand(37, 1, device="cuda")
     q, s = quantize_rows_fp8(x)

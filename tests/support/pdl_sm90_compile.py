@@ -25,7 +25,7 @@ from sm90_compile import compile_variant, report  # noqa: E402
 
 import triton.language as tl  # noqa: E402
 
-from kernels.activation import _silu_and_mul_kernel  # noqa: E402
+from kernels.activation import _silu_and_mul_kernel, _silu_and_mul_rows_kernel  # noqa: E402
 from kernels.all_reduce_norm import _all_reduce_rms_norm_kernel  # noqa: E402
 from kernels.fp8_gemv import MODE_ACC, _fp8_gemv_kernel  # noqa: E402
 from kernels.int4_kchunk import _kchunk_gemv_kernel  # noqa: E402
@@ -42,9 +42,14 @@ _LOAD = re.compile(r"^\s*(@%p\d+\s+)?ld\.global")
 _GEMM_PTRS = {"x_ptr": _BF16, "scale_ptr": "*fp32", "bias_ptr": _BF16, "out_ptr": _BF16, "partial_ptr": "*fp32",
               "counter_ptr": "*i32"}
 CASES = [
-    ("rms_norm", _rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, UNIT_OFFSET=False),
+    ("rms_norm", _rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, UNIT_OFFSET=False, FP8_ROWS=False),
      {"x_ptr": _BF16, "residual_ptr": _BF16, "weight_ptr": _BF16, "out_ptr": _BF16, "residual_out_ptr": _BF16,
-      "eps": "fp32"}, 16, 1, True),
+      "q_ptr": _BF16, "scale_ptr": _BF16, "eps": "fp32"}, 16, 1, True),
+    # before an FP8 linear: the normed rows' FP8 copy too (kernels/fp8_rows.py)
+    ("rms_norm+fp8_rows", _rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, UNIT_OFFSET=False,
+                                                 FP8_ROWS=True),
+     {"x_ptr": _BF16, "residual_ptr": _BF16, "weight_ptr": _BF16, "out_ptr": _BF16, "residual_out_ptr": _BF16,
+      "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "eps": "fp32"}, 16, 1, True),
     ("all_reduce_rms_norm", _all_reduce_rms_norm_kernel,
      dict(N=4096, BLOCK=4096, CHUNK=1024, W=2, INT=tl.int16, SENTINEL=-(1 << 15), POLL_2D=True, HAS_RESIDUAL=True,
           UNIT_OFFSET=False, PUSHED=False, HINT=False, HINT_ASM=False),
@@ -58,6 +63,8 @@ CASES = [
       "peers_ptr": "*i64", "state_ptr": "*i32", "eps": "fp32"}, 16, 1, True),
     ("silu_and_mul", _silu_and_mul_kernel, dict(D=14336, BLOCK=1024), {"x_ptr": _BF16, "out_ptr": _BF16}, 4, 1,
      False),
+    ("silu_and_mul+fp8_rows", _silu_and_mul_rows_kernel, dict(D=14336, BLOCK=16384),
+     {"x_ptr": _BF16, "out_ptr": _BF16, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, 16, 1, False),
     ("rotary_and_write_kv", _rotary_and_write_kv_kernel,
      dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_Q_HEADS=32, BLOCK_K_HEADS=8, BLOCK_HALF=64,
           ROW=1024, BLOCK_ROW=1024),

@@ -24,11 +24,13 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         # the next linear layer's weight, warmed in L2 by the fused all-reduce's launch (models/weight_prefetch.py)
         self.l2_hint = None
+        # the next linear layer reads FP8 rows: write them here (quant/fp8.link_fp8_rows, kernels/fp8_rows.py)
+        self.fp8_rows = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual, self.unit_offset)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, self.unit_offset, fp8_rows=self.fp8_rows)
 
     def add_and_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                      reduce: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

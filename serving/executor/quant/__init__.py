@@ -16,7 +16,7 @@ from torch import nn
 
 from serving.executor.quant.awq import AWQLinearMethod
 from serving.executor.quant.compressed import CompressedIntLinearMethod
-from serving.executor.quant.fp8 import FP8LinearMethod, check_fp8_device
+from serving.executor.quant.fp8 import FP8LinearMethod, check_fp8_device, link_fp8_rows
 from serving.executor.quant.gptq import GPTQLinearMethod
 from serving.executor.quant.loading import LinearSpec
 from serving.checkpoint.quantization import QuantConfig, QuantizationError
@@ -70,4 +70,4 @@ def check_device(quant: QuantConfig | None, device: torch.device) -> None:
         check_fp8_device(device)
 
 
-__all__ = ["LinearMethod", "LinearSpec", "check_device", "linear_method", "process_weights_after_loading"]
+__all__ = ["LinearMethod", "LinearSpec", "check_device", "link_fp8_rows", "linear_method", "process_weights_after_loading"]

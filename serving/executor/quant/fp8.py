@@ -9,6 +9,11 @@ scale per output channel [N]: a fused q|k|v layer's three per-tensor scales beco
 their parts. With `option.quantize=fp8` on a bf16/fp16 checkpoint the layer loads its weight as an
 unquantized one and `process_weights_after_loading` converts it (`kernels.quantize_fp8`); that
 needs an sm_89+ GPU (`check_fp8_device`).
+
+Above 16 rows the activations go in as FP8 with one scale per token. The op before each layer can
+write them (`kernels/fp8_rows.py`: the RMSNorm before qkv / gate_up, the SwiGLU of a gated gate_up
+before down), saving a quantisation launch a linear: `link_fp8_rows` marks those ops from one traced
+forward (`models/weight_prefetch.tracing`), whatever the architecture.
 """
 
 from __future__ import annotations
@@ -74,7 +79,25 @@ class FP8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
               ) -> torch.Tensor:
-        return kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias, gated=gated)
+        # fp8_rows (`link_fp8_rows`): a gated layer's SwiGLU feeds an FP8 down projection
+        return kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias, gated=gated,
+                                  fp8_rows=gated and vars(layer).get("fp8_rows", False))
+
+
+def link_fp8_rows(trace: list[nn.Module], linear_type: type) -> int:
+    """Set `fp8_rows` on every module of `trace` (modules in the order one forward ran them: norms
+    and linear layers) whose next `linear_type` module runs the FP8 method: those norms, and the SwiGLU
+    of those gated layers, then write the per-token FP8 rows that layer reads. Returns how many were set."""
+    linked = 0
+    next_fp8 = False
+    for module in reversed(trace):
+        fp8 = next_fp8
+        if isinstance(module, linear_type):
+            next_fp8 = isinstance(getattr(module, "quant_method", None), FP8LinearMethod)
+        if fp8 != vars(module).get("fp8_rows", False):
+            vars(module)["fp8_rows"] = fp8
+            linked += fp8
+    return linked
 
 
 def _load_scale(param: torch.Tensor, loaded: object, shard_id: object, spec: LinearSpec) -> None:
