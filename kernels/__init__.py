@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import quant_reference, reference
+from kernels.decode_rope import DecodeRope
 
 if TYPE_CHECKING:
     from kernels.l2_prefetch import L2Hint
@@ -66,13 +67,15 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [num_seqs, H, D]: written and returned instead of a new tensor
     window: int = 0,  # > 0: a sliding window, each query sees its last `window` positions
     softcap: float = 0.0,  # > 0: scores capped as c * tanh(s / c) before the softmax
+    rope: DecodeRope | None = None,  # RoPE on query and rope.key, rope.key / value into the cache, here
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
     if use_triton(query):
         impl = _mod("paged_decode_attention").paged_decode_attention
     else:
         impl = reference.paged_decode_attention
-    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window, softcap=softcap)
+    return impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window, softcap=softcap,
+                rope=rope)
 
 
 def prefill_attention(

@@ -11,7 +11,10 @@ covers at least `MIN_SPLIT_LEN` positions: where one split holds the whole conte
 writes the output directly. Every launch parameter is derived from tensor
 shapes, never from tensor values, so the op can be captured in a CUDA graph. With a sliding
 window W (`window` > 0) the splits cover a sequence's last W positions only; with a soft cap c
-(`softcap` > 0, Gemma 2) each score s becomes c * tanh(s / c) before the softmax.
+(`softcap` > 0, Gemma 2) each score s becomes c * tanh(s / c) before the softmax. With `rope`
+(`kernels/decode_rope.py`) the query comes unrotated: each program rotates its heads as it loads them,
+and the last split of a (sequence, KV head) rotates the step's key and stores it and the value at the
+row's slot before it reads the cache (the layer's RoPE + K/V write launch is gone).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_rope import DecodeRope
 from kernels.int4_matmul import _tile_counters
 from kernels.launch import aligned
 from kernels.pdl import launch_options, release_dependents, wait_upstream
 from kernels.prefill_attention import soft_cap
+from kernels.rotary import rotate_pair
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -47,6 +52,27 @@ def _split_len(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
     # context then runs in fewer programs, down to one, which needs no merge).
     per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split)
     return tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _rope_rows(ptrs, x, pos, cs_ptr, stride_cs, offs_d, mask, HALF: tl.constexpr):
+    """Rows `x` (loaded from `ptrs`, [R, BLOCK_D], head dims along the last axis) rotated neox style on
+    their first 2 * HALF dims at position `pos`, in x's dtype: `kernels/rotary.py`'s arithmetic
+    (`rotate_pair` in fp32, the partner element loaded again)."""
+    first = offs_d < HALF
+    rot = offs_d < 2 * HALF
+    shift = tl.where(first, HALF, tl.where(rot, -HALF, 0))  # the partner of each dim
+    xp = tl.load(ptrs + shift[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.where(first, offs_d, offs_d - HALF)
+    cos = tl.load(cs_ptr + pos * stride_cs + r, mask=rot, other=1.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + r, mask=rot, other=0.0).to(tl.float32)[None, :]
+    xf = x.to(tl.float32)
+    # x1 / x2: the pair's first-half and second-half elements, rotated as kernels/rotary.py rotates them
+    x1 = tl.where(first[None, :], xf, xp)
+    x2 = tl.where(first[None, :], xp, xf)
+    o1, o2 = rotate_pair(x1, x2, cos, sin)
+    o = tl.where(first[None, :], o1, o2)
+    return tl.where(rot[None, :], o, xf).to(x.dtype)
 
 
 # NOTE: the split count and the block-table row stride vary from step to step (eager steps size
@@ -76,6 +102,14 @@ def _paged_decode_kernel(
     min_split,  # positions a split covers at the least (`_split_len`)
     window,
     softcap,  # the score cap times log2(e) (SOFTCAP only)
+    positions_ptr,  # ROPE: [S] each row's position
+    k_new_ptr,  # ROPE: [S, KVH, D] the step's keys, not rotated
+    v_new_ptr,  # ROPE: [S, KVH, D] its values
+    cos_sin_ptr,  # ROPE: [max_position, 2 * HALF]
+    slot_ptr,  # ROPE: [S] each row's cache slot (-1: none)
+    stride_kn_seq,
+    stride_vn_seq,
+    stride_cs,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -85,6 +119,8 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    ROPE: tl.constexpr,  # rotate q here, and the last split stores the step's K/V (kernels/decode_rope.py)
+    HALF: tl.constexpr,  # ROPE: half the rotated dims
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     release_dependents(PDL)
@@ -117,6 +153,21 @@ def _paged_decode_kernel(
 
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if ROPE:
+        pos = tl.load(positions_ptr + seq).to(tl.int64)
+        q = _rope_rows(q_ptrs, q, pos, cos_sin_ptr, stride_cs, offs_d, mask_hd, HALF)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        if (split == filled - 1) & (slot >= 0):  # the split that holds the new position stores its K/V
+            kn_ptrs = k_new_ptr + seq.to(tl.int64) * stride_kn_seq + kv_head * HEAD_DIM + offs_d[None, :]
+            kn = _rope_rows(kn_ptrs, tl.load(kn_ptrs, mask=mask_d[None, :], other=0.0), pos, cos_sin_ptr, stride_cs,
+                            offs_d, mask_d[None, :], HALF)
+            vn = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vn_seq + kv_head * HEAD_DIM + offs_d[None, :],
+                         mask=mask_d[None, :], other=0.0)
+            # the cache is contiguous: slot s starts at s * stride_c_tok
+            c_offs = slot * stride_c_tok + kv_head * stride_c_head + offs_d[None, :]
+            tl.store(k_cache_ptr + c_offs, kn.to(k_cache_ptr.dtype.element_ty), mask=mask_d[None, :])
+            tl.store(v_cache_ptr + c_offs, vn.to(v_cache_ptr.dtype.element_ty), mask=mask_d[None, :])
+            tl.debug_barrier()  # stored by this program's threads, read back by others in the loop below
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -200,6 +251,7 @@ def paged_decode_attention_impl(
     window: int = 0,
     softcap: float = 0.0,
     min_split: int | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention` with the tile, split count and launch shape exposed (tests,
     bench/studies/decode_attention_sweep.py and decode_attention_batch1.py pin them)."""
@@ -237,6 +289,18 @@ def paged_decode_attention_impl(
     assert num_splits == 1 or num_seqs * num_kv_heads <= counters.numel(), (num_seqs, num_kv_heads)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     pdl = launch_options(query)
+    half, rope_args = 1, (seq_lens, query, query, query, seq_lens, 0, 0, 0)  # unused without rope
+    if rope is not None:
+        rot_dim = rope.cos_sin_cache.shape[1]
+        assert rot_dim % 2 == 0 and rot_dim <= head_dim and rope.cos_sin_cache.stride(1) == 1, rope.cos_sin_cache.shape
+        assert rope.key.shape == rope.value.shape == (num_seqs, num_kv_heads, head_dim), (rope.key.shape, query.shape)
+        for t in (rope.key, rope.value):
+            assert t.stride(2) == 1 and t.stride(1) == head_dim and t.dtype == query.dtype, "K/V rows: contiguous"
+        assert rope.positions.shape[0] >= num_seqs and rope.slot_mapping.shape[0] >= num_seqs
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        half = rot_dim // 2
+        rope_args = (aligned(rope.positions), rope.key, rope.value, rope.cos_sin_cache, aligned(rope.slot_mapping),
+                     rope.key.stride(0), rope.value.stride(0), rope.cos_sin_cache.stride(0))
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -260,6 +324,7 @@ def paged_decode_attention_impl(
         min_split,
         window,
         softcap * _LOG2E,
+        *rope_args,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -269,6 +334,8 @@ def paged_decode_attention_impl(
         DOT_PRECISION=precision,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
+        ROPE=rope is not None,
+        HALF=half,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
@@ -286,9 +353,12 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context (with `window` W > 0,
     its last W positions; with `softcap` c > 0, scores capped as c * tanh(s / c)) -> [num_seqs, H, D].
+    With `rope` (`kernels/decode_rope.py`) the query is not rotated yet and this step's K/V not stored:
+    both happen here.
 
     Shapes: query [S, H, D] (unit stride over D); caches [NB, BS, KVH, D] with H % KVH == 0;
     block_tables [>=S, max_blocks]; seq_lens [>=S]. A row with seq_len 0 (graph padding)
@@ -297,4 +367,4 @@ def paged_decode_attention(
     place of a fresh tensor (a step's eager attention writes its layer's buffer directly).
     """
     return paged_decode_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, window=window,
-                                       softcap=softcap)
+                                       softcap=softcap, rope=rope)

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_rope import DecodeRope
+
 
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -62,9 +64,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [num_seqs, H, D] of query's dtype: written and returned
     window: int = 0,  # > 0: each query sees the last `window` positions only
     softcap: float = 0.0,  # > 0: scores capped as c * tanh(s / c) (Gemma 2)
+    rope: DecodeRope | None = None,  # first RoPE on query and rope.key, and rope.key / value into the cache
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context -> [num_seqs, H, D]."""
     num_seqs, num_heads, head_dim = query.shape
+    if rope is not None:  # kernels/decode_rope.py: rotate copies (the inputs stay as given), store K/V
+        query, key = query.clone(), rope.key.clone()
+        rotary_embedding(rope.positions, query, key, rope.cos_sin_cache, head_dim)
+        write_kv_cache(key, rope.value, k_cache, v_cache, rope.slot_mapping)
     if num_seqs == 0:
         return query.new_empty(query.shape) if out is None else out
     num_kv_heads = k_cache.shape[2]

@@ -19,12 +19,19 @@ from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 
 @triton.jit
+def rotate_pair(x1, x2, cos, sin):
+    """One rotate-half pair in fp32: (x1 cos - x2 sin, x2 cos + x1 sin), each with one explicit FMA, so
+    every kernel that rotates (this one, `kernels/paged_decode_attention.py` with a `DecodeRope`) rounds
+    alike however its compiler would contract the plain expressions."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def _rotate_heads(base_ptr, cos, sin, offs_h, offs_r, mask, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
     ptrs = base_ptr + offs_h[:, None] * HEAD_DIM + offs_r[None, :]  # [BLOCK_HEADS, BLOCK_HALF]
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    o1, o2 = rotate_pair(x1, x2, cos[None, :], sin[None, :])
     tl.store(ptrs, o1.to(base_ptr.dtype.element_ty), mask=mask)
     tl.store(ptrs + HALF, o2.to(base_ptr.dtype.element_ty), mask=mask)
 

@@ -41,6 +41,10 @@ _LOAD = re.compile(r"^\s*(@%p\d+\s+)?ld\.global")
 # (label, kernel, constexprs, pointer types, warps, stages, weight prologue before the wait)
 _GEMM_PTRS = {"x_ptr": _BF16, "scale_ptr": "*fp32", "bias_ptr": _BF16, "out_ptr": _BF16, "partial_ptr": "*fp32",
               "counter_ptr": "*i32"}
+_DECODE_PTRS = {"q_ptr": _BF16, "k_cache_ptr": _BF16, "v_cache_ptr": _BF16, "block_tables_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": _BF16,
+                "counter_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32", "positions_ptr": "*i64",
+                "k_new_ptr": _BF16, "v_new_ptr": _BF16, "cos_sin_ptr": "*fp32", "slot_ptr": "*i64"}
 CASES = [
     ("rms_norm", _rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, UNIT_OFFSET=False, FP8_ROWS=False),
      {"x_ptr": _BF16, "residual_ptr": _BF16, "weight_ptr": _BF16, "out_ptr": _BF16, "residual_out_ptr": _BF16,
@@ -72,10 +76,13 @@ CASES = [
       "k_cache_ptr": _BF16, "v_cache_ptr": _BF16, "slot_ptr": "*i64"}, 4, 1, False),
     ("paged_decode", _paged_decode_kernel,
      dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="tf32",
-          SLIDING=False, SOFTCAP=False),
-     {"q_ptr": _BF16, "k_cache_ptr": _BF16, "v_cache_ptr": _BF16, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-      "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": _BF16, "counter_ptr": "*i32", "qk_scale": "fp32",
-      "softcap": "fp32"}, 4, 2, False),
+          SLIDING=False, SOFTCAP=False, ROPE=False, HALF=1),
+     _DECODE_PTRS, 4, 2, False),
+    # with this step's RoPE and K/V write (kernels/decode_rope.py): the stores come after the wait too
+    ("paged_decode+rope", _paged_decode_kernel,
+     dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="tf32",
+          SLIDING=False, SOFTCAP=False, ROPE=True, HALF=64),
+     _DECODE_PTRS, 4, 2, False),
     ("kchunk_gemv", _kchunk_gemv_kernel,
      dict(ROWS=1, HAS_BIAS=False, USE_SPLIT=True, BLOCK_N=256, BLOCK_K=128, EVEN_K=True, PAIRS=True,
           REDUCE_EACH=False, ASM=True),

@@ -92,12 +92,14 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attend(self.project(positions, hidden)))
+        return self.o_proj(self.attend(*self.project(positions, hidden)))
 
-    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """qkv -> RoPE -> this step's K/V into the cache; returns q `[T, num_heads, head_dim]`.
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, kernels.DecodeRope | None]:
+        """qkv -> RoPE -> this step's K/V into the cache; returns (q `[T, num_heads, head_dim]`, None).
 
-        Its launches depend only on the token count."""
+        In a step of decode rows only, RoPE and the K/V write are left to the decode attention
+        (`kernels/decode_rope.py`: one launch less a layer): returns q not yet rotated and the
+        `DecodeRope` that `attend` hands on. Its launches depend only on the token count and the step's kind."""
         meta = get_attention_metadata()
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
@@ -109,16 +111,21 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q3 = q.view(num_tokens, self.num_heads, self.head_dim)
+        if self.use_rope and meta.num_prefills == 0 and not meta.mixed:  # decode rows: the attention does both
+            return q3, kernels.DecodeRope(positions, k, v, self.cos_sin_cache, meta.slot_mapping)
         if self.use_rope:  # RoPE on q and k (in place: views of qkv), then k and v into the cache: one launch
             kernels.rotary_and_write_kv(positions, q, k, v, self.cos_sin_cache, self.head_dim, self.k_cache,
                                         self.v_cache, meta.slot_mapping)
         else:
             kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return q.view(num_tokens, self.num_heads, self.head_dim)
+        return q3, None
 
-    def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, rope: kernels.DecodeRope | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of `q` `[T, H, D]` over the paged cache, as the ambient metadata describes;
         returns `[T, H * D]` (the input of o_proj). Its launches depend on the batch's make-up.
+        `rope`: `project`'s, for a step of decode rows (the decode attention rotates q and stores K/V).
 
         `out` (`[T, H * D]`, contiguous rows): the kernels write it directly, the decode rows and
         the prompt rows each their own part, with no temporary and no copy.
@@ -128,6 +135,7 @@ class PagedAttention(nn.Module):
         meta = get_attention_metadata()
         num_tokens = q.shape[0]
         nd = meta.num_decode_tokens
+        assert rope is None or (meta.num_prefills == 0 and not meta.mixed), "RoPE left to a step with prompt rows"
         if out is None:
             out = torch.empty_like(q)  # [T, H, D]
         else:
@@ -139,7 +147,7 @@ class PagedAttention(nn.Module):
         elif meta.num_prefills == 0:
             kernels.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,
-                window=self.window, softcap=self.softcap,
+                window=self.window, softcap=self.softcap, rope=rope,
             )
         elif nd == 0:
             kernels.prefill_attention(

@@ -75,7 +75,7 @@ class LlamaDecoderLayer(nn.Module):
         the rows: `RowParallelLinear.partial`), not with a plain all-reduce."""
         m = self.residual_multiplier  # Granite scales each block's output before the residual add
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, reduce=partial)
-        attn = self.self_attn.attend(self.self_attn.project(positions, hidden))
+        attn = self.self_attn.attend(*self.self_attn.project(positions, hidden))
         o_proj = self.self_attn.o_proj
         later = sums_later(o_proj)
         # push: the partial goes unchanged into the fused all-reduce + norm (not scaled first)
