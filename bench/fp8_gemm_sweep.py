@@ -13,10 +13,8 @@ against `quant_reference.fp8_scaled_matmul`. Timings replay a CUDA graph of call
 >= 256 MB of weight copies (`bench/quant_kernels.time_us`). Last: the linear layers of one 8B step
 (32 layers) per M for bf16, `_scaled_mm`, the picked tiling and the best tiling per shape.
 
-`--fused` instead times what a call costs with the activation quantisation included, per M up to 128:
-quantise per token + `_scaled_mm` (what serving ran before), quantise per token + the picked tiling
-(what it runs now), and x quantised inside the kernel in 1 x 128 blocks (`fp8_gemm(x, None, ...)`, one
-launch) at the picked tiling and at the candidates with block_k 128; then the step totals per M.
+(`--fused`, which timed a variant of the kernel quantising x itself, went with that variant: it lost,
+bench/RESULTS.md run 59. `bench/fp8_rows.py` times the activation quantisation as serving runs it.)
 """
 
 from __future__ import annotations
@@ -73,75 +71,15 @@ def _weights(k: int, n: int) -> tuple[list, list]:
     return w16, [kernels.quantize_fp8(w16[i % len(w16)]) for i in range(_copies(k * n))]
 
 
-def fused(ms: list[int], num_sms: int, report: dict, t0: float) -> None:
-    """`--fused`: per-call cost with the activation quantisation, two launches against one."""
-    keys = ("bf16", "quant+_scaled_mm", "quant+picked", "fused picked", "fused best")
-    totals = {m: dict.fromkeys(keys, 0.0) for m in ms}
-    for name, k, n in SHAPES:
-        w16, w8 = _weights(k, n)
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=BF16)
-            picked = pick_fp8_gemm_config(m, n, k, num_sms)
-            ref = quant_reference.fp8_scaled_matmul(x, None, *w8[0])
-            t = {"bf16": time_us([lambda w=w: F.linear(x, w) for w in w16])}
-
-            def two(w, c=None):
-                xq, xs = quantize_rows_fp8(x)
-                if c is None:
-                    return torch._scaled_mm(xq, w[0].t(), scale_a=xs, scale_b=w[1].reshape(1, -1), out_dtype=BF16)
-                return fp8_gemm(xq, xs, *w, config=c)
-
-            t["quant+_scaled_mm"] = time_us([lambda w=w: two(w) for w in w8])
-            t["quant+picked"] = time_us([lambda w=w: two(w, picked) for w in w8])
-            line = [f"## {name} K={k} N={n} M={m}: " + "; ".join(f"{key} {v:.1f} us" for key, v in t.items())]
-            best = None
-            cands = [picked] + [c for base in candidates(m) if base.block_k == 128
-                                for c in with_splits(base, m, n, k, num_sms)]
-            for cfg in dict.fromkeys(cands):
-                err = _try(lambda c=cfg: _rel(fp8_gemm(x, None, *w8[0], config=c), ref))
-                if not isinstance(err, float) or err > 1e-2:
-                    line.append(f"  {tuple(cfg)}: FAIL {err}")
-                    continue
-                tc = _try(lambda c=cfg: time_us([lambda w=w: fp8_gemm(x, None, *w, config=c) for w in w8]))
-                if not isinstance(tc, float):
-                    line.append(f"  {tuple(cfg)}: FAIL {tc}")
-                    continue
-                if cfg == picked:
-                    t["fused picked"] = tc
-                if best is None or tc < best[0]:
-                    best = (tc, cfg)
-            t["fused best"] = best[0] if best else float("nan")
-            line.append(f"  fused: picked {t.get('fused picked', float('nan')):.1f} us, best {tuple(best[1]) if best else None} "
-                        f"{t['fused best']:.1f} us (x{t['fused best'] / t['quant+picked']:.2f} quant+picked)")
-            print("\n".join(line), flush=True)
-            for key in keys:
-                totals[m][key] += t.get(key, float("nan")) * NUM_LAYERS / 1e3
-            report["rows"].append({"name": name, "K": k, "N": n, "M": m, "us": t,
-                                   "fused_best_config": list(best[1]) if best else None})
-        del w16, w8
-        torch.cuda.empty_cache()
-        print(f"# {name} done: {time.perf_counter() - t0:.0f} s", flush=True)
-    print("\n# linear layers of one 8B step (qkv, o, gate_up, down x 32 layers), activation quantisation included, ms")
-    for m in ms:
-        print(f"M={m}: " + "; ".join(f"{key} {v:.3f}" for key, v in totals[m].items()), flush=True)
-    report["per_step_ms"] = {str(m): totals[m] for m in ms}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="")
     ap.add_argument("--ms", default="")
-    ap.add_argument("--fused", action="store_true", help="per call with the activation quantisation, one launch vs two")
     args = ap.parse_args()
-    ms = [int(v) for v in (args.ms or ("17,32,64,128" if args.fused else "24,32,64,128,256,512,2048")).split(",")]
+    ms = [int(v) for v in (args.ms or "24,32,64,128,256,512,2048").split(",")]
     t0 = time.perf_counter()
     num_sms, report = start_report()
     bw = report["copy_gbs"]
-    if args.fused:
-        fused(ms, num_sms, report, t0)
-        write_report(args.json, report)
-        print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
-        return
     totals = {m: {"bf16": 0.0, "scaled_mm": 0.0, "picked": 0.0, "best": 0.0} for m in ms}
     for name, k, n in SHAPES:
         w16, w8 = _weights(k, n)

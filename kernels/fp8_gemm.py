@@ -15,11 +15,10 @@ cannot fill the GPU, K is split over programs that meet through `kernels/int4_co
 the tiling from the shapes (fixed per M bucket, so M moving inside a bucket never recompiles);
 `use_fp8_gemm` says where it beat `_scaled_mm` (`kernels/fp8_matmul.scaled_mm_linear` asks it).
 
-With `x_scale` None the kernel takes x unquantised (bf16/fp16) and quantises each row's 128-column block
-as it loads it (one scale per block, applied to that block's dot before it joins the accumulator):
-no separate quantisation launch and no FP8 copy of x, and finer scales than one per token. Serving
-does not use it yet: `bench/fp8_gemm_sweep.py --fused` times it against the two-launch path, and
-`scaled_mm_linear` would switch where it wins.
+A variant that quantised x itself, each row's 128-column block as it loaded it (one launch, no FP8
+copy of x; `dad4311`), lost to quantise + this kernel at every M measured (bench/RESULTS.md run 59,
+H200: 8B step linears 4.39 against 3.67 ms at 17 rows, 5.85 against 3.19 at 64) and was removed;
+the activations' FP8 rows now come from the op before the linear (`kernels/fp8_rows.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import triton
 import triton.language as tl
 
 from kernels.int4_common import finish_tile, grouped_tile
-from kernels.quant_reference import FP8_ACT_BLOCK
 from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
 
 
@@ -47,21 +45,11 @@ class Fp8GemmConfig(NamedTuple):
     group_m: int = 8  # row tiles per band of the program order (L2 reuse of weight tiles)
 
 
-@triton.jit
-def _quantize_block(a):
-    # [BM, BK] bf16/fp16 -> (e4m3 [BM, BK], fp32 scale [BM]): each row's block over its largest magnitude
-    # (all-zero rows: scale 1e-12 / 448, codes 0), as `quant_reference.quantize_blocks_fp8`.
-    a = a.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
-    q = tl.minimum(tl.maximum(a * (1.0 / scale)[:, None], -448.0), 448.0)
-    return q.to(tl.float8e4nv), scale
-
-
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
 def _fp8_gemm_kernel(
-    a_ptr,  # [M, K] fp8, or with QUANT_A bf16 / fp16
+    a_ptr,  # [M, K] fp8
     b_ptr,  # [N, K] fp8
-    a_scale_ptr,  # [M] fp32 (not read with QUANT_A)
+    a_scale_ptr,  # [M] fp32
     b_scale_ptr,  # [N] fp32
     bias_ptr,  # [N] (only read with HAS_BIAS)
     out_ptr,  # [M, N]
@@ -73,9 +61,8 @@ def _fp8_gemm_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # QUANT_A: ACT_BLOCK
+    BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    QUANT_A: tl.constexpr,  # a is bf16/fp16: quantise each row's BLOCK_K columns here, one scale each
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -100,22 +87,14 @@ def _fp8_gemm_kernel(
             k_ok = (k0 + offs_k) < K
             a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        if QUANT_A:
-            a_q, a_s = _quantize_block(a)
-            acc += tl.dot(a_q, tl.trans(b)) * a_s[:, None]
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc = tl.dot(a, tl.trans(b), acc)
+    a_s = tl.load(a_scale_ptr + rows)
     b_s = tl.load(b_scale_ptr + cols)
-    if QUANT_A:
-        acc = acc * b_s[None, :]
-    else:
-        a_s = tl.load(a_scale_ptr + rows)
-        acc = acc * a_s[:, None] * b_s[None, :]
+    acc = acc * a_s[:, None] * b_s[None, :]
     finish_tile(acc, offs_m, offs_n, mask_m, mask_n, split, split_k, pid, M, N, bias_ptr, out_ptr, partial_ptr,
                 counter_ptr, stride_om, HAS_BIAS, USE_SPLIT)
 
 
-ACT_BLOCK = FP8_ACT_BLOCK  # `fp8_gemm` with x_scale None: one activation scale per row and ACT_BLOCK columns
 TRITON_MAX_ROWS = 128  # above, `torch._scaled_mm` (compute-bound from ~512 rows, where it matches the best tiling)
 WIDE_N = 16384  # a wide weight (a SwiGLU MLP's [gate | up]): `_scaled_mm` already wins above 64 rows
 
@@ -146,45 +125,34 @@ def pick_fp8_gemm_config(M: int, N: int, K: int, num_sms: int) -> Fp8GemmConfig:
 
 
 def fp8_gemm(
-    x_q: torch.Tensor,  # [M, K] float8_e4m3fn, or bf16 / fp16 with x_scale None
-    x_scale: torch.Tensor | None,  # [M, 1] or [M] fp32; None: quantise x here in 1 x ACT_BLOCK blocks
+    x_q: torch.Tensor,  # [M, K] float8_e4m3fn
+    x_scale: torch.Tensor,  # [M, 1] or [M] fp32
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     w_scale: torch.Tensor,  # [N] fp32
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype = torch.bfloat16,
     config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
-    """y = (x_q * x_scale) @ (weight * w_scale)^T + bias -> `[M, N]` in out_dtype (tiling by M, or `config`).
-    With `x_scale` None, x_q is the unquantised activation: each row's ACT_BLOCK columns get their own
-    scale as the kernel reads them (`quant_reference.quantize_blocks_fp8`), no separate launch, no FP8
-    copy of x; the tiling's block_k must then be ACT_BLOCK."""
+    """y = (x_q * x_scale) @ (weight * w_scale)^T + bias -> `[M, N]` in out_dtype (tiling by M, or `config`)."""
     M, K = x_q.shape
     N, K2 = weight.shape
-    quant_a = x_scale is None
-    assert K == K2 and weight.dtype == torch.float8_e4m3fn, (x_q.shape, weight.shape, weight.dtype)
-    if quant_a:
-        assert x_q.dtype in (torch.bfloat16, torch.float16, torch.float32), x_q.dtype
-    else:
-        assert x_q.dtype == torch.float8_e4m3fn and x_scale.numel() == M and x_scale.dtype == torch.float32
+    assert K == K2 and x_q.dtype == weight.dtype == torch.float8_e4m3fn, (x_q.shape, weight.shape, x_q.dtype)
     assert x_q.stride(1) == 1 and weight.stride(1) == 1
-    assert w_scale.numel() == N and w_scale.dtype == torch.float32
+    assert x_scale.numel() == M and w_scale.numel() == N and x_scale.dtype == w_scale.dtype == torch.float32
     out = torch.empty((M, N), device=x_q.device, dtype=out_dtype)
     if M == 0:
         return out
     if config is None:
         config = pick_fp8_gemm_config(M, N, K, _num_sms(x_q.device.index or 0) if x_q.is_cuda else 132)
-    if quant_a and config.block_k != ACT_BLOCK:
-        raise ValueError(f"quantising x in the GEMM needs block_k = {ACT_BLOCK} (its scales' block), got {config}")
     split = config.split_k
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
     partial, counters = split_k_workspace(out, split, tiles)
     tiles_per_split = triton.cdiv(triton.cdiv(K, config.block_k), split)
     _fp8_gemm_kernel[(tiles, split)](
-        x_q, weight, w_scale if quant_a else x_scale.reshape(M), w_scale.reshape(N),
-        bias if bias is not None else w_scale, out, partial,
+        x_q, weight, x_scale.reshape(M), w_scale.reshape(N), bias if bias is not None else w_scale, out, partial,
         counters, M, N, K, tiles_per_split, split, x_q.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, USE_SPLIT=split > 1, EVEN_K=K % config.block_k == 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        QUANT_A=quant_a, num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from kernels import reference
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_ACT_BLOCK = 128  # `fp8_scaled_matmul` with x_scale None (kernels/fp8_gemm.py): columns sharing an activation scale
 
 
 def unpack_int_weight(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -192,21 +191,9 @@ def fp8_linear(
     return _gated(F.linear(x, dequantize_fp8_weight(weight, weight_scale, x.dtype), bias), gated)
 
 
-def quantize_blocks_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[M, K]` -> (e4m3 `[M, K]`, fp32 scales `[M, ceil(K / block)]`): each row's `block` columns scaled
-    by their largest magnitude / 448 (an all-zero block: 1e-12 / 448), as `kernels/fp8_gemm.py` does in-kernel."""
-    M, K = x.shape
-    nb = -(-K // block)
-    xf = F.pad(x.float(), (0, nb * block - K)).reshape(M, nb, block)
-    scale = xf.abs().amax(dim=2).clamp_min(1e-12) / FP8_MAX  # [M, nb]
-    # NOTE: x * (1 / scale), not x / scale: the kernel multiplies by the reciprocal (the same fp32 rounding)
-    q = (xf * (1.0 / scale)[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(M, nb * block)[:, :K], scale
-
-
 def fp8_scaled_matmul(
-    x_q: torch.Tensor,  # [M, K] float8_e4m3fn, or bf16 / fp16 with x_scale None
-    x_scale: torch.Tensor | None,  # [M, 1] or [M] fp32; None: x_q quantised in 1 x FP8_ACT_BLOCK blocks here
+    x_q: torch.Tensor,  # [M, K] float8_e4m3fn
+    x_scale: torch.Tensor,  # [M, 1] or [M] fp32
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     w_scale: torch.Tensor,  # [N] fp32
     bias: torch.Tensor | None = None,  # [N]
@@ -214,11 +201,7 @@ def fp8_scaled_matmul(
     config: object = None,  # the Triton kernel's tiling (unused here)
 ) -> torch.Tensor:
     """`kernels/fp8_gemm.py`'s op: (x_q * x_scale) @ (weight * w_scale)^T + bias in fp32, in out_dtype."""
-    if x_scale is None:
-        q, scales = quantize_blocks_fp8(x_q, FP8_ACT_BLOCK)
-        x = q.float() * scales.repeat_interleave(FP8_ACT_BLOCK, dim=1)[:, : x_q.shape[1]]
-    else:
-        x = x_q.float() * x_scale.float().reshape(-1, 1)
+    x = x_q.float() * x_scale.float().reshape(-1, 1)
     y = x @ (weight.float() * w_scale.float().reshape(-1, 1)).t()
     if bias is not None:
         y = y + bias.float()
