@@ -200,7 +200,8 @@ def print_profile(result: dict, top: int = 14) -> None:
     layers = result["layers"]
     ar = {"none": "one GPU"}.get(result["all_reduce_path"], f"all-reduce: {result['all_reduce_path']}")
     print(f"\n== decode step profile, {result['shape']} {result.get('quantize', 'bf16')} TP={result['tp']} ({ar}), "
-          f"batch 1, {result['seq_len']} tokens of context, rank 0, {result['steps']} traced replays (kernels grouped by {result['grouping']})")
+          f"batch 1, {result['seq_len']} tokens of context, rank 0, {result['steps']} traced replays "
+          f"(kernels grouped by {result['grouping']})")
     print(f"graph alone (untraced, max over ranks): {result['graph_step_us']:.0f} us/step; traced: span "
           f"{result['span_us']:.0f} us = kernels {result['busy_us']:.0f} + gaps {result['gap_us']:.0f} "
           f"({result['kernels_per_step']:.0f} kernels; gap {result['gap_us'] / max(1, result['kernels_per_step']):.2f} "

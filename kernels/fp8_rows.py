@@ -1,8 +1,9 @@
 """Per-token FP8 rows of an activation, written by the op that produced it.
 
 Why: above 16 rows an FP8 linear multiplies FP8 activations with one scale per row
-(`kernels/fp8_matmul.scaled_mm_linear`), and quantising x in a launch of its own costs about 4 us a
-linear at decode batch sizes (run 57, H200, 64 rows: 17 of ~100 us a layer). The RMSNorm before
+(`kernels/fp8_matmul.scaled_mm_linear`), and quantising x takes a launch of its own before each linear.
+Writing the rows from the op before it takes 3-5 % off a layer's FP8 linears at 17-2048 rows
+(bench/RESULTS.md run 59, H200, `bench/fp8_rows.py`: 64 rows 88.4 -> 85.2 us). The RMSNorm before
 qkv / gate_up and the SwiGLU before down already hold each row: asked to (`fp8_rows=True`), they
 also write the row's e4m3 values and its scale (`Fp8Rows`) and attach them to the bf16 result
 (`attach`); the linear then takes them (`attached`) instead of quantising again. The values are

@@ -94,7 +94,8 @@ class PagedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(*self.project(positions, hidden)))
 
-    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, kernels.DecodeRope | None]:
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor
+                ) -> tuple[torch.Tensor, kernels.DecodeRope | None]:
         """qkv -> RoPE -> this step's K/V into the cache; returns (q `[T, num_heads, head_dim]`, None).
 
         In a step of decode rows only, RoPE and the K/V write are left to the decode attention

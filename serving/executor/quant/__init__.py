@@ -70,4 +70,5 @@ def check_device(quant: QuantConfig | None, device: torch.device) -> None:
         check_fp8_device(device)
 
 
-__all__ = ["LinearMethod", "LinearSpec", "check_device", "link_fp8_rows", "linear_method", "process_weights_after_loading"]
+__all__ = ["LinearMethod", "LinearSpec", "check_device", "link_fp8_rows", "linear_method",
+           "process_weights_after_loading"]
