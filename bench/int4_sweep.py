@@ -2,7 +2,7 @@
 
 One command (one H100/H200, about 2-3 minutes, mostly Triton compiles):
 
-  python3 bench/int4_sweep.py [--json PATH] [--quick] [--large]
+  python3 bench/int4_sweep.py [--json PATH] [--quick] [--large] [--ms 1,2,4,8,16] [--picked]
 
 For the 8B engine projections (qkv 4096 x 6144, o 4096 x 4096, gate_up 4096 x 28672, down
 14336 x 4096) and M = 1, 2, 4, 16 it prints one line per candidate: µs, effective GB/s (int4 bytes
@@ -12,7 +12,8 @@ too), beside bf16 `F.linear` and the general kernel (`kernels/int4_matmul.py`, w
 today). Candidates: `kernels/int4_kchunk.KChunkConfig` tilings, each at the split-K factors that
 reach 1, 2 and 4 programs per SM. Timings replay a CUDA graph of calls rotating over >= 256 MB of
 weight copies (`bench/quant_kernels.time_us`). Last: the batch-1 linear layers of one 8B token
-(32 layers) for bf16, the general kernel and the best k-chunk tiling per shape.
+(32 layers) for bf16, the general kernel, the tiling serving picks and the best k-chunk tiling per shape.
+`--ms` picks the rows timed, `--picked` times only the tiling serving picks (a baseline).
 
 `--large` sweeps the tensor-core paths for many rows instead (M = 64, 128, 256, 512, 2048, about
 3 minutes): per shape and M, bf16 cuBLAS, today's dequantise-then-cuBLAS (`KChunkConfig` block_m 0:
@@ -150,13 +151,14 @@ def time_configs(x, ref, w4, configs, default, row, t16, base, nbytes, flops, la
     return results
 
 
-def run_shape(name: str, k: int, n: int, num_sms: int, quick: bool, report: dict) -> dict:
-    """Every M for one projection; returns {M: (bf16 us, general us, best k-chunk (us, config))}."""
+def run_shape(name: str, k: int, n: int, num_sms: int, quick: bool, report: dict, ms: tuple = MS,
+              only_picked: bool = False) -> dict:
+    """Every M for one projection; returns {M: (bf16 us, general us, best k-chunk (us, config), today's pick us)}."""
     w16 = [torch.randn(n, k, device="cuda", dtype=BF16) / 64 for _ in range(_copies(k * n * 2))]
     w4 = [(q, quant_reference.repack_int4_kchunk(q), s, z) for q, s, z in int4_weights(k, n, GROUP, _copies(k * n // 2))]
     q0, _, s0, z0 = w4[0]
     best = {}
-    for m in MS:
+    for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=BF16)
         ref = quant_reference.quant_linear(x, q0, s0, z0, None, 4, GROUP)
         nbytes = int4_bytes(m, k, n)
@@ -169,10 +171,12 @@ def run_shape(name: str, k: int, n: int, num_sms: int, quick: bool, report: dict
         row = {"name": name, "K": k, "N": n, "M": m, "bf16_us": t16, "general_us": t_old, "general_err": e_old,
                "general_config": list(old_cfg), "kchunk": []}
         default = pick_kchunk_config(m, n, k, GROUP, num_sms)
-        cands = [c for base in base_configs(m, quick) for c in with_splits(base, m, n, k, num_sms, quick)]
+        cands = [] if only_picked else [c for base in base_configs(m, quick)
+                                        for c in with_splits(base, m, n, k, num_sms, quick)]
         results = time_configs(x, ref, w4, [default, *cands], default, row, t16, (t_old, "general"), nbytes,
                                2 * m * k * n, lambda c: str(tuple(c)))
-        best[m] = (t16, t_old, results[0] if results else None)
+        picked = next((t for t, c in results if c == default), float("nan"))
+        best[m] = (t16, t_old, results[0] if results else None, picked)
         report["rows"].append(row)
     del w16, w4
     torch.cuda.empty_cache()
@@ -241,7 +245,10 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--quick", action="store_true", help="three tilings per M at one split (a smoke run)")
     ap.add_argument("--large", action="store_true", help="the tensor-core paths at M = 64..2048 instead")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows to time (comma-separated, <= 16)")
+    ap.add_argument("--picked", action="store_true", help="only the tiling serving picks per shape and M (a baseline)")
     args = ap.parse_args()
+    ms = tuple(int(v) for v in args.ms.split(","))
     t0 = time.perf_counter()
     num_sms, report = start_report()
     bw = report["copy_gbs"]
@@ -250,23 +257,25 @@ def main() -> None:
         write_report(args.json, report)
         print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
         return
-    totals = {m: [0.0, 0.0, 0.0] for m in MS}
+    totals = {m: [0.0, 0.0, 0.0, 0.0] for m in ms}
     for name, k, n in SHAPES:
-        best = run_shape(name, k, n, num_sms, args.quick, report)
-        for m, (t16, t_old, b) in best.items():
+        best = run_shape(name, k, n, num_sms, args.quick, report, ms, args.picked)
+        for m, (t16, t_old, b, picked) in best.items():
             totals[m][0] += t16 * NUM_LAYERS / 1e3
             totals[m][1] += t_old * NUM_LAYERS / 1e3
             totals[m][2] += (b[0] if b else float("nan")) * NUM_LAYERS / 1e3
+            totals[m][3] += picked * NUM_LAYERS / 1e3
         print(f"# {name} done: {time.perf_counter() - t0:.0f} s", flush=True)
         write_report(args.json, report)  # after each shape: a run cut short keeps what it measured
-    floor = {m: sum(int4_bytes(m, k, n) for _, k, n in SHAPES) * NUM_LAYERS / bw / 1e6 for m in MS}
+    floor = {m: sum(int4_bytes(m, k, n) for _, k, n in SHAPES) * NUM_LAYERS / bw / 1e6 for m in ms}
     print("\n# linear layers of one 8B decode step (qkv, o, gate_up, down x 32 layers, no LM head), ms")
-    for m in MS:
-        b16, old, new = totals[m]
-        print(f"M={m}: bf16 {b16:.3f}; general {old:.3f} (x{old / b16:.2f}); k-chunk best {new:.3f} "
-              f"(x{new / b16:.2f}; int4 floor {floor[m]:.3f} = {floor[m] / new:.0%} of it)", flush=True)
+    for m in ms:
+        b16, old, new, picked = totals[m]
+        print(f"M={m}: bf16 {b16:.3f}; general {old:.3f} (x{old / b16:.2f}); today's pick {picked:.3f} "
+              f"(x{picked / b16:.2f}); k-chunk best {new:.3f} (x{new / b16:.2f}; int4 floor {floor[m]:.3f} = "
+              f"{floor[m] / new:.0%} of it)", flush=True)
     report["per_step_ms"] = {str(m): {"bf16": totals[m][0], "general": totals[m][1], "kchunk_best": totals[m][2],
-                                      "int4_floor": floor[m]} for m in MS}
+                                      "kchunk_picked": totals[m][3], "int4_floor": floor[m]} for m in ms}
     write_report(args.json, report)
     print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
 
