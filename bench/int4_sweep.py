@@ -42,7 +42,7 @@ from bench.quant_kernels import _copies, int4_weights, start_report, time_us, wr
 from bench.quant_speed import _rel, _try  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.int4_kchunk import (  # noqa: E402
-    GEMM_JOIN, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config,
+    GEMM_JOIN, GEMM_MMA, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config,
 )
 from kernels.int4_matmul import _split_for, pick_config, quant_linear_impl  # noqa: E402
 
@@ -61,6 +61,9 @@ def int4_bytes(m: int, k: int, n: int) -> int:
 def base_configs(m: int, quick: bool) -> list[KChunkConfig]:
     """Tilings per M (split_k 0: filled in per shape). GEMV: block_n = 32 * warps * columns a thread."""
     C = KChunkConfig
+    # `kernels/int4_kchunk_mma.py` (GEMM_MMA) from 2 rows: block_n, warps
+    mma = [] if m < 2 else [C(16, bn, 128, 0, w, gemm=GEMM_MMA) for bn, w in
+                            ((64, 4), (128, 4), (256, 4), (128, 8), (256, 8))]
     if m == 1:
         out = [C(1, 512, 128, 0, 4), C(1, 512, 128, 0, 4, pairs=False), C(1, 512, 128, 0, 4, reduce_each=True),
                C(1, 256, 128, 0, 4), C(1, 1024, 64, 0, 4), C(1, 1024, 64, 0, 4, reduce_each=True),
@@ -76,7 +79,7 @@ def base_configs(m: int, quick: bool) -> list[KChunkConfig]:
         out = [C(16, bn, bk, 0, w, st) for bn, bk, w, st in
                ((64, 128, 4, 1), (128, 128, 4, 1), (64, 256, 4, 1), (32, 256, 4, 1), (128, 128, 8, 1),
                 (64, 128, 4, 3), (128, 256, 8, 1))]
-    return out[:3] if quick else out
+    return out[:3] + mma[:2] if quick else out + mma
 
 
 LARGE_MS = (64, 128, 256, 512, 2048)
@@ -170,7 +173,7 @@ def run_shape(name: str, k: int, n: int, num_sms: int, quick: bool, report: dict
               f"{tuple(old_cfg)} {t_old:.1f} us ({nbytes / t_old / 1e3:,.0f} GB/s, err {e_old:.1e})", flush=True)
         row = {"name": name, "K": k, "N": n, "M": m, "bf16_us": t16, "general_us": t_old, "general_err": e_old,
                "general_config": list(old_cfg), "kchunk": []}
-        default = pick_kchunk_config(m, n, k, GROUP, num_sms)
+        default = pick_kchunk_config(m, n, k, GROUP, num_sms, mma=True)  # as serving picks for bf16 CUDA x
         cands = [] if only_picked else [c for base in base_configs(m, quick)
                                         for c in with_splits(base, m, n, k, num_sms, quick)]
         results = time_configs(x, ref, w4, [default, *cands], default, row, t16, (t_old, "general"), nbytes,

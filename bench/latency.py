@@ -6,6 +6,10 @@ through the offline API with random weights, so it includes every per-step engin
 
   python bench/latency.py --shapes llama-3.2-1b,llama-3-8b
   python bench/latency.py --shapes llama-3-8b --quantize bf16,gptq    # int4 g128 vs bf16, same call
+  python bench/latency.py --shapes llama-3-8b --quantize bf16,gptq --batch 1,4,8    # also 4 and 8 at once
+
+`--batch N`: N requests of the same length run together, so each decode step has N rows; the figure
+is then ms per step (each request gets one token a step).
 
 With several `--quantize` variants (tests/support/dummy_model.py QUANT_VARIANTS) each row also gives its
 ms/token as a fraction of the same shape's bf16 row, and its floor counts the variant's bytes.
@@ -30,18 +34,20 @@ from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
 from dummy_model import QUANT_VARIANTS, dummy_dir, make_dummy_model_dir, weight_bytes  # noqa: E402
 
 
-def _time_request(llm, prompt: list[int], max_tokens: int, reps: int = 3) -> float:
+def _time_request(llm, prompt: list[int], max_tokens: int, reps: int = 3, batch: int = 1) -> float:
+    # `batch` requests of the same length at once: every decode step then runs `batch` rows
     from serving import SamplingParams
 
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
+    prompts = [{"prompt_token_ids": [(t + 7 * i) % 30000 for t in prompt]} for i in range(batch)]
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], [sp], use_tqdm=False)
+        out = llm.generate(prompts, [sp] * batch, use_tqdm=False)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        assert len(out[0].outputs[0].token_ids) == max_tokens
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in out)
     return sorted(times)[len(times) // 2]
 
 
@@ -54,8 +60,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantize", default="bf16", help=f"comma-separated variants of {sorted(QUANT_VARIANTS)}")
+    ap.add_argument("--batch", default="1", help="comma-separated numbers of requests decoded together")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
     from serving import LLM
 
     bw = copy_bandwidth_gbs()
@@ -65,28 +73,32 @@ def main() -> None:
     rows = {}
     for shape, variant in [(s, q) for s in args.shapes.split(",") for q in args.quantize.split(",")]:
         model_dir = make_dummy_model_dir(shape, dummy_dir(args.model_root, shape, variant), tok_dir, variant)
-        llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
+        llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=max(8, *batches),
+                  max_model_len=2048,
                   gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager,
                   quantization=QUANT_VARIANTS[variant][1], skip_tokenizer_init=tok_dir is None)
-        _time_request(llm, prompt, 8, reps=1)  # warm-up
-        t1 = _time_request(llm, prompt, 1)
-        tn = _time_request(llm, prompt, 1 + args.new_tokens)
-        ms = (tn - t1) / args.new_tokens * 1e3
-        floor_ms = weight_bytes(shape, quantize=variant) / (bw * 1e9) * 1e3
-        key = shape if variant == "bf16" else f"{shape}/{variant}"
-        rows[key] = {"ms_per_token": ms, "floor_ms": floor_ms, "frac_floor": floor_ms / ms, "ttft_ms": t1 * 1e3}
-        if variant != "bf16" and shape in rows:
-            rows[key]["vs_bf16"] = ms / rows[shape]["ms_per_token"]
-        print(f"[{key}] {ms:.2f} ms/token, floor {floor_ms:.2f} ms -> {floor_ms / ms:.1%}; "
-              f"1-token request {t1 * 1e3:.1f} ms"
-              + (f"; {rows[key]['vs_bf16']:.2f}x the bf16 ms/token" if "vs_bf16" in rows[key] else ""), flush=True)
+        for batch in batches:
+            _time_request(llm, prompt, 8, reps=1, batch=batch)  # warm-up
+            t1 = _time_request(llm, prompt, 1, batch=batch)
+            tn = _time_request(llm, prompt, 1 + args.new_tokens, batch=batch)
+            ms = (tn - t1) / args.new_tokens * 1e3
+            floor_ms = weight_bytes(shape, quantize=variant) / (bw * 1e9) * 1e3
+            base = shape if batch == 1 else f"{shape} x{batch}"
+            key = base if variant == "bf16" else f"{base}/{variant}"
+            rows[key] = {"ms_per_token": ms, "floor_ms": floor_ms, "frac_floor": floor_ms / ms, "ttft_ms": t1 * 1e3,
+                         "batch": batch}
+            if variant != "bf16" and base in rows:
+                rows[key]["vs_bf16"] = ms / rows[base]["ms_per_token"]
+            print(f"[{key}] {ms:.2f} ms/step, floor {floor_ms:.2f} ms -> {floor_ms / ms:.1%}; "
+                  f"1-token request {t1 * 1e3:.1f} ms"
+                  + (f"; {rows[key]['vs_bf16']:.2f}x the bf16 ms/step" if "vs_bf16" in rows[key] else ""), flush=True)
         shutdown = getattr(llm, "shutdown", None)
         if callable(shutdown):
             shutdown()
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"\n{'shape':20} {'ms/token':>9} {'floor ms':>9} {'of floor':>9} {'prefill+1 ms':>13} {'vs bf16':>8}")
+    print(f"\n{'shape':20} {'ms/step':>9} {'floor ms':>9} {'of floor':>9} {'prefill+1 ms':>13} {'vs bf16':>8}")
     for shape, r in rows.items():
         vs = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-"
         print(f"{shape:20} {r['ms_per_token']:>9.2f} {r['floor_ms']:>9.2f} {r['frac_floor']:>9.1%} "

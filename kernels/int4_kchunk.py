@@ -14,6 +14,9 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
   multiplied by the matching x columns in `tl.dot`.
 - `gemm` set (many rows): `kernels/int4_kchunk_gemm.py`, tensor cores with the dequantised weights
   as the MMA's register operand (out^T = W^T x^T), no copy of the weight.
+- `gemm` GEMM_MMA (2-16 rows; CUDA sm_80+, bf16/fp16 x, K and the group multiples of 128):
+  `kernels/int4_kchunk_mma.py` (Gluon), mma.sync with the words loaded straight into the A operand's
+  registers and dequantised two per instruction; the picker takes it where `mma` says it can run.
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV writes silu(gate) * up from its
@@ -22,6 +25,7 @@ epilogue (`kernels/int4_common.finish_gemv_tile`); the other paths run `kernels/
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -31,6 +35,7 @@ import triton.language as tl
 from kernels.activation import silu_and_mul
 from kernels.int4_common import (finish_gemv_tile, finish_tile, gemv_rows, grouped_tile, nibble_float,
                                  nibble_pair_floats, stack_rows)
+from kernels import int4_kchunk_mma
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
 from kernels.int4_matmul import _num_sms, _split_for, gated_workspace, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
@@ -38,6 +43,7 @@ from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 GEMM_JOIN = 1  # `int4_kchunk_gemm`: one dot per K tile on the weights put back in natural row order
 GEMM_NIBBLES = 2  # `int4_kchunk_gemm`: one dot per nibble, each on an elementwise function of the words
+GEMM_MMA = 3  # `int4_kchunk_mma` (2-16 rows, CUDA, bf16/fp16): mma.sync on words loaded in the operand's layout
 
 
 class KChunkConfig(NamedTuple):
@@ -54,7 +60,7 @@ class KChunkConfig(NamedTuple):
     pairs: bool = True  # GEMV: two nibbles per shift (`int4_common.nibble_pair_floats`)
     reduce_each: bool = False  # GEMV: sum each nibble's products at once instead of an FMA tile
     group_m: int = 1  # tensor cores: row tiles per band of the program order (L2 reuse of weight tiles)
-    gemm: int = 0  # tensor cores: `int4_kchunk_gemm` (W^T x^T) with GEMM_JOIN or GEMM_NIBBLES, else 0
+    gemm: int = 0  # tensor cores: `int4_kchunk_gemm` (W^T x^T) with GEMM_JOIN or GEMM_NIBBLES; GEMM_MMA; else 0
 
 
 @triton.jit
@@ -330,7 +336,37 @@ def _many_rows_config(M: int, N: int, K: int, num_sms: int) -> KChunkConfig:
     return KChunkConfig(bm, bn, 64, _split_for(tiles, triton.cdiv(K, 64), num_sms), warps, 3, gemm=GEMM_JOIN)
 
 
-def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig:
+def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig | None:
+    """`int4_kchunk_mma` where it beat the GEMV and the 16-row tiles in `bench/int4_sweep.py --ms 1,2,4,8,16` on an
+    H200 (bench/RESULTS.md run 62, the 8B shapes, group 128, us, today's pick before -> this): 2-8 rows in
+    tiles of 256 columns, 8 warps (M = 2: qkv 11.3 -> 9.0, o 8.7 -> 7.6, gate_up 41.5 -> 29.3, down 18.6 ->
+    16.4; M = 4: 10.4 -> 9.6, 11.2 -> 8.2, 42.7 -> 30.6, 19.2 -> 17.1); 9-16 rows with 4 warps except on
+    weights up to 4096 x 4096 (M = 16: qkv 17.2 -> 16.6, gate_up 57.8 -> 46.4, down 32.5 -> 30.2; o keeps its
+    tiles, 12.9 against 16.6). K split to ~2 programs per SM (~1 on the wide gate|up weight). At one row the
+    GEMV stays (qkv 9.2 against 10.0)."""
+    if K % int4_kchunk_mma.BLOCK_K or not (group_size >= K or group_size % int4_kchunk_mma.BLOCK_K == 0):
+        return None
+    if not 2 <= M <= 16 or (M > 8 and N * K <= 4096 * 4096):
+        return None
+    bn, warps = 256, (8 if M <= 8 else 4)
+    tiles = triton.cdiv(N, bn)
+    per_sm = 1 if N >= 16384 else 2
+    split = _split_for(tiles, K // int4_kchunk_mma.BLOCK_K, per_sm * num_sms)
+    return KChunkConfig(16, bn, int4_kchunk_mma.BLOCK_K, split, warps, gemm=GEMM_MMA)
+
+
+@functools.cache
+def _has_mma_sync(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 8
+
+
+def mma_runs_on(x: torch.Tensor) -> bool:
+    """Whether `int4_kchunk_mma` can take x: a bf16/fp16 CUDA tensor on sm_80+ (mma.sync, packed FMAs)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and _has_mma_sync(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mma: bool = False) -> KChunkConfig:
     """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
 
     From `bench/int4_sweep.py` on an H100 (bench/RESULTS.md run 36, the 8B shapes, group 128): M <= 2
@@ -340,7 +376,12 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int) ->
     tensor-core tiles of 64 columns split to ~4 programs per SM, 3 stages from M = 5 (M = 16: 17.0 /
     12.6 / 54.8 / 31.1 us against 23.2 / 19.7 / 72.5 / 41.5); above, `_many_rows_config`: the
     k-chunk GEMM up to 64 rows, to 128 or 256 rows on the larger weights, else the weight
-    dequantised once for cuBLAS (there, prefill, that cost is amortised over the rows)."""
+    dequantised once for cuBLAS (there, prefill, that cost is amortised over the rows). With `mma` (the
+    caller's x can take it: `mma_runs_on`), `_mma_config` first, from 2 to 16 rows."""
+    if mma:
+        cfg = _mma_config(M, N, K, group_size, num_sms)
+        if cfg is not None:
+            return cfg
     if M > 16:
         return _many_rows_config(M, N, K, num_sms)
     stages = 1
@@ -378,7 +419,12 @@ def int4_kchunk_linear_impl(
     assert scales.stride(1) == 1 and zeros.stride() == scales.stride()
     assert scales.shape[0] == triton.cdiv(K, group_size), (scales.shape, K, group_size)
     if config is None:
-        config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+        config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132,
+                                    mma=mma_runs_on(x))
+    mma = config.gemm == GEMM_MMA
+    if mma and (M > 16 or not mma_runs_on(x) or K % 128 or not (group_size >= K or group_size % 128 == 0)):
+        raise ValueError(f"GEMM_MMA takes 1-16 rows of bf16/fp16 CUDA x (sm_80+), K and the group multiples of 128; "
+                         f"got {M} x {K} {x.dtype} on {x.device}, group {group_size}: {config}")
     if gated:
         if N % 2:
             raise ValueError(f"a gated int4 weight needs an even column count, got {N}")
@@ -393,6 +439,13 @@ def int4_kchunk_linear_impl(
     if config.block_m == 0:  # DENSE: dequantise, then cuBLAS (large M: the dequantise is amortised)
         w = dequantize_kchunk(packed, scales, zeros, group_size, x.dtype)
         return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
+    if mma:
+        assert config.block_m == 16 and config.block_n % (16 * config.num_warps) == 0, config
+        split = config.split_k
+        partial, counters = split_k_workspace(out, split, triton.cdiv(N, config.block_n))
+        int4_kchunk_mma.launch(x, packed, scales, zeros, group_size, bias, out, partial, counters, config.block_n,
+                               split, config.num_warps, launch_options(x)["PDL"])
+        return out
     gemv = config.block_m < 16
     if config.block_k % 32:
         raise ValueError(f"block_k must be a multiple of 32, got {config}")

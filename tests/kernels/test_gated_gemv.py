@@ -4,7 +4,10 @@
 with `gated=True` must give the same bits as the same tiling without it followed by
 `kernels/activation.py` (the unfused path the MLP ran before): every mode, split-K (twice: the
 counters reset), bias, M below the program's rows, an I that the last tile covers only in part.
-The interpreter runs them on CPU, compiled on CUDA; an fp64 oracle bounds both.
+The interpreter runs them on CPU, compiled on CUDA; an fp64 oracle bounds both. One exception on CPU:
+the fp16 tensor-core mode's dots run as numpy matmuls there, whose summation order can follow the
+operands' widths on some CPUs (an AMD EPYC: 16 of 220 values 2e-5 apart), so that mode is held to
+fp32 rounding on CPU and to bits on CUDA.
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ def test_word_gemv_gated_is_the_unfused_gemv_then_silu_mul(device, weights, I, K
     for _ in range(2):  # the second launch finds its split-K counters back at zero
         fused = fp8_gemv(x, w, scale, bias, config, gated=True)
         assert fused.shape == (M, I) and fused.dtype == x.dtype
-        assert torch.equal(fused, unfused), config
+        if device == "cpu" and config.mode == MODE_DOT16:
+            torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-6)
+        else:
+            assert torch.equal(fused, unfused), config
     y = x.double() @ dense.to(device).t() + (bias.double() if bias is not None else 0)
     assert _rel_err(fused, _oracle(y)) < (1e-5 if dtype == torch.float32 else 2e-2)
 

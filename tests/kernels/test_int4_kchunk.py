@@ -11,7 +11,8 @@ import torch
 from quant_helpers import make_int_weight
 
 from kernels import quant_reference
-from kernels.int4_kchunk import KChunkConfig, int4_kchunk_linear, int4_kchunk_linear_impl, pick_kchunk_config
+from kernels.int4_kchunk import (GEMM_MMA, KChunkConfig, int4_kchunk_linear, int4_kchunk_linear_impl,
+                                 pick_kchunk_config)
 
 CASES = [
     # (dtype, K, group_size, M, config); block_m < 16 is the GEMV
@@ -66,6 +67,60 @@ def test_int4_kchunk_linear_matches_reference(device, dtype, K, group_size, M, c
         assert _rel_err(out, ref) < (2e-3 if dtype == torch.float16 else 1e-5)
     no_bias = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, None, config=config)
     assert _rel_err(no_bias, ref - bias.double()) < (2e-3 if dtype == torch.float16 else 1e-5)
+
+
+MMA_CASES = [
+    # (M, K, group_size, split, with_bias): `kernels/int4_kchunk_mma.py`, CUDA only (Gluon, mma.sync)
+    (1, 256, 128, 1, False),
+    (2, 512, 128, 3, True),  # split-K, uneven splits
+    (5, 384, 384, 2, True),  # one group
+    (8, 1024, 256, 4, False),  # groups of two tiles
+    (9, 512, 128, 1, True),  # 16 padded rows
+    (16, 512, 128, 2, False),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernel: CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, K, group_size, split, with_bias", MMA_CASES)
+def test_mma_matches_reference(dtype, M, K, group_size, split, with_bias):
+    N = 200  # the last column tile is partial
+    w = make_int_weight(K, N, 4, group_size, False, dtype, seed=M + K)
+    packed = quant_reference.repack_int4_kchunk(w.qweight).cuda()
+    scales, zeros = w.scales.cuda(), w.zeros.cuda()
+    x = torch.randn(M, K, dtype=dtype, device="cuda")
+    bias = torch.randn(N, dtype=dtype, device="cuda") if with_bias else None
+    ref = x.double() @ w.dense.double().cuda() + (bias.double() if with_bias else 0)
+    for block_n in (64, 128):
+        config = KChunkConfig(16, block_n, 128, split, 4, gemm=GEMM_MMA)
+        for _ in range(2):  # the second call finds its split-K counters back at zero
+            out = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config=config)
+            assert out.dtype == dtype and out.shape == (M, N)
+            assert _rel_err(out, ref) < (5e-3 if dtype == torch.bfloat16 else 2e-3), (block_n, config)
+    # the same weights through the picker's path at 2-16 rows give the other kernels' result
+    gemv = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias,
+                                   config=pick_kchunk_config(M, N, K, group_size, 132))
+    assert _rel_err(out, gemv.double()) < 1e-2
+
+
+def test_mma_config_needs_cuda_and_half_precision():
+    w = make_int_weight(128, 64, 4, 128, False, torch.float16, seed=4)
+    packed = quant_reference.repack_int4_kchunk(w.qweight)
+    config = KChunkConfig(16, 64, 128, 1, 4, gemm=GEMM_MMA)
+    with pytest.raises(ValueError, match="GEMM_MMA"):
+        int4_kchunk_linear_impl(torch.randn(3, 128).half(), packed, w.scales, w.zeros, 128, config=config)
+    # the picker offers it only where the caller says it runs, from 2 rows, on multiples of 128
+    assert pick_kchunk_config(4, 6144, 4096, 128, 132, mma=True).gemm == GEMM_MMA
+    assert pick_kchunk_config(4, 6144, 4096, 128, 132).gemm != GEMM_MMA
+    assert pick_kchunk_config(1, 28672, 4096, 128, 132, mma=True).block_m == 1  # the GEMV at one row
+    assert pick_kchunk_config(2, 6144, 4096, 128, 132, mma=True) == KChunkConfig(16, 256, 128, 11, 8, gemm=GEMM_MMA)
+    assert pick_kchunk_config(2, 28672, 4096, 128, 132, mma=True).split_k == 2  # ~1 program per SM on gate|up
+    assert pick_kchunk_config(12, 4096, 4096, 128, 132, mma=True).gemm != GEMM_MMA  # small weights: the tiles
+    assert pick_kchunk_config(12, 28672, 4096, 128, 132, mma=True).num_warps == 4
+    assert pick_kchunk_config(4, 6144, 4096, 64, 132, mma=True).gemm != GEMM_MMA  # groups of 64
+    # one split per bucket (no second compiled variant as M moves inside it)
+    assert len({pick_kchunk_config(m, 6144, 4096, 128, 132, mma=True) for m in range(2, 9)}) == 1
+    assert len({pick_kchunk_config(m, 6144, 4096, 128, 132, mma=True) for m in range(9, 17)}) == 1
 
 
 def test_public_launcher_and_strided_x(device):

@@ -1,0 +1,181 @@
+"""Int4 linear for 2-16 rows on `mma.sync`, the k-chunk words loaded straight into the MMA's register layout.
+
+Same operands as `kernels/int4_kchunk.py` (`packed` int32 `[K // 32, N, 4]`: nibble j of word w of
+`packed[c, n]` is row 32c + 4j + w; `scales`/`zeros [G, N]` with integer zero points 0..127), torch
+reference `quant_reference.int4_kchunk_linear`; CUDA only (sm_80+), bf16 or fp16 x, K and the group a
+multiple of 128 (or one group).
+
+Why: from 2 to 16 rows the CUDA-core GEMV repeats its dequantisation per row and the Triton
+tensor-core tiles move every dequantised weight through shared memory to reach the MMA's operand
+layout, so both run at 25-35 % of HBM there (bench/RESULTS.md run 61). Written in Gluon, where
+layouts are explicit, this kernel loads each program's words directly in the layout of the MMA's A
+operand (out^T = W^T x^T: the weights are A, the rows of x padded to 8 or 16 are B), so every
+thread holds two neighbouring words of a column, whose nibble j is the sub-dot j's pair of k values.
+One `prmt` sets byte b of both words side by side, a `lop3` or's their low nibbles into the mantissas
+of the magic pair (128.0, 128.0) (bf16; 1024.0 for fp16) and one packed FMA subtracts 128 + z: two
+weights as exact (q - z) in three instructions, the high nibbles in three more, no shared memory.
+The 8 sub-dots of a 128-row tile sum x (q - z) exactly in fp32 before the group's scale multiplies
+them once. Split-K partials meet as in the other int4 kernels: fp32 workspace, per-tile counter, the
+last program sums them in split order (deterministic) and resets the counter.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+BLOCK_K = 128  # rows per K tile: 4 chunks, each nibble's sub-dot an MMA k-step of 16
+
+# Per pair of neighbouring words ($2, $3) and byte B: $0 = (nibble 2B of $2, of $3) + $4 and
+# $1 = (nibble 2B + 1 ...) + $4 in the packed dtype, $4 = -(MAGIC + z) twice. prmt selector: byte 0
+# = byte B of $2, byte 2 = byte B of $3; 983055 = 0x000F000F; LUT 234 = (a & b) | c.
+_PAIR_PTX = """{{
+.reg .b32 t, u, v, one;
+mov.b32 one, {one};
+prmt.b32 t, $2, $3, {sel};
+lop3.b32 u, t, 983055, {magic}, 234;
+fma.rn.{ty}x2 $0, u, one, $4;
+shr.b32 v, t, 4;
+lop3.b32 u, v, 983055, {magic}, 234;
+fma.rn.{ty}x2 $1, u, one, $4;
+}}"""
+
+
+def _pair_ptx(byte: int, fp16: bool) -> str:
+    # bf16: magic 0x43004300 (128.0 twice), one 0x3F803F80; fp16: 0x64006400 (1024.0), 0x3C003C00
+    sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
+    if fp16:
+        return _PAIR_PTX.format(sel=sel, ty="f16", magic=1677747200, one=1006648320)
+    return _PAIR_PTX.format(sel=sel, ty="bf16", magic=1124090624, one=1065369472)
+
+
+_BF16_0 = gl.constexpr(_pair_ptx(0, False))
+_BF16_1 = gl.constexpr(_pair_ptx(1, False))
+_BF16_2 = gl.constexpr(_pair_ptx(2, False))
+_BF16_3 = gl.constexpr(_pair_ptx(3, False))
+_FP16_0 = gl.constexpr(_pair_ptx(0, True))
+_FP16_1 = gl.constexpr(_pair_ptx(1, True))
+_FP16_2 = gl.constexpr(_pair_ptx(2, True))
+_FP16_3 = gl.constexpr(_pair_ptx(3, True))
+
+
+@gluon.jit
+def _ptx(PTX: gl.constexpr):
+    # A side effect only (PDL's grid-dependency instructions).
+    gl.inline_asm_elementwise(PTX, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _sub_dots(words, neg_zero, x_rows, x_mask, kk, part, PTX: gl.constexpr):
+    # The sub-dots of nibbles 2B and 2B + 1 (PTX for byte B): part += W_2B^T x_2B^T + W_2B+1^T x_2B+1^T.
+    lo, hi = gl.inline_asm_elementwise(PTX, "=r,=r,r,r,r", [words, neg_zero],
+                                       dtype=(neg_zero.dtype, neg_zero.dtype), is_pure=True, pack=2)
+    x_lo = gl.load(x_rows + kk[:, None], mask=x_mask, other=0.0)
+    x_hi = gl.load(x_rows + (kk + 4)[:, None], mask=x_mask, other=0.0)
+    part = mma_v2(lo, x_lo, part)
+    return mma_v2(hi, x_hi, part)
+
+
+@gluon.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
+def _kchunk_mma_kernel(
+    # as `int4_kchunk._kchunk_gemv_kernel`'s, with x bf16 / fp16 of M <= XN rows and integer zero points 0..127
+    x_ptr, w_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_wc, stride_sg, stride_om,
+    HAS_BIAS: gl.constexpr,
+    USE_SPLIT: gl.constexpr,
+    BLOCK_N: gl.constexpr,  # weight columns per program: 16 * WARPS * (row tiles a warp)
+    XN: gl.constexpr,  # rows of x padded to the MMA's N: 8 or 16
+    WARPS: gl.constexpr,
+    PDL: gl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py's contract)
+):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    DTYPE: gl.constexpr = x_ptr.dtype.element_ty
+    MAGIC: gl.constexpr = 1024.0 if DTYPE == gl.float16 else 128.0
+    if PDL:
+        _ptx("griddepcontrol.launch_dependents; // $0")
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
+    # A operand side: [BLOCK_N, 16] words, column q = 4 r + w of the tile's chunk r (rows 32 r + 4 j + w).
+    n_a = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A_L))
+    mask_na = n_a < N
+    n_sa = gl.where(mask_na, n_a, 0)
+    q_a = gl.arange(0, 16, layout=gl.SliceLayout(0, A_L))
+    word_offs = (n_a * 4)[:, None] + ((q_a // 4) * stride_wc + q_a % 4)[None, :]
+    # B operand side: x^T [16, XN]; rows past M re-read row M - 1 (valid memory), masked to zero.
+    q_b = gl.arange(0, 16, layout=gl.SliceLayout(1, B_L))
+    m_b = gl.arange(0, XN, layout=gl.SliceLayout(0, B_L))
+    x_rows = x_ptr + (gl.minimum(m_b, M - 1) * stride_xm)[None, :]
+    x_mask = (m_b < M)[None, :]
+    k_b = (q_b // 4) * 32 + q_b % 4  # [16]: sub-dot row q is tile row k_b[q] + 4 j
+    # Accumulator side: out^T [BLOCK_N, XN].
+    n_m = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    mask_nm = n_m < N
+    n_sm = gl.where(mask_nm, n_m, 0)
+    num_k_tiles = K // 128
+    t_start = split * tiles_per_split
+    t_end = gl.minimum(t_start + tiles_per_split, num_k_tiles)
+    acc = gl.zeros([BLOCK_N, XN], gl.float32, layout=MMA)
+    words_next = gl.load(w_ptr + t_start * 4 * stride_wc + word_offs, mask=mask_na[:, None] & (t_start < t_end),
+                         other=0)
+    if PDL:
+        _ptx("griddepcontrol.wait; // $0")  # the first tile's words were requested before the upstream kernel ended
+    for t in range(t_start, t_end):
+        words = words_next  # the next tile's words are in flight meanwhile
+        words_next = gl.load(w_ptr + (t + 1) * 4 * stride_wc + word_offs, mask=mask_na[:, None] & (t + 1 < t_end),
+                             other=0)
+        g_row = (t * 128 // group_size) * stride_sg
+        z = gl.load(zeros_ptr + g_row + n_sa).to(gl.float32)
+        neg_zero = gl.broadcast((-(z + MAGIC)).to(DTYPE)[:, None], words)[0]
+        kk = t * 128 + k_b
+        part = gl.zeros([BLOCK_N, XN], gl.float32, layout=MMA)
+        if DTYPE == gl.float16:
+            part = _sub_dots(words, neg_zero, x_rows, x_mask, kk, part, _FP16_0)
+            part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 8, part, _FP16_1)
+            part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 16, part, _FP16_2)
+            part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 24, part, _FP16_3)
+        else:
+            part = _sub_dots(words, neg_zero, x_rows, x_mask, kk, part, _BF16_0)
+            part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 8, part, _BF16_1)
+            part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 16, part, _BF16_2)
+            part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 24, part, _BF16_3)
+        s = gl.load(scales_ptr + g_row + n_sm).to(gl.float32)
+        acc += part * s[:, None]
+    # out[m, n] = acc[n, m] (+ bias[n])
+    m_m = gl.arange(0, XN, layout=gl.SliceLayout(0, MMA))
+    out_mask = (m_m < M)[None, :] & mask_nm[:, None]
+    out_offs = m_m[None, :] * stride_om + n_m[:, None]
+    if USE_SPLIT:
+        part_offs = m_m[None, :] * N + n_m[:, None]
+        gl.store(partial_ptr + split * M * N + part_offs, acc, mask=out_mask)
+        _ptx("bar.sync 0; // $0")  # every thread's partial is stored before the release below
+        arrived = gl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            total = gl.zeros([BLOCK_N, XN], gl.float32, layout=MMA)
+            for i in range(split_k):
+                total += gl.load(partial_ptr + i * M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += gl.load(bias_ptr + n_sm).to(gl.float32)[:, None]
+            gl.store(out_ptr + out_offs, total.to(DTYPE), mask=out_mask)
+            gl.store(counter_ptr + pid_n, 0)  # ready for the next launch
+    else:
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + n_sm).to(gl.float32)[:, None]
+        gl.store(out_ptr + out_offs, acc.to(DTYPE), mask=out_mask)
+
+
+def launch(x, packed, scales, zeros, group_size, bias, out, partial, counters, block_n, split, num_warps, pdl) -> None:
+    """One launch over out [M, N] (M <= 16): block_n = 16 * num_warps * (row tiles a warp)."""
+    M, K = x.shape
+    N = packed.shape[1]
+    tiles = triton.cdiv(N, block_n)
+    tiles_per_split = triton.cdiv(K // BLOCK_K, split)
+    _kchunk_mma_kernel[(tiles, split)](
+        x, packed, scales, zeros, bias if bias is not None else scales, out, partial, counters,
+        M, N, K, group_size, tiles_per_split, split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_N=block_n, XN=8 if M <= 8 else 16, WARPS=num_warps,
+        PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+    )
