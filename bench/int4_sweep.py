@@ -61,9 +61,8 @@ def int4_bytes(m: int, k: int, n: int) -> int:
 def base_configs(m: int, quick: bool) -> list[KChunkConfig]:
     """Tilings per M (split_k 0: filled in per shape). GEMV: block_n = 32 * warps * columns a thread."""
     C = KChunkConfig
-    # `kernels/int4_kchunk_mma.py` (GEMM_MMA) from 2 rows: block_n, warps
-    mma = [] if m < 2 else [C(16, bn, 128, 0, w, gemm=GEMM_MMA) for bn, w in
-                            ((64, 4), (128, 4), (256, 4), (128, 8), (256, 8))]
+    # `kernels/int4_kchunk_mma.py` (GEMM_MMA): block_n, warps
+    mma = [C(16, bn, 128, 0, w, gemm=GEMM_MMA) for bn, w in ((64, 4), (128, 4), (256, 4), (128, 8), (256, 8))]
     if m == 1:
         out = [C(1, 512, 128, 0, 4), C(1, 512, 128, 0, 4, pairs=False), C(1, 512, 128, 0, 4, reduce_each=True),
                C(1, 256, 128, 0, 4), C(1, 1024, 64, 0, 4), C(1, 1024, 64, 0, 4, reduce_each=True),

@@ -342,11 +342,12 @@ def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunk
     tiles of 256 columns, 8 warps (M = 2: qkv 11.3 -> 9.0, o 8.7 -> 7.6, gate_up 41.5 -> 29.3, down 18.6 ->
     16.4; M = 4: 10.4 -> 9.6, 11.2 -> 8.2, 42.7 -> 30.6, 19.2 -> 17.1); 9-16 rows with 4 warps except on
     weights up to 4096 x 4096 (M = 16: qkv 17.2 -> 16.6, gate_up 57.8 -> 46.4, down 32.5 -> 30.2; o keeps its
-    tiles, 12.9 against 16.6). K split to ~2 programs per SM (~1 on the wide gate|up weight). At one row the
-    GEMV stays (qkv 9.2 against 10.0)."""
+    tiles, 12.9 against 16.6). K split to ~2 programs per SM (~1 on the wide gate|up weight). At one row only
+    on the long weights (call 8, K >= 8192: down 17.5 -> 15.7; the GEMV keeps qkv 8.9 / 8.7, o 6.9 / 7.3 and
+    gate_up 24.9 / 28.3)."""
     if K % int4_kchunk_mma.BLOCK_K or not (group_size >= K or group_size % int4_kchunk_mma.BLOCK_K == 0):
         return None
-    if not 2 <= M <= 16 or (M > 8 and N * K <= 4096 * 4096):
+    if not (2 <= M <= 16 or (M == 1 and K >= 8192)) or (M > 8 and N * K <= 4096 * 4096):
         return None
     bn, warps = 256, (8 if M <= 8 else 4)
     tiles = triton.cdiv(N, bn)

@@ -113,6 +113,7 @@ def test_mma_config_needs_cuda_and_half_precision():
     assert pick_kchunk_config(4, 6144, 4096, 128, 132, mma=True).gemm == GEMM_MMA
     assert pick_kchunk_config(4, 6144, 4096, 128, 132).gemm != GEMM_MMA
     assert pick_kchunk_config(1, 28672, 4096, 128, 132, mma=True).block_m == 1  # the GEMV at one row
+    assert pick_kchunk_config(1, 4096, 14336, 128, 132, mma=True).gemm == GEMM_MMA  # but not on long weights
     assert pick_kchunk_config(2, 6144, 4096, 128, 132, mma=True) == KChunkConfig(16, 256, 128, 11, 8, gemm=GEMM_MMA)
     assert pick_kchunk_config(2, 28672, 4096, 128, 132, mma=True).split_k == 2  # ~1 program per SM on gate|up
     assert pick_kchunk_config(12, 4096, 4096, 128, 132, mma=True).gemm != GEMM_MMA  # small weights: the tiles
