@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from quant_helpers import make_int_weight
+from sm90_compile import run_script
 
 from kernels import quant_reference
 from kernels.int4_kchunk import (GEMM_MMA, KChunkConfig, int4_kchunk_linear, int4_kchunk_linear_impl,
@@ -101,6 +102,12 @@ def test_mma_matches_reference(dtype, M, K, group_size, split, with_bias):
     gemv = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias,
                                    config=pick_kchunk_config(M, N, K, group_size, 132))
     assert _rel_err(out, gemv.double()) < 1e-2
+
+
+def test_mma_variants_compile_for_sm90_and_keep_the_pdl_contract():
+    # CI has no GPU: compile every GEMM_MMA variant the picker returns (Gluon, bf16 and fp16, PDL on) for sm_90
+    out = run_script("mma_sm90_compile.py")
+    assert out.count("ok ") >= 4 and "FAIL" not in out, out
 
 
 def test_mma_config_needs_cuda_and_half_precision():

@@ -30,13 +30,17 @@ _DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "partial_ptr
               "stride_xm", "stride_wn", "stride_om")
 
 
-def compile_variant(fn, const: dict, types: dict, divisible: tuple, num_warps: int, num_stages: int):
-    """Compile the Triton kernel `fn` for sm_90 with these constexprs, argument types (default i32)
-    and arguments assumed divisible by 16, as a launch at real shapes would specialise it."""
+def compile_variant(fn, const: dict, types: dict, divisible: tuple, num_warps: int, num_stages: int,
+                    gluon: bool = False):
+    """Compile the Triton kernel `fn` (a Gluon one with `gluon`) for sm_90 with these constexprs, argument
+    types (default i32) and arguments assumed divisible by 16, as a launch at real shapes would specialise it."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in names})
+    source = ASTSource
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                 attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in names})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
 

@@ -1,0 +1,63 @@
+"""Compile `kernels/int4_kchunk_mma.py` (Gluon) for sm_90 without a GPU (Triton's bundled ptxas).
+
+CI has no GPU, so `tests/kernels/test_int4_kchunk.py` runs this in a subprocess (no TRITON_INTERPRET)
+over every variant `pick_kchunk_config(..., mma=True)` returns at 1-16 rows on the 8B shapes and their
+TP=2/4 slices, in bf16 and fp16, launched with PDL as the decode step launches it: each must compile
+without spilling, and keep `kernels/pdl.py`'s contract (release before wait, no store before the wait,
+its first words requested before the wait). Prints `ok <variant> regs=<n> loads_before_wait=<n>` or
+`FAIL <variant> <error>` per variant; exit status 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
+
+from pdl_sm90_compile import check_ptx  # noqa: E402
+from sm90_compile import compile_variant, report, resources  # noqa: E402
+
+from kernels.int4_kchunk import GEMM_MMA, pick_kchunk_config  # noqa: E402
+from kernels.int4_kchunk_mma import _kchunk_mma_kernel  # noqa: E402
+
+_DIVISIBLE = ("x_ptr", "w_ptr", "scales_ptr", "zeros_ptr", "bias_ptr", "out_ptr", "partial_ptr", "counter_ptr",
+              "N", "K", "group_size", "stride_xm", "stride_wc", "stride_sg", "stride_om")
+
+
+def variants() -> list[tuple]:
+    """(block_n, warps, XN, split) of every GEMM_MMA tiling picked at 1-16 rows (8B shapes, TP 1/2/4 slices)."""
+    shapes = [(n // tp, k) for n, k in ((6144, 4096), (28672, 4096)) for tp in (1, 2, 4)]
+    shapes += [(n, k // tp) for n, k in ((4096, 4096), (4096, 14336)) for tp in (1, 2, 4)]
+    out = []
+    for m in range(1, 17):
+        for n, k in shapes:
+            cfg = pick_kchunk_config(m, n, k, 128, 132, mma=True)
+            if cfg.gemm == GEMM_MMA:
+                out.append((cfg.block_n, cfg.num_warps, 8 if m <= 8 else 16, cfg.split_k > 1))
+    return list(dict.fromkeys(out))
+
+
+def _one(block_n: int, warps: int, xn: int, split: bool, dtype: str) -> str:
+    types = {"x_ptr": dtype, "w_ptr": "*i32", "scales_ptr": dtype, "zeros_ptr": dtype, "bias_ptr": dtype,
+             "out_ptr": dtype, "partial_ptr": "*fp32", "counter_ptr": "*i32"}
+    const = dict(HAS_BIAS=True, USE_SPLIT=split, BLOCK_N=block_n, XN=xn, WARPS=warps, PDL=True)
+    kernel = compile_variant(_kchunk_mma_kernel, const, types, _DIVISIBLE, warps, 1, gluon=True)
+    regs, stack = resources(kernel)
+    if stack:
+        raise RuntimeError(f"{stack} bytes of spills (regs {regs})")
+    return f"regs={regs} loads_before_wait={check_ptx(kernel.asm['ptx'], True)}"
+
+
+def main() -> int:
+    failed = 0
+    for block_n, warps, xn, split in variants():
+        for dtype in ("*bf16", "*fp16"):
+            label = f"block_n={block_n} warps={warps} XN={xn} split={split} {dtype[1:]}"
+            failed += not report(label, lambda: _one(block_n, warps, xn, split, dtype))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
