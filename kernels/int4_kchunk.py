@@ -14,7 +14,7 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
   multiplied by the matching x columns in `tl.dot`.
 - `gemm` set (many rows): `kernels/int4_kchunk_gemm.py`, tensor cores with the dequantised weights
   as the MMA's register operand (out^T = W^T x^T), no copy of the weight.
-- `gemm` GEMM_MMA (2-16 rows; CUDA sm_80+, bf16/fp16 x, K and the group multiples of 128):
+- `gemm` GEMM_MMA (up to 64 rows, picked to 24; CUDA sm_80+, bf16/fp16 x, K and the group multiples of 128):
   `kernels/int4_kchunk_mma.py` (Gluon), mma.sync with the words loaded straight into the A operand's
   registers and dequantised two per instruction; the picker takes it where `mma` says it can run.
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
@@ -43,7 +43,7 @@ from kernels.pdl import launch_options, release_dependents, wait_upstream
 
 GEMM_JOIN = 1  # `int4_kchunk_gemm`: one dot per K tile on the weights put back in natural row order
 GEMM_NIBBLES = 2  # `int4_kchunk_gemm`: one dot per nibble, each on an elementwise function of the words
-GEMM_MMA = 3  # `int4_kchunk_mma` (2-16 rows, CUDA, bf16/fp16): mma.sync on words loaded in the operand's layout
+GEMM_MMA = 3  # `int4_kchunk_mma` (<= 64 rows, CUDA, bf16/fp16): mma.sync on words loaded in the operand's layout
 
 
 class KChunkConfig(NamedTuple):
@@ -337,19 +337,29 @@ def _many_rows_config(M: int, N: int, K: int, num_sms: int) -> KChunkConfig:
 
 
 def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig | None:
-    """`int4_kchunk_mma` where it beat the GEMV and the 16-row tiles in `bench/int4_sweep.py --ms 1,2,4,8,16` on an
-    H200 (bench/RESULTS.md run 62, the 8B shapes, group 128, us, today's pick before -> this): 2-8 rows in
-    tiles of 256 columns, 8 warps (M = 2: qkv 11.3 -> 9.0, o 8.7 -> 7.6, gate_up 41.5 -> 29.3, down 18.6 ->
-    16.4; M = 4: 10.4 -> 9.6, 11.2 -> 8.2, 42.7 -> 30.6, 19.2 -> 17.1); 9-16 rows with 4 warps except on
-    weights up to 4096 x 4096 (M = 16: qkv 17.2 -> 16.6, gate_up 57.8 -> 46.4, down 32.5 -> 30.2; o keeps its
-    tiles, 12.9 against 16.6). K split to ~2 programs per SM (~1 on the wide gate|up weight). At one row only
-    on the long weights (call 8, K >= 8192: down 17.5 -> 15.7; the GEMV keeps qkv 8.9 / 8.7, o 6.9 / 7.3 and
-    gate_up 24.9 / 28.3)."""
+    """`int4_kchunk_mma` where it beat the GEMV and the tensor-core tiles in `bench/int4_sweep.py` on an H200
+    (bench/RESULTS.md run 62, the 8B shapes, group 128, us, today's pick before -> this):
+    - 2-8 rows: 256 columns a program, 8 warps (M = 2: qkv 11.3 -> 9.0, o 8.7 -> 7.6, gate_up 41.5 -> 29.3,
+      down 18.6 -> 16.4; M = 4: 10.4 -> 9.6, 11.2 -> 8.2, 42.7 -> 30.6, 19.2 -> 17.1);
+    - 9-16 rows: 4 warps, except on weights up to 4096 x 4096, which keep the 16-row tiles (M = 16: qkv 17.2 ->
+      16.6, gate_up 57.8 -> 46.4, down 32.5 -> 30.2; o 12.9 against 16.6);
+    - 17-24 rows (x padded to 32): 128 columns, 4 warps; 256 and 8 warps on long weights (M = 17: qkv 31.4 ->
+      18.8, o 22.4 -> 15.2, gate_up 91.2 -> 72.5, down 61.8 -> 44.4; M = 24: 32.4 -> 21.8, 22.8 -> 17.3,
+      90.8 -> 87.0, 63.4 -> 52.0); from 25 rows re-reading x per column tile costs more than it saves;
+    - one row only on long weights (K >= 8192: down 17.5 -> 15.7; the GEMV keeps qkv 8.9 / 8.7, o 6.9 / 7.3
+      and gate_up 24.9 / 28.3).
+    K split to ~2 programs per SM (~1 on the wide gate|up weight)."""
     if K % int4_kchunk_mma.BLOCK_K or not (group_size >= K or group_size % int4_kchunk_mma.BLOCK_K == 0):
         return None
-    if not (2 <= M <= 16 or (M == 1 and K >= 8192)) or (M > 8 and N * K <= 4096 * 4096):
+    long_k = K >= 8192
+    if M > 24 or (M == 1 and not long_k) or (9 <= M <= 16 and N * K <= 4096 * 4096):
         return None
-    bn, warps = 256, (8 if M <= 8 else 4)
+    if M <= 8:
+        bn, warps = 256, 8
+    elif M <= 16:
+        bn, warps = 256, 4
+    else:
+        bn, warps = (256, 8) if long_k else (128, 4)
     tiles = triton.cdiv(N, bn)
     per_sm = 1 if N >= 16384 else 2
     split = _split_for(tiles, K // int4_kchunk_mma.BLOCK_K, per_sm * num_sms)
@@ -378,7 +388,7 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mm
     12.6 / 54.8 / 31.1 us against 23.2 / 19.7 / 72.5 / 41.5); above, `_many_rows_config`: the
     k-chunk GEMM up to 64 rows, to 128 or 256 rows on the larger weights, else the weight
     dequantised once for cuBLAS (there, prefill, that cost is amortised over the rows). With `mma` (the
-    caller's x can take it: `mma_runs_on`), `_mma_config` first, from 2 to 16 rows."""
+    caller's x can take it: `mma_runs_on`), `_mma_config` first, up to 24 rows."""
     if mma:
         cfg = _mma_config(M, N, K, group_size, num_sms)
         if cfg is not None:
@@ -423,8 +433,10 @@ def int4_kchunk_linear_impl(
         config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132,
                                     mma=mma_runs_on(x))
     mma = config.gemm == GEMM_MMA
-    if mma and (M > 16 or not mma_runs_on(x) or K % 128 or not (group_size >= K or group_size % 128 == 0)):
-        raise ValueError(f"GEMM_MMA takes 1-16 rows of bf16/fp16 CUDA x (sm_80+), K and the group multiples of 128; "
+    if mma and (M > int4_kchunk_mma.MAX_ROWS or not mma_runs_on(x) or K % 128
+                or not (group_size >= K or group_size % 128 == 0)):
+        raise ValueError(f"GEMM_MMA takes 1-{int4_kchunk_mma.MAX_ROWS} rows of bf16/fp16 CUDA x (sm_80+), K and the "
+                         f"group multiples of 128; "
                          f"got {M} x {K} {x.dtype} on {x.device}, group {group_size}: {config}")
     if gated:
         if N % 2:

@@ -1,11 +1,11 @@
-"""Int4 linear for 2-16 rows on `mma.sync`, the k-chunk words loaded straight into the MMA's register layout.
+"""Int4 linear for a few rows (<= 64; picked up to 24) on `mma.sync`, the k-chunk words loaded straight into the MMA's registers.
 
 Same operands as `kernels/int4_kchunk.py` (`packed` int32 `[K // 32, N, 4]`: nibble j of word w of
 `packed[c, n]` is row 32c + 4j + w; `scales`/`zeros [G, N]` with integer zero points 0..127), torch
 reference `quant_reference.int4_kchunk_linear`; CUDA only (sm_80+), bf16 or fp16 x, K and the group a
 multiple of 128 (or one group).
 
-Why: from 2 to 16 rows the CUDA-core GEMV repeats its dequantisation per row and the Triton
+Why: from 2 to 24 rows the CUDA-core GEMV repeats its dequantisation per row and the Triton
 tensor-core tiles move every dequantised weight through shared memory to reach the MMA's operand
 layout, so both run at 25-35 % of HBM there (bench/RESULTS.md run 61). Written in Gluon, where
 layouts are explicit, this kernel loads each program's words directly in the layout of the MMA's A
@@ -27,6 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 BLOCK_K = 128  # rows per K tile: 4 chunks, each nibble's sub-dot an MMA k-step of 16
+MAX_ROWS = 64  # rows of x a launch takes (padded to a power of two >= 8: the MMA's N)
 
 # Per pair of neighbouring words ($2, $3) and byte B: $0 = (nibble 2B of $2, of $3) + $4 and
 # $1 = (nibble 2B + 1 ...) + $4 in the packed dtype, $4 = -(MAGIC + z) twice. prmt selector: byte 0
@@ -86,7 +87,7 @@ def _kchunk_mma_kernel(
     HAS_BIAS: gl.constexpr,
     USE_SPLIT: gl.constexpr,
     BLOCK_N: gl.constexpr,  # weight columns per program: 16 * WARPS * (row tiles a warp)
-    XN: gl.constexpr,  # rows of x padded to the MMA's N: 8 or 16
+    XN: gl.constexpr,  # rows of x padded to the MMA's N: a power of two, 8 to MAX_ROWS
     WARPS: gl.constexpr,
     PDL: gl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py's contract)
 ):
@@ -168,7 +169,7 @@ def _kchunk_mma_kernel(
 
 
 def launch(x, packed, scales, zeros, group_size, bias, out, partial, counters, block_n, split, num_warps, pdl) -> None:
-    """One launch over out [M, N] (M <= 16): block_n = 16 * num_warps * (row tiles a warp)."""
+    """One launch over out [M, N] (M <= MAX_ROWS): block_n = 16 * num_warps * (row tiles a warp)."""
     M, K = x.shape
     N = packed.shape[1]
     tiles = triton.cdiv(N, block_n)
@@ -176,6 +177,7 @@ def launch(x, packed, scales, zeros, group_size, bias, out, partial, counters, b
     _kchunk_mma_kernel[(tiles, split)](
         x, packed, scales, zeros, bias if bias is not None else scales, out, partial, counters,
         M, N, K, group_size, tiles_per_split, split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_N=block_n, XN=8 if M <= 8 else 16, WARPS=num_warps,
+        HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_N=block_n, XN=max(8, triton.next_power_of_2(M)),
+        WARPS=num_warps,
         PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )

@@ -78,6 +78,8 @@ MMA_CASES = [
     (8, 1024, 256, 4, False),  # groups of two tiles
     (9, 512, 128, 1, True),  # 16 padded rows
     (16, 512, 128, 2, False),
+    (24, 512, 128, 2, True),  # x padded to 32 rows
+    (40, 256, 128, 1, False),  # 64 (not picked: the launcher takes up to 64)
 ]
 
 
@@ -129,6 +131,9 @@ def test_mma_config_needs_cuda_and_half_precision():
     # one split per bucket (no second compiled variant as M moves inside it)
     assert len({pick_kchunk_config(m, 6144, 4096, 128, 132, mma=True) for m in range(2, 9)}) == 1
     assert len({pick_kchunk_config(m, 6144, 4096, 128, 132, mma=True) for m in range(9, 17)}) == 1
+    assert len({pick_kchunk_config(m, 6144, 4096, 128, 132, mma=True) for m in range(17, 25)}) == 1
+    assert pick_kchunk_config(25, 6144, 4096, 128, 132, mma=True).gemm != GEMM_MMA
+    assert pick_kchunk_config(20, 4096, 14336, 128, 132, mma=True).num_warps == 8  # long weights: 256 columns
 
 
 def test_public_launcher_and_strided_x(device):

@@ -1,7 +1,7 @@
 """Compile `kernels/int4_kchunk_mma.py` (Gluon) for sm_90 without a GPU (Triton's bundled ptxas).
 
 CI has no GPU, so `tests/kernels/test_int4_kchunk.py` runs this in a subprocess (no TRITON_INTERPRET)
-over every variant `pick_kchunk_config(..., mma=True)` returns at 1-16 rows on the 8B shapes and their
+over every variant `pick_kchunk_config(..., mma=True)` returns at 1-64 rows on the 8B shapes and their
 TP=2/4 slices, in bf16 and fp16, launched with PDL as the decode step launches it: each must compile
 without spilling, and keep `kernels/pdl.py`'s contract (release before wait, no store before the wait,
 its first words requested before the wait). Prints `ok <variant> regs=<n> loads_before_wait=<n>` or
@@ -27,15 +27,15 @@ _DIVISIBLE = ("x_ptr", "w_ptr", "scales_ptr", "zeros_ptr", "bias_ptr", "out_ptr"
 
 
 def variants() -> list[tuple]:
-    """(block_n, warps, XN, split) of every GEMM_MMA tiling picked at 1-16 rows (8B shapes, TP 1/2/4 slices)."""
+    """(block_n, warps, XN, split) of every GEMM_MMA tiling picked at 1-64 rows (8B shapes, TP 1/2/4 slices)."""
     shapes = [(n // tp, k) for n, k in ((6144, 4096), (28672, 4096)) for tp in (1, 2, 4)]
     shapes += [(n, k // tp) for n, k in ((4096, 4096), (4096, 14336)) for tp in (1, 2, 4)]
     out = []
-    for m in range(1, 17):
+    for m in range(1, 65):
         for n, k in shapes:
             cfg = pick_kchunk_config(m, n, k, 128, 132, mma=True)
             if cfg.gemm == GEMM_MMA:
-                out.append((cfg.block_n, cfg.num_warps, 8 if m <= 8 else 16, cfg.split_k > 1))
+                out.append((cfg.block_n, cfg.num_warps, max(8, 1 << (m - 1).bit_length()), cfg.split_k > 1))
     return list(dict.fromkeys(out))
 
 
