@@ -62,7 +62,8 @@ def base_configs(m: int, quick: bool) -> list[KChunkConfig]:
     """Tilings per M (split_k 0: filled in per shape). GEMV: block_n = 32 * warps * columns a thread."""
     C = KChunkConfig
     # `kernels/int4_kchunk_mma.py` (GEMM_MMA): block_n, warps
-    mma = [C(16, bn, 128, 0, w, gemm=GEMM_MMA) for bn, w in ((64, 4), (128, 4), (256, 4), (128, 8), (256, 8))]
+    mma = [C(16, bn, 128, 0, w, gemm=GEMM_MMA) for bn, w in
+           (((64, 4), (128, 4), (256, 4), (128, 8), (256, 8)) if m <= 16 else ((128, 4), (128, 8), (256, 8)))]
     if m == 1:
         out = [C(1, 512, 128, 0, 4), C(1, 512, 128, 0, 4, pairs=False), C(1, 512, 128, 0, 4, reduce_each=True),
                C(1, 256, 128, 0, 4), C(1, 1024, 64, 0, 4), C(1, 1024, 64, 0, 4, reduce_each=True),
@@ -247,7 +248,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--quick", action="store_true", help="three tilings per M at one split (a smoke run)")
     ap.add_argument("--large", action="store_true", help="the tensor-core paths at M = 64..2048 instead")
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows to time (comma-separated, <= 16)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows to time (comma-separated, <= 64)")
     ap.add_argument("--picked", action="store_true", help="only the tiling serving picks per shape and M (a baseline)")
     args = ap.parse_args()
     ms = tuple(int(v) for v in args.ms.split(","))
