@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import kernels  # noqa: E402
+from bench.quant_kernels import int4_weights  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -40,10 +41,8 @@ def main() -> None:
     torch.manual_seed(0)
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device="cuda", dtype=torch.int32)
+        qweight, scales, zeros = int4_weights(k, n, GROUP, 1)[0]
         packed = quant_reference.repack_int4_kchunk(qweight)
-        scales = (torch.rand(k // GROUP, n, device="cuda") / 16).bfloat16()
-        zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda").bfloat16()
         w8, s8 = quant_reference.quantize_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64)
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

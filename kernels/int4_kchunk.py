@@ -349,7 +349,7 @@ def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunk
     - one row only on long weights (K >= 8192: down 17.5 -> 15.7; the GEMV keeps qkv 8.9 / 8.7, o 6.9 / 7.3
       and gate_up 24.9 / 28.3).
     K split to ~2 programs per SM (~1 on the wide gate|up weight)."""
-    if K % int4_kchunk_mma.BLOCK_K or not (group_size >= K or group_size % int4_kchunk_mma.BLOCK_K == 0):
+    if not int4_kchunk_mma.fits(K, group_size):
         return None
     long_k = K >= 8192
     if M > 24 or (M == 1 and not long_k) or (9 <= M <= 16 and N * K <= 4096 * 4096):
@@ -429,15 +429,15 @@ def int4_kchunk_linear_impl(
     assert x.stride(1) == 1 and scales.shape == zeros.shape and scales.shape[1] == N
     assert scales.stride(1) == 1 and zeros.stride() == scales.stride()
     assert scales.shape[0] == triton.cdiv(K, group_size), (scales.shape, K, group_size)
+    mma_ok = mma_runs_on(x)
     if config is None:
         config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132,
-                                    mma=mma_runs_on(x))
+                                    mma=mma_ok)
     mma = config.gemm == GEMM_MMA
-    if mma and (M > int4_kchunk_mma.MAX_ROWS or not mma_runs_on(x) or K % 128
-                or not (group_size >= K or group_size % 128 == 0)):
+    if mma and (M > int4_kchunk_mma.MAX_ROWS or not mma_ok or not int4_kchunk_mma.fits(K, group_size)):
         raise ValueError(f"GEMM_MMA takes 1-{int4_kchunk_mma.MAX_ROWS} rows of bf16/fp16 CUDA x (sm_80+), K and the "
-                         f"group multiples of 128; "
-                         f"got {M} x {K} {x.dtype} on {x.device}, group {group_size}: {config}")
+                         f"group multiples of {int4_kchunk_mma.BLOCK_K}; got {M} x {K} {x.dtype} on {x.device}, "
+                         f"group {group_size}: {config}")
     if gated:
         if N % 2:
             raise ValueError(f"a gated int4 weight needs an even column count, got {N}")
@@ -454,10 +454,8 @@ def int4_kchunk_linear_impl(
         return torch.addmm(bias, x, w) if bias is not None else torch.mm(x, w)
     if mma:
         assert config.block_m == 16 and config.block_n % (16 * config.num_warps) == 0, config
-        split = config.split_k
-        partial, counters = split_k_workspace(out, split, triton.cdiv(N, config.block_n))
-        int4_kchunk_mma.launch(x, packed, scales, zeros, group_size, bias, out, partial, counters, config.block_n,
-                               split, config.num_warps, launch_options(x)["PDL"])
+        int4_kchunk_mma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.split_k,
+                               config.num_warps)
         return out
     gemv = config.block_m < 16
     if config.block_k % 32:

@@ -26,8 +26,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kernels.int4_matmul import split_k_workspace
+from kernels.pdl import launch_options
+
 BLOCK_K = 128  # rows per K tile: 4 chunks, each nibble's sub-dot an MMA k-step of 16
 MAX_ROWS = 64  # rows of x a launch takes (padded to a power of two >= 8: the MMA's N)
+
+
+def fits(K: int, group_size: int) -> bool:
+    """Whether the kernel takes this weight: K tiles of BLOCK_K rows, each inside one group."""
+    return K % BLOCK_K == 0 and (group_size >= K or group_size % BLOCK_K == 0)
 
 # Per pair of neighbouring words ($2, $3) and byte B: $0 = (nibble 2B of $2, of $3) + $4 and
 # $1 = (nibble 2B + 1 ...) + $4 in the packed dtype, $4 = -(MAGIC + z) twice. prmt selector: byte 0
@@ -168,16 +176,16 @@ def _kchunk_mma_kernel(
         gl.store(out_ptr + out_offs, acc.to(DTYPE), mask=out_mask)
 
 
-def launch(x, packed, scales, zeros, group_size, bias, out, partial, counters, block_n, split, num_warps, pdl) -> None:
-    """One launch over out [M, N] (M <= MAX_ROWS): block_n = 16 * num_warps * (row tiles a warp)."""
+def launch(x, packed, scales, zeros, group_size, bias, out, block_n, split, num_warps) -> None:
+    """One launch over out [M, N] (M <= MAX_ROWS): block_n = 16 * num_warps * (row tiles a warp); the split-K
+    workspace and PDL as the other int4 kernels take them (`split_k_workspace`, `launch_options`)."""
     M, K = x.shape
     N = packed.shape[1]
     tiles = triton.cdiv(N, block_n)
-    tiles_per_split = triton.cdiv(K // BLOCK_K, split)
+    partial, counters = split_k_workspace(out, split, tiles)
     _kchunk_mma_kernel[(tiles, split)](
         x, packed, scales, zeros, bias if bias is not None else scales, out, partial, counters,
-        M, N, K, group_size, tiles_per_split, split, x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_N=block_n, XN=max(8, triton.next_power_of_2(M)),
-        WARPS=num_warps,
-        PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        M, N, K, group_size, triton.cdiv(K // BLOCK_K, split), split, x.stride(0), packed.stride(0), scales.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_N=block_n,
+        XN=max(8, triton.next_power_of_2(M)), WARPS=num_warps, num_warps=num_warps, **launch_options(x),
     )
