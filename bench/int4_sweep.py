@@ -42,7 +42,7 @@ from bench.quant_kernels import _copies, int4_weights, start_report, time_us, wr
 from bench.quant_speed import _rel, _try  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.int4_kchunk import (  # noqa: E402
-    GEMM_JOIN, GEMM_MMA, GEMM_NIBBLES, KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config,
+    GEMM_JOIN, GEMM_MMA, GEMM_NIBBLES, GEMM_WGMMA, KChunkConfig, int4_kchunk_linear_impl, pick_kchunk_config,
 )
 from kernels.int4_matmul import _split_for, pick_config, quant_linear_impl  # noqa: E402
 
@@ -85,10 +85,26 @@ def base_configs(m: int, quick: bool) -> list[KChunkConfig]:
 LARGE_MS = (64, 128, 256, 512, 2048)
 
 
-def large_configs(m: int) -> list[KChunkConfig]:
-    """Tensor-core candidates for one M of `--large` (split_k 0: filled in per shape). D: `_kchunk_dot_kernel`
+def large_configs(m: int, tiles: bool = True) -> list[KChunkConfig]:
+    """Tensor-core candidates for one M of `--large` (split_k 0: filled in per shape). W: `int4_kchunk_wgmma`
+    (sm_90 only: wgmma on weights dequantised in registers, x from shared memory); D: `_kchunk_dot_kernel`
     (8 sub-dots, the weights as the MMA's B operand); J / N: `int4_kchunk_gemm` (W^T x^T, the weights
-    as the A operand) with one dot per K tile (GEMM_JOIN) or one per nibble (GEMM_NIBBLES)."""
+    as the A operand) with one dot per K tile (GEMM_JOIN) or one per nibble (GEMM_NIBBLES); `tiles`
+    False: W only."""
+    C = KChunkConfig
+
+    def W(bm, bn, w, st):  # `int4_kchunk_wgmma` (sm_90): bm rows of x a program, st K tiles of x in shared memory
+        return C(bm, bn, 128, 0, w, st, gemm=GEMM_WGMMA)
+
+    wg = []
+    if torch.cuda.get_device_capability() == (9, 0):
+        wg = [W(16, 128, 4, 6), W(32, 128, 4, 4), W(32, 128, 4, 6), W(64, 128, 4, 4), W(64, 256, 8, 4),
+              W(64, 128, 8, 5), W(128, 128, 8, 4), W(128, 256, 8, 4)]
+        wg = [c for c in wg if c.block_m <= max(16, triton.next_power_of_2(m))]
+    return wg + (_tile_configs(m) if tiles else [])
+
+
+def _tile_configs(m: int) -> list[KChunkConfig]:
     C = KChunkConfig
 
     def D(bm, bn, bk, w, st, gm=1):
@@ -186,14 +202,15 @@ def run_shape(name: str, k: int, n: int, num_sms: int, quick: bool, report: dict
     return best
 
 
-def run_large_shape(name: str, k: int, n: int, num_sms: int, report: dict) -> dict:
+def run_large_shape(name: str, k: int, n: int, num_sms: int, report: dict, ms: tuple = LARGE_MS,
+                    tiles: bool = True) -> dict:
     """`--large` for one projection; returns {M: (bf16 us, dequantise+cuBLAS us, best (us, config) or None)}."""
     w16 = [torch.randn(n, k, device="cuda", dtype=BF16) / 64 for _ in range(_copies(k * n * 2))]
     w4 = [(q, quant_reference.repack_int4_kchunk(q), s, z) for q, s, z in int4_weights(k, n, GROUP, _copies(k * n // 2))]
     q0, _, s0, z0 = w4[0]
     dense = KChunkConfig(0, 0, 0, 1, 0)
     best = {}
-    for m in LARGE_MS:
+    for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=BF16)
         ref = quant_reference.quant_linear(x, q0, s0, z0, None, 4, GROUP)
         nbytes, flops = int4_bytes(m, k, n), 2 * m * k * n
@@ -204,7 +221,7 @@ def run_large_shape(name: str, k: int, n: int, num_sms: int, report: dict) -> di
         row = {"name": name, "K": k, "N": n, "M": m, "bf16_us": t16, "dequant_cublas_us": t_dq, "kchunk": []}
         default = pick_kchunk_config(m, n, k, GROUP, num_sms)
         cands = []
-        for cfg in large_configs(m):
+        for cfg in large_configs(m, tiles):
             tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
             cands.append(cfg._replace(split_k=_split_for(tiles, triton.cdiv(k, cfg.block_k), num_sms)))
         results = time_configs(x, ref, w4, [default, *cands], default, row, t16, (t_dq, "dq"), nbytes, flops, _short)
@@ -219,15 +236,15 @@ def _short(cfg: KChunkConfig) -> str:
     """The fields that matter for the tensor-core paths."""
     if cfg.block_m == 0:
         return "dequantise+cuBLAS"
-    kind = {0: "D", GEMM_JOIN: "J", GEMM_NIBBLES: "N"}[cfg.gemm]
+    kind = {0: "D", GEMM_JOIN: "J", GEMM_NIBBLES: "N", GEMM_MMA: "MMA", GEMM_WGMMA: "W"}[cfg.gemm]
     return (f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
             f" g{cfg.group_m}")
 
 
-def large(num_sms: int, json_path: str, report: dict, t0: float) -> None:
-    totals = {m: [0.0, 0.0, 0.0] for m in LARGE_MS}
+def large(num_sms: int, json_path: str, report: dict, t0: float, ms: tuple = LARGE_MS, tiles: bool = True) -> None:
+    totals = {m: [0.0, 0.0, 0.0] for m in ms}
     for name, k, n in SHAPES:
-        best = run_large_shape(name, k, n, num_sms, report)
+        best = run_large_shape(name, k, n, num_sms, report, ms, tiles)
         for m, (t16, t_dq, b) in best.items():
             totals[m][0] += t16 * NUM_LAYERS / 1e3
             totals[m][1] += t_dq * NUM_LAYERS / 1e3
@@ -235,12 +252,12 @@ def large(num_sms: int, json_path: str, report: dict, t0: float) -> None:
         print(f"# {name} done: {time.perf_counter() - t0:.0f} s", flush=True)
         write_report(json_path, report)
     print("\n# linear layers of one 8B step (qkv, o, gate_up, down x 32 layers), ms")
-    for m in LARGE_MS:
+    for m in ms:
         b16, dq, new = totals[m]
         print(f"M={m}: bf16 {b16:.3f}; dequantise+cuBLAS {dq:.3f} (x{dq / b16:.2f}); tensor-core best {new:.3f} "
               f"(x{new / b16:.2f} bf16, x{new / dq:.2f} dequantise+cuBLAS)", flush=True)
     report["per_step_ms"] = {str(m): {"bf16": totals[m][0], "dequant_cublas": totals[m][1], "kchunk_best": totals[m][2]}
-                             for m in LARGE_MS}
+                             for m in ms}
 
 
 def main() -> None:
@@ -250,13 +267,15 @@ def main() -> None:
     ap.add_argument("--large", action="store_true", help="the tensor-core paths at M = 64..2048 instead")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows to time (comma-separated, <= 64)")
     ap.add_argument("--picked", action="store_true", help="only the tiling serving picks per shape and M (a baseline)")
+    ap.add_argument("--large-ms", default=",".join(map(str, LARGE_MS)), help="rows to time with --large")
+    ap.add_argument("--wgmma-only", action="store_true", help="--large: today's pick and the wgmma tilings only")
     args = ap.parse_args()
     ms = tuple(int(v) for v in args.ms.split(","))
     t0 = time.perf_counter()
     num_sms, report = start_report()
     bw = report["copy_gbs"]
     if args.large:
-        large(num_sms, args.json, report, t0)
+        large(num_sms, args.json, report, t0, tuple(int(v) for v in args.large_ms.split(",")), not args.wgmma_only)
         write_report(args.json, report)
         print(f"# total {time.perf_counter() - t0:.0f} s", flush=True)
         return

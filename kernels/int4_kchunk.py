@@ -2,7 +2,7 @@
 
 In: `x [M, K]`, `packed` int32 `[K // 32, N, 4]` (the 32 rows 32c.. of column n in the 16-byte
 vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zeros [G, N]` (group
-`k // group_size`, or one group). Out: `[M, N]` in x's dtype. Four paths, picked by `KChunkConfig`:
+`k // group_size`, or one group). Out: `[M, N]` in x's dtype. Six paths, picked by `KChunkConfig`:
 
 - `block_m` 1, 2 or 4: `_kchunk_gemv_kernel` (CUDA cores). A `[BLOCK_K // 32, BLOCK_N, 4]` word tile
   keeps each column's words in one thread (one 16-byte load per 32 weights; `COLS` columns a thread,
@@ -17,6 +17,9 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
 - `gemm` GEMM_MMA (up to 64 rows, picked to 24; CUDA sm_80+, bf16/fp16 x, K and the group multiples of 128):
   `kernels/int4_kchunk_mma.py` (Gluon), mma.sync with the words loaded straight into the A operand's
   registers and dequantised two per instruction; the picker takes it where `mma` says it can run.
+- `gemm` GEMM_WGMMA (sm_90, bf16/fp16 x, K and the group multiples of 128): `kernels/int4_kchunk_wgmma.py`
+  (Gluon), Hopper's wgmma with the dequantised weights as its register operand and x's rows in shared
+  memory; the picker takes it at 17-128 rows where `wgmma` says it can run.
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV writes silu(gate) * up from its
@@ -35,7 +38,7 @@ import triton.language as tl
 from kernels.activation import silu_and_mul
 from kernels.int4_common import (finish_gemv_tile, finish_tile, gemv_rows, grouped_tile, nibble_float,
                                  nibble_pair_floats, stack_rows)
-from kernels import int4_kchunk_mma
+from kernels import int4_kchunk_mma, int4_kchunk_wgmma
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
 from kernels.int4_matmul import _num_sms, _split_for, gated_workspace, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
@@ -44,6 +47,7 @@ from kernels.pdl import launch_options, release_dependents, wait_upstream
 GEMM_JOIN = 1  # `int4_kchunk_gemm`: one dot per K tile on the weights put back in natural row order
 GEMM_NIBBLES = 2  # `int4_kchunk_gemm`: one dot per nibble, each on an elementwise function of the words
 GEMM_MMA = 3  # `int4_kchunk_mma` (<= 64 rows, CUDA, bf16/fp16): mma.sync on words loaded in the operand's layout
+GEMM_WGMMA = 4  # `int4_kchunk_wgmma` (sm_90, bf16/fp16): wgmma on weights dequantised in registers, x from shared memory
 
 
 class KChunkConfig(NamedTuple):
@@ -60,7 +64,8 @@ class KChunkConfig(NamedTuple):
     pairs: bool = True  # GEMV: two nibbles per shift (`int4_common.nibble_pair_floats`)
     reduce_each: bool = False  # GEMV: sum each nibble's products at once instead of an FMA tile
     group_m: int = 1  # tensor cores: row tiles per band of the program order (L2 reuse of weight tiles)
-    gemm: int = 0  # tensor cores: `int4_kchunk_gemm` (W^T x^T) with GEMM_JOIN or GEMM_NIBBLES; GEMM_MMA; else 0
+    gemm: int = 0  # tensor cores: `int4_kchunk_gemm` (W^T x^T) with GEMM_JOIN or GEMM_NIBBLES; GEMM_MMA; GEMM_WGMMA
+    # (block_m rows of x a program, num_stages K tiles of x in shared memory); else 0
 
 
 @triton.jit
@@ -366,6 +371,29 @@ def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunk
     return KChunkConfig(16, bn, int4_kchunk_mma.BLOCK_K, split, warps, gemm=GEMM_MMA)
 
 
+def _wgmma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig | None:
+    """`int4_kchunk_wgmma` where it beat the other paths in `bench/int4_sweep.py --large --wgmma-only` on an H200
+    (bench/RESULTS.md run 65, the 8B shapes, group 128, us, today's pick -> this, 128 columns and 4 warps a
+    program, 4 stages, K split to ~1 program per SM):
+    - 25-64 rows, 32-row programs (64 on the wide gate|up weight above 32 rows): M = 32 qkv 32.0 -> 21.8,
+      o 23.5 -> 15.8, gate_up 88.2 -> 53.5, down 63.6 -> 37.1; M = 64 33.0 -> 27.9, 24.4 -> 20.7, 86.5 -> 70.8,
+      61.7 -> 53.6;
+    - 17-24 rows on the wide and the long weights only (gate_up 72.5-86.9 -> ~54, down 44.4-52.0 -> ~39; qkv
+      and o keep `int4_kchunk_mma`, 18.8 / 15.2 against 21.8 / 15.8 at 17);
+    - 65-128 rows on long weights only (down 95.5 -> 75.1; the GEMM keeps qkv 42.8 / 49.2, gate_up 103.9 /
+      142.6, o its dequantise + cuBLAS 24.7 / 26.6).
+    From 129 rows the GEMM and dequantise + cuBLAS stay ahead (this kernel reaches ~250-330 TFLOP/s)."""
+    if not int4_kchunk_wgmma.fits(K, group_size) or not 17 <= M <= 128:
+        return None
+    wide, long_k = N >= 16384, K >= 8192
+    if (M <= 24 and not (wide or long_k)) or (M > 64 and not long_k):
+        return None
+    top = 32 if M <= 32 else 64 if M <= 64 else 128  # one split (one compiled variant) per bucket
+    bm = 64 if wide and M > 32 else 32
+    split = _split_for(triton.cdiv(N, 128) * triton.cdiv(top, bm), K // int4_kchunk_wgmma.BLOCK_K, num_sms)
+    return KChunkConfig(bm, 128, int4_kchunk_wgmma.BLOCK_K, split, 4, 4, gemm=GEMM_WGMMA)
+
+
 @functools.cache
 def _has_mma_sync(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 8
@@ -377,7 +405,18 @@ def mma_runs_on(x: torch.Tensor) -> bool:
             and _has_mma_sync(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
-def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mma: bool = False) -> KChunkConfig:
+@functools.cache
+def _has_wgmma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def wgmma_runs_on(x: torch.Tensor) -> bool:
+    """Whether `int4_kchunk_wgmma` can take x: a bf16/fp16 CUDA tensor on sm_90 (Hopper's wgmma)."""
+    return mma_runs_on(x) and _has_wgmma(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mma: bool = False,
+                       wgmma: bool = False) -> KChunkConfig:
     """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
 
     From `bench/int4_sweep.py` on an H100 (bench/RESULTS.md run 36, the 8B shapes, group 128): M <= 2
@@ -388,7 +427,12 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mm
     12.6 / 54.8 / 31.1 us against 23.2 / 19.7 / 72.5 / 41.5); above, `_many_rows_config`: the
     k-chunk GEMM up to 64 rows, to 128 or 256 rows on the larger weights, else the weight
     dequantised once for cuBLAS (there, prefill, that cost is amortised over the rows). With `mma` (the
-    caller's x can take it: `mma_runs_on`), `_mma_config` first, up to 24 rows."""
+    caller's x can take it: `mma_runs_on`), `_mma_config` first, up to 24 rows; with `wgmma` (sm_90:
+    `wgmma_runs_on`) `_wgmma_config` before it, at 17-128 rows."""
+    if wgmma:
+        cfg = _wgmma_config(M, N, K, group_size, num_sms)
+        if cfg is not None:
+            return cfg
     if mma:
         cfg = _mma_config(M, N, K, group_size, num_sms)
         if cfg is not None:
@@ -432,7 +476,18 @@ def int4_kchunk_linear_impl(
     mma_ok = mma_runs_on(x)
     if config is None:
         config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132,
-                                    mma=mma_ok)
+                                    mma=mma_ok, wgmma=mma_ok and wgmma_runs_on(x))
+    if config.gemm == GEMM_WGMMA:
+        if not (wgmma_runs_on(x) and int4_kchunk_wgmma.fits(K, group_size)):
+            raise ValueError(f"GEMM_WGMMA takes bf16/fp16 CUDA x on sm_90, K and the group multiples of "
+                             f"{int4_kchunk_wgmma.BLOCK_K}; got {M} x {K} {x.dtype} on {x.device}, group {group_size}")
+        if gated:
+            return silu_and_mul(int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config))
+        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+        if M:
+            int4_kchunk_wgmma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.block_m,
+                                     config.split_k, config.num_warps, config.num_stages)
+        return out
     mma = config.gemm == GEMM_MMA
     if mma and (M > int4_kchunk_mma.MAX_ROWS or not mma_ok or not int4_kchunk_mma.fits(K, group_size)):
         raise ValueError(f"GEMM_MMA takes 1-{int4_kchunk_mma.MAX_ROWS} rows of bf16/fp16 CUDA x (sm_80+), K and the "

@@ -38,36 +38,42 @@ def fits(K: int, group_size: int) -> bool:
     return K % BLOCK_K == 0 and (group_size >= K or group_size % BLOCK_K == 0)
 
 # Per pair of neighbouring words ($2, $3) and byte B: $0 = (nibble 2B of $2, of $3) + $4 and
-# $1 = (nibble 2B + 1 ...) + $4 in the packed dtype, $4 = -(MAGIC + z) twice. prmt selector: byte 0
-# = byte B of $2, byte 2 = byte B of $3; 983055 = 0x000F000F; LUT 234 = (a & b) | c.
+# $1 = (nibble 2B + 1 ...) + $4 in the packed dtype, $4 = -(MAGIC + z) twice; `scaled` also multiplies both
+# by $5 (= s twice). prmt selector: byte 0 = byte B of $2, byte 2 = byte B of $3; 983055 = 0x000F000F;
+# LUT 234 = (a & b) | c.
 _PAIR_PTX = """{{
 .reg .b32 t, u, v, one;
 mov.b32 one, {one};
 prmt.b32 t, $2, $3, {sel};
 lop3.b32 u, t, 983055, {magic}, 234;
-fma.rn.{ty}x2 $0, u, one, $4;
+fma.rn.{ty}x2 {lo}, u, one, $4;{scale_lo}
 shr.b32 v, t, 4;
-lop3.b32 u, v, 983055, {magic}, 234;
-fma.rn.{ty}x2 $1, u, one, $4;
+lop3.b32 v, v, 983055, {magic}, 234;
+fma.rn.{ty}x2 {hi}, v, one, $4;{scale_hi}
 }}"""
 
 
-def _pair_ptx(byte: int, fp16: bool) -> str:
+def pair_ptx(byte: int, fp16: bool, scaled: bool = False) -> str:
+    """The inline PTX that turns byte `byte` of two neighbouring words into two pairs of exact (q - z), or of
+    (q - z) * s rounded once with `scaled`, in fp16 or bf16 (the magic-number trick)."""
     # bf16: magic 0x43004300 (128.0 twice), one 0x3F803F80; fp16: 0x64006400 (1024.0), 0x3C003C00
     sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
-    if fp16:
-        return _PAIR_PTX.format(sel=sel, ty="f16", magic=1677747200, one=1006648320)
-    return _PAIR_PTX.format(sel=sel, ty="bf16", magic=1124090624, one=1065369472)
+    ty, magic, one = ("f16", 1677747200, 1006648320) if fp16 else ("bf16", 1124090624, 1065369472)
+    if scaled:
+        regs = dict(lo="u", hi="v", scale_lo=f"\nmul.rn.{ty}x2 $0, u, $5;", scale_hi=f"\nmul.rn.{ty}x2 $1, v, $5;")
+    else:
+        regs = dict(lo="$0", hi="$1", scale_lo="", scale_hi="")
+    return _PAIR_PTX.format(sel=sel, ty=ty, magic=magic, one=one, **regs)
 
 
-_BF16_0 = gl.constexpr(_pair_ptx(0, False))
-_BF16_1 = gl.constexpr(_pair_ptx(1, False))
-_BF16_2 = gl.constexpr(_pair_ptx(2, False))
-_BF16_3 = gl.constexpr(_pair_ptx(3, False))
-_FP16_0 = gl.constexpr(_pair_ptx(0, True))
-_FP16_1 = gl.constexpr(_pair_ptx(1, True))
-_FP16_2 = gl.constexpr(_pair_ptx(2, True))
-_FP16_3 = gl.constexpr(_pair_ptx(3, True))
+_BF16_0 = gl.constexpr(pair_ptx(0, False))
+_BF16_1 = gl.constexpr(pair_ptx(1, False))
+_BF16_2 = gl.constexpr(pair_ptx(2, False))
+_BF16_3 = gl.constexpr(pair_ptx(3, False))
+_FP16_0 = gl.constexpr(pair_ptx(0, True))
+_FP16_1 = gl.constexpr(pair_ptx(1, True))
+_FP16_2 = gl.constexpr(pair_ptx(2, True))
+_FP16_3 = gl.constexpr(pair_ptx(3, True))
 
 
 @gluon.jit
@@ -153,27 +159,38 @@ def _kchunk_mma_kernel(
             part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 24, part, _BF16_3)
         s = gl.load(scales_ptr + g_row + n_sm).to(gl.float32)
         acc += part * s[:, None]
-    # out[m, n] = acc[n, m] (+ bias[n])
     m_m = gl.arange(0, XN, layout=gl.SliceLayout(0, MMA))
+    store_tile(acc, n_m, m_m, pid_n, split, split_k, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om,
+               HAS_BIAS, USE_SPLIT)
+
+
+@gluon.jit
+def store_tile(acc, n_m, m_m, tile, split, split_k, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om,
+               HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr):
+    """out[m, n] = acc[n, m] (+ bias[n]) for the tile's columns n_m and rows m_m (slices of acc's layout). With
+    USE_SPLIT the partial goes to the fp32 workspace, and the last of the split_k programs of `tile` to arrive
+    sums them in split order (deterministic), writes out and resets the tile's counter."""
+    mask_nm = n_m < N
+    n_sm = gl.where(mask_nm, n_m, 0)
     out_mask = (m_m < M)[None, :] & mask_nm[:, None]
     out_offs = m_m[None, :] * stride_om + n_m[:, None]
     if USE_SPLIT:
         part_offs = m_m[None, :] * N + n_m[:, None]
         gl.store(partial_ptr + split * M * N + part_offs, acc, mask=out_mask)
         _ptx("bar.sync 0; // $0")  # every thread's partial is stored before the release below
-        arrived = gl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
         if arrived == split_k - 1:
-            total = gl.zeros([BLOCK_N, XN], gl.float32, layout=MMA)
+            total = gl.zeros_like(acc)
             for i in range(split_k):
                 total += gl.load(partial_ptr + i * M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += gl.load(bias_ptr + n_sm).to(gl.float32)[:, None]
-            gl.store(out_ptr + out_offs, total.to(DTYPE), mask=out_mask)
-            gl.store(counter_ptr + pid_n, 0)  # ready for the next launch
+            gl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            gl.store(counter_ptr + tile, 0)  # ready for the next launch
     else:
         if HAS_BIAS:
             acc += gl.load(bias_ptr + n_sm).to(gl.float32)[:, None]
-        gl.store(out_ptr + out_offs, acc.to(DTYPE), mask=out_mask)
+        gl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def launch(x, packed, scales, zeros, group_size, bias, out, block_n, split, num_warps) -> None:

@@ -12,7 +12,8 @@ from quant_helpers import make_int_weight
 from sm90_compile import run_script
 
 from kernels import quant_reference
-from kernels.int4_kchunk import (GEMM_MMA, KChunkConfig, int4_kchunk_linear, int4_kchunk_linear_impl,
+from kernels.activation import silu_and_mul
+from kernels.int4_kchunk import (GEMM_MMA, GEMM_WGMMA, KChunkConfig, int4_kchunk_linear, int4_kchunk_linear_impl,
                                  pick_kchunk_config)
 
 CASES = [
@@ -83,17 +84,55 @@ MMA_CASES = [
 ]
 
 
+def _cuda_case(M: int, K: int, group_size: int, with_bias: bool, dtype: torch.dtype) -> tuple:
+    """x, the k-chunk weight (packed, scales, zeros), bias and the fp64 reference, on CUDA, N = 200 (the last
+    column tile partial)."""
+    N = 200
+    w = make_int_weight(K, N, 4, group_size, False, dtype, seed=M + K)
+    packed = quant_reference.repack_int4_kchunk(w.qweight).cuda()
+    x = torch.randn(M, K, dtype=dtype, device="cuda")
+    bias = torch.randn(N, dtype=dtype, device="cuda") if with_bias else None
+    ref = x.double() @ w.dense.double().cuda() + (bias.double() if with_bias else 0)
+    return x, packed, w.scales.cuda(), w.zeros.cuda(), bias, ref
+
+
+WGMMA_CASES = [
+    # (M, K, group_size, split, with_bias, (block_m, block_n, warps, stages)): `kernels/int4_kchunk_wgmma.py`, sm_90
+    (1, 256, 128, 1, False, (64, 128, 4, 3)),  # one row of a 64-row tile
+    (70, 512, 128, 3, True, (64, 128, 4, 3)),  # 2 row tiles, split-K (uneven), more K tiles than stages
+    (100, 384, 384, 1, True, (32, 128, 4, 4)),  # one group, 4 row tiles
+    (130, 1024, 256, 2, False, (128, 256, 8, 3)),  # groups of two tiles, 8 warps
+    (300, 512, 128, 1, True, (256, 128, 8, 3)),  # 2 stages
+    (16, 640, 128, 1, False, (16, 128, 4, 4)),
+]
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _sm90(), reason="Gluon wgmma kernel: sm_90 only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, K, group_size, split, with_bias, tiling", WGMMA_CASES)
+def test_wgmma_matches_reference(dtype, M, K, group_size, split, with_bias, tiling):
+    x, packed, scales, zeros, bias, ref = _cuda_case(M, K, group_size, with_bias, dtype)
+    N = ref.shape[1]
+    block_m, block_n, warps, stages = tiling
+    config = KChunkConfig(block_m, block_n, 128, split, warps, stages, gemm=GEMM_WGMMA)
+    for _ in range(2):  # the second call finds its split-K counters back at zero
+        out = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config=config)
+        assert out.dtype == dtype and out.shape == (M, N)
+        assert _rel_err(out, ref) < (5e-3 if dtype == torch.bfloat16 else 2e-3), config
+    gated = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config=config, gated=True)
+    torch.testing.assert_close(gated, silu_and_mul(out), rtol=0, atol=0)  # the same result, then the activation
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernel: CUDA only")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M, K, group_size, split, with_bias", MMA_CASES)
 def test_mma_matches_reference(dtype, M, K, group_size, split, with_bias):
-    N = 200  # the last column tile is partial
-    w = make_int_weight(K, N, 4, group_size, False, dtype, seed=M + K)
-    packed = quant_reference.repack_int4_kchunk(w.qweight).cuda()
-    scales, zeros = w.scales.cuda(), w.zeros.cuda()
-    x = torch.randn(M, K, dtype=dtype, device="cuda")
-    bias = torch.randn(N, dtype=dtype, device="cuda") if with_bias else None
-    ref = x.double() @ w.dense.double().cuda() + (bias.double() if with_bias else 0)
+    x, packed, scales, zeros, bias, ref = _cuda_case(M, K, group_size, with_bias, dtype)
+    N = ref.shape[1]
     for block_n in (64, 128):
         config = KChunkConfig(16, block_n, 128, split, 4, gemm=GEMM_MMA)
         for _ in range(2):  # the second call finds its split-K counters back at zero
@@ -107,9 +146,32 @@ def test_mma_matches_reference(dtype, M, K, group_size, split, with_bias):
 
 
 def test_mma_variants_compile_for_sm90_and_keep_the_pdl_contract():
-    # CI has no GPU: compile every GEMM_MMA variant the picker returns (Gluon, bf16 and fp16, PDL on) for sm_90
+    # CI has no GPU: compile every GEMM_MMA variant the picker returns (Gluon, bf16 and fp16, PDL on) for sm_90,
+    # and every GEMM_WGMMA variant (no spills)
     out = run_script("mma_sm90_compile.py")
-    assert out.count("ok ") >= 4 and "FAIL" not in out, out
+    assert out.count("ok ") >= 4 and out.count("ok wgmma") >= 4 and "FAIL" not in out, out
+
+
+def test_wgmma_picked_at_17_to_128_rows_where_it_won():
+    def pick(m, n, k, group=128, wgmma=True):
+        return pick_kchunk_config(m, n, k, group, 132, mma=True, wgmma=wgmma)
+
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    for m in (25, 32, 33, 64):
+        assert all(pick(m, n, k).gemm == GEMM_WGMMA for n, k in shapes), m
+    assert pick(64, 28672, 4096).block_m == 64 and pick(32, 28672, 4096).block_m == 32  # 64-row programs
+    assert pick(20, 6144, 4096).gemm == GEMM_MMA and pick(20, 4096, 4096).gemm == GEMM_MMA  # mma.sync kept
+    assert pick(20, 28672, 4096).gemm == GEMM_WGMMA and pick(20, 4096, 14336).gemm == GEMM_WGMMA
+    assert pick(100, 4096, 14336).gemm == GEMM_WGMMA and pick(100, 28672, 4096).gemm != GEMM_WGMMA
+    assert pick(129, 4096, 14336).gemm != GEMM_WGMMA and pick(16, 28672, 4096).gemm != GEMM_WGMMA
+    assert pick(32, 6144, 4096, wgmma=False).gemm != GEMM_WGMMA  # only where the caller says it runs
+    assert pick(32, 6144, 4096, group=64).gemm != GEMM_WGMMA  # groups of 64: not its tile
+    for lo, hi in ((25, 32), (33, 64), (65, 128)):  # one split (one compiled variant) per bucket
+        assert len({pick(m, 4096, 14336) for m in range(lo, hi + 1)}) == 1
+    with pytest.raises(ValueError, match="GEMM_WGMMA"):
+        w = make_int_weight(128, 64, 4, 128, False, torch.float16, seed=4)
+        int4_kchunk_linear_impl(torch.randn(40, 128).half(), quant_reference.repack_int4_kchunk(w.qweight), w.scales,
+                                w.zeros, 128, config=pick(40, 64, 128))
 
 
 def test_mma_config_needs_cuda_and_half_precision():
