@@ -98,8 +98,8 @@ def large_configs(m: int, tiles: bool = True) -> list[KChunkConfig]:
 
     wg = []
     if torch.cuda.get_device_capability() == (9, 0):
-        wg = [W(16, 128, 4, 6), W(32, 128, 4, 4), W(32, 128, 4, 6), W(64, 128, 4, 4), W(64, 256, 8, 4),
-              W(64, 128, 8, 5), W(128, 128, 8, 4), W(128, 256, 8, 4)]
+        wg = [W(16, 128, 4, 6), W(16, 64, 4, 6), W(32, 128, 4, 4), W(32, 64, 4, 4), W(64, 128, 4, 4),
+              W(64, 64, 4, 4), W(128, 128, 8, 4)]
         wg = [c for c in wg if c.block_m <= max(16, triton.next_power_of_2(m))]
     return wg + (_tile_configs(m) if tiles else [])
 
@@ -222,8 +222,10 @@ def run_large_shape(name: str, k: int, n: int, num_sms: int, report: dict, ms: t
         default = pick_kchunk_config(m, n, k, GROUP, num_sms)
         cands = []
         for cfg in large_configs(m, tiles):
-            tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-            cands.append(cfg._replace(split_k=_split_for(tiles, triton.cdiv(k, cfg.block_k), num_sms)))
+            n_tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+            per_sm = PER_SM if cfg.gemm == GEMM_WGMMA else (1,)  # its few-row tiles: more programs to hide latency
+            splits = {_split_for(n_tiles, triton.cdiv(k, cfg.block_k), p * num_sms) for p in per_sm}
+            cands += [cfg._replace(split_k=sp) for sp in sorted(splits)]
         results = time_configs(x, ref, w4, [default, *cands], default, row, t16, (t_dq, "dq"), nbytes, flops, _short)
         best[m] = (t16, t_dq, results[0] if results else None)
         report["rows"].append(row)

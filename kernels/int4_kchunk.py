@@ -19,7 +19,7 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
   registers and dequantised two per instruction; the picker takes it where `mma` says it can run.
 - `gemm` GEMM_WGMMA (sm_90, bf16/fp16 x, K and the group multiples of 128): `kernels/int4_kchunk_wgmma.py`
   (Gluon), Hopper's wgmma with the dequantised weights as its register operand and x's rows in shared
-  memory; the picker takes it at 17-128 rows where `wgmma` says it can run.
+  memory; the picker takes it at 17-128 rows where `wgmma` says it can run (before GEMM_MMA).
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV writes silu(gate) * up from its
@@ -47,7 +47,7 @@ from kernels.pdl import launch_options, release_dependents, wait_upstream
 GEMM_JOIN = 1  # `int4_kchunk_gemm`: one dot per K tile on the weights put back in natural row order
 GEMM_NIBBLES = 2  # `int4_kchunk_gemm`: one dot per nibble, each on an elementwise function of the words
 GEMM_MMA = 3  # `int4_kchunk_mma` (<= 64 rows, CUDA, bf16/fp16): mma.sync on words loaded in the operand's layout
-GEMM_WGMMA = 4  # `int4_kchunk_wgmma` (sm_90, bf16/fp16): wgmma on weights dequantised in registers, x from shared memory
+GEMM_WGMMA = 4  # `int4_kchunk_wgmma` (sm_90, bf16/fp16): wgmma on weights dequantised in registers, x in smem
 
 
 class KChunkConfig(NamedTuple):
@@ -372,25 +372,25 @@ def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunk
 
 
 def _wgmma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig | None:
-    """`int4_kchunk_wgmma` where it beat the other paths in `bench/int4_sweep.py --large --wgmma-only` on an H200
-    (bench/RESULTS.md run 65, the 8B shapes, group 128, us, today's pick -> this, 128 columns and 4 warps a
-    program, 4 stages, K split to ~1 program per SM):
-    - 25-64 rows, 32-row programs (64 on the wide gate|up weight above 32 rows): M = 32 qkv 32.0 -> 21.8,
-      o 23.5 -> 15.8, gate_up 88.2 -> 53.5, down 63.6 -> 37.1; M = 64 33.0 -> 27.9, 24.4 -> 20.7, 86.5 -> 70.8,
-      61.7 -> 53.6;
-    - 17-24 rows on the wide and the long weights only (gate_up 72.5-86.9 -> ~54, down 44.4-52.0 -> ~39; qkv
-      and o keep `int4_kchunk_mma`, 18.8 / 15.2 against 21.8 / 15.8 at 17);
-    - 65-128 rows on long weights only (down 95.5 -> 75.1; the GEMM keeps qkv 42.8 / 49.2, gate_up 103.9 /
-      142.6, o its dequantise + cuBLAS 24.7 / 26.6).
-    From 129 rows the GEMM and dequantise + cuBLAS stay ahead (this kernel reaches ~250-330 TFLOP/s)."""
+    """`int4_kchunk_wgmma` where it beat the other paths on an H200 (bench/RESULTS.md run 65: `.gpu`-free
+    `bench/int4_sweep.py --large --wgmma-only` and an A/B of its variants, the 8B shapes, group 128, us, today's
+    pick -> this; 128 columns and 4 warps a program, 4 stages):
+    - 17-64 rows, 32-row programs (64 on the wide gate|up weight above 32 rows): M = 32 qkv 32.0 -> 15.4,
+      o 22.9 -> 13.7, gate_up 88.8 -> 45.0, down 62.4 -> 32.0 (a layer 206 -> 106, bf16 124); M = 64 32.7 ->
+      26.5, 24.5 -> 18.7, 88.5 -> 69.4, 62.1 -> 48.9 (208 -> 164, bf16 131); at 17-24 rows it also beats
+      `int4_kchunk_mma` (qkv 18.8, o 15.2, gate_up 72.5, down 44.4 at 17);
+    - 65-128 rows on long weights only (down 95.9 -> 70.5; qkv 45.5 / 43.2 is a tie, gate_up keeps the
+      GEMM's 104.6 against 137.3 and o its dequantise + cuBLAS 24.1 against 26.4).
+    K split to ~2 programs per SM up to 32 rows (~4 on long weights), ~1 above."""
     if not int4_kchunk_wgmma.fits(K, group_size) or not 17 <= M <= 128:
         return None
     wide, long_k = N >= 16384, K >= 8192
-    if (M <= 24 and not (wide or long_k)) or (M > 64 and not long_k):
+    if M > 64 and not long_k:
         return None
     top = 32 if M <= 32 else 64 if M <= 64 else 128  # one split (one compiled variant) per bucket
     bm = 64 if wide and M > 32 else 32
-    split = _split_for(triton.cdiv(N, 128) * triton.cdiv(top, bm), K // int4_kchunk_wgmma.BLOCK_K, num_sms)
+    per_sm = (4 if long_k else 2) if M <= 32 else 1
+    split = _split_for(triton.cdiv(N, 128) * triton.cdiv(top, bm), K // int4_kchunk_wgmma.BLOCK_K, per_sm * num_sms)
     return KChunkConfig(bm, 128, int4_kchunk_wgmma.BLOCK_K, split, 4, 4, gemm=GEMM_WGMMA)
 
 

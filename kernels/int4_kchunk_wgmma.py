@@ -13,7 +13,7 @@ out^T = W^T x^T with the weights as wgmma's register operand A, the way Marlin /
 tensor cores from int4: each program loads its words straight into A's register layout (as
 `int4_kchunk_mma` does), turns them into (q - z) * s two at a time (`prmt`, `lop3` into the magic
 number's mantissa, a packed FMA subtracting magic + z exactly, a packed multiply by the scale), and
-multiplies them with x's rows from shared memory, which `cp.async` fills STAGES K tiles ahead. Sub-dot
+multiplies them with x's rows from shared memory, which `cp.async` fills STAGES - 2 K tiles ahead. Sub-dot
 j of a 128-row tile (nibble j of every word) pairs with x's columns 32 r + 4 j + w: the copies gather
 them (8-byte pieces) into one [BLOCK_M, 16] buffer per sub-dot, so no permuted copy of x is made.
 The weight reads are the HBM stream (one tile ahead in registers); x tiles come from L2. Rounding:
@@ -52,11 +52,9 @@ def _weights(words, neg_zero, scale, PTX: gl.constexpr):
 
 
 @gluon.jit
-def _copy_tile(ws, w_tile, stride_wc, x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t, stage):
-    # K tile t's words into ws[stage] ([BLOCK_N, 16], 16-byte pieces) and x's columns for sub-dot j into
-    # xj[stage] ([BLOCK_M, 16], 8-byte pieces), all by cp.async. One allocation per buffer: copies into
-    # different allocations need no barrier between them.
-    async_copy.async_copy_global_to_shared(ws.index(stage), w_tile + t * 4 * stride_wc)
+def _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t, stage):
+    # x's columns of K tile t for sub-dot j into xj[stage] ([BLOCK_M, 16], cp.async of 8-byte pieces). One
+    # allocation per sub-dot: copies into different allocations need no barrier between them.
     x_t = x_tile + t * 128
     async_copy.async_copy_global_to_shared(x0.index(stage), x_t)
     async_copy.async_copy_global_to_shared(x1.index(stage), x_t + 4)
@@ -80,6 +78,16 @@ def _byte(acc, words, neg_zero, scale, x_lo, x_hi, a1, a2, a3, a4, PTX: gl.const
     return acc, lo, hi, a1, a2
 
 
+@gluon.jit
+def _tile(acc, words, neg_zero, scale, xs, a1, a2, a3, a4, P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr,
+          P3: gl.constexpr):
+    # One K tile: bytes 0-3 of the words (sub-dots 2B and 2B + 1 against x buffers xs[2B], xs[2B + 1]).
+    acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, xs[0], xs[1], a1, a2, a3, a4, P0)
+    acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, xs[2], xs[3], a1, a2, a3, a4, P1)
+    acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, xs[4], xs[5], a1, a2, a3, a4, P2)
+    return _byte(acc, words, neg_zero, scale, xs[6], xs[7], a1, a2, a3, a4, P3)
+
+
 @gluon.jit(do_not_specialize=["M", "tiles_per_split", "split_k"])
 def _kchunk_wgmma_kernel(
     # as `int4_kchunk_mma._kchunk_mma_kernel`'s
@@ -90,14 +98,13 @@ def _kchunk_wgmma_kernel(
     BLOCK_N: gl.constexpr,  # weight columns per program: a multiple of 16 * WARPS (WARPS a multiple of 4)
     BLOCK_M: gl.constexpr,  # rows of x per program: a power of two, MIN_ROWS to 256
     WARPS: gl.constexpr,
-    STAGES: gl.constexpr,  # K tiles of words and x in shared memory (>= 3): STAGES - 2 copies ahead of the MMAs
+    STAGES: gl.constexpr,  # K tiles of x in shared memory (>= 3): STAGES - 2 copies ahead of the MMAs
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                    instr_shape=[16, BLOCK_M, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     X_L: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
     X_S: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    W_S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     DTYPE: gl.constexpr = x_ptr.dtype.element_ty
     MAGIC: gl.constexpr = 1024.0 if DTYPE == gl.float16 else 128.0
     pid = gl.program_id(0)
@@ -105,13 +112,11 @@ def _kchunk_wgmma_kernel(
     num_m = gl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m  # neighbouring programs share a column tile: its words come from L2 after the first
     pid_n = pid // num_m
-    # A side: [BLOCK_N, 16] words, column q = 4 r + w of the tile's chunk r (rows 32 r + 4 j + w), copied to
-    # shared memory and read back in the A operand's layout; columns past N re-read column N - 1.
-    n_w = gl.minimum(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, X_L)), N - 1)
-    q_w = gl.arange(0, 16, layout=gl.SliceLayout(0, X_L))
-    w_tile = w_ptr + (n_w * 4)[:, None] + ((q_w // 4) * stride_wc + q_w % 4)[None, :]
-    ws = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], W_S)
+    # A side: [BLOCK_N, 16] words, column q = 4 r + w of the tile's chunk r (rows 32 r + 4 j + w), loaded straight
+    # into the A operand's layout one tile ahead; columns past N re-read column N - 1.
     n_sa = gl.minimum(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A_L)), N - 1)
+    q_a = gl.arange(0, 16, layout=gl.SliceLayout(0, A_L))
+    w_tile = w_ptr + (n_sa * 4)[:, None] + ((q_a // 4) * stride_wc + q_a % 4)[None, :]
     # x side: sub-dot j's buffer [m, q] = x[m, 128 t + 32 (q // 4) + q % 4 + 4 j]; rows past M re-read row M - 1.
     m_x = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_L))
     q_x = gl.arange(0, 16, layout=gl.SliceLayout(0, X_L))
@@ -129,8 +134,9 @@ def _kchunk_wgmma_kernel(
     t_end = gl.minimum(t_start + tiles_per_split, num_k_tiles)
     for ahead in gl.static_range(STAGES - 2):
         if t_start + ahead < t_end:
-            _copy_tile(ws, w_tile, stride_wc, x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t_start + ahead, ahead)
+            _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t_start + ahead, ahead)
         async_copy.commit_group()
+    words_next = gl.load(w_tile + gl.minimum(t_start, num_k_tiles - 1) * 4 * stride_wc)
     g_row = (gl.minimum(t_start, num_k_tiles - 1) * 128 // group_size) * stride_sg  # an empty split reads tile 0
     z_next = gl.load(zeros_ptr + g_row + n_sa)
     s_next = gl.load(scales_ptr + g_row + n_sa)
@@ -141,7 +147,9 @@ def _kchunk_wgmma_kernel(
     a4 = a1
     for t in range(t_start, t_end):
         i = t - t_start
-        z = z_next  # the next tile's scales and zero points are in flight meanwhile
+        words = words_next  # the next tile's words, scales and zero points are in flight meanwhile
+        words_next = gl.load(w_tile + gl.minimum(t + 1, t_end - 1) * 4 * stride_wc)
+        z = z_next
         s = s_next
         g_row = (gl.minimum(t + 1, t_end - 1) * 128 // group_size) * stride_sg
         z_next = gl.load(zeros_ptr + g_row + n_sa)
@@ -152,23 +160,19 @@ def _kchunk_wgmma_kernel(
         # for all but its last two bytes': tile t - 2's buffers are free.
         _ptx("bar.sync 0; // $0")
         if t + STAGES - 2 < t_end:  # into tile t - 2's buffers
-            _copy_tile(ws, w_tile, stride_wc, x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t + STAGES - 2,
-                       (i + STAGES - 2) % STAGES)
+            _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t + STAGES - 2, (i + STAGES - 2) % STAGES)
         async_copy.commit_group()
         st = i % STAGES
-        words = ws.index(st).load(A_L)
         neg_zero = gl.broadcast((-(z.to(gl.float32) + MAGIC)).to(DTYPE)[:, None], words)[0]
         scale = gl.broadcast(s[:, None], words)[0]
+        xs = (x0.index(st), x1.index(st), x2.index(st), x3.index(st), x4.index(st), x5.index(st), x6.index(st),
+              x7.index(st))
         if DTYPE == gl.float16:
-            acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, x0.index(st), x1.index(st), a1, a2, a3, a4, _FP16_0)
-            acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, x2.index(st), x3.index(st), a1, a2, a3, a4, _FP16_1)
-            acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, x4.index(st), x5.index(st), a1, a2, a3, a4, _FP16_2)
-            acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, x6.index(st), x7.index(st), a1, a2, a3, a4, _FP16_3)
+            acc, a1, a2, a3, a4 = _tile(acc, words, neg_zero, scale, xs, a1, a2, a3, a4, _FP16_0, _FP16_1, _FP16_2,
+                                        _FP16_3)
         else:
-            acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, x0.index(st), x1.index(st), a1, a2, a3, a4, _BF16_0)
-            acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, x2.index(st), x3.index(st), a1, a2, a3, a4, _BF16_1)
-            acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, x4.index(st), x5.index(st), a1, a2, a3, a4, _BF16_2)
-            acc, a1, a2, a3, a4 = _byte(acc, words, neg_zero, scale, x6.index(st), x7.index(st), a1, a2, a3, a4, _BF16_3)
+            acc, a1, a2, a3, a4 = _tile(acc, words, neg_zero, scale, xs, a1, a2, a3, a4, _BF16_0, _BF16_1, _BF16_2,
+                                        _BF16_3)
     acc, a1, a2, a3, a4 = warpgroup_mma_wait(0, deps=[acc, a1, a2, a3, a4])
     async_copy.wait_group(0)
     n_m = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))

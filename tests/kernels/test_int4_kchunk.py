@@ -160,13 +160,13 @@ def test_wgmma_picked_at_17_to_128_rows_where_it_won():
     for m in (25, 32, 33, 64):
         assert all(pick(m, n, k).gemm == GEMM_WGMMA for n, k in shapes), m
     assert pick(64, 28672, 4096).block_m == 64 and pick(32, 28672, 4096).block_m == 32  # 64-row programs
-    assert pick(20, 6144, 4096).gemm == GEMM_MMA and pick(20, 4096, 4096).gemm == GEMM_MMA  # mma.sync kept
-    assert pick(20, 28672, 4096).gemm == GEMM_WGMMA and pick(20, 4096, 14336).gemm == GEMM_WGMMA
+    assert all(pick(20, n, k).gemm == GEMM_WGMMA for n, k in shapes)  # ahead of mma.sync from 17 rows
+    assert pick(20, 6144, 4096, wgmma=False).gemm == GEMM_MMA
     assert pick(100, 4096, 14336).gemm == GEMM_WGMMA and pick(100, 28672, 4096).gemm != GEMM_WGMMA
     assert pick(129, 4096, 14336).gemm != GEMM_WGMMA and pick(16, 28672, 4096).gemm != GEMM_WGMMA
     assert pick(32, 6144, 4096, wgmma=False).gemm != GEMM_WGMMA  # only where the caller says it runs
     assert pick(32, 6144, 4096, group=64).gemm != GEMM_WGMMA  # groups of 64: not its tile
-    for lo, hi in ((25, 32), (33, 64), (65, 128)):  # one split (one compiled variant) per bucket
+    for lo, hi in ((17, 32), (33, 64), (65, 128)):  # one split (one compiled variant) per bucket
         assert len({pick(m, 4096, 14336) for m in range(lo, hi + 1)}) == 1
     with pytest.raises(ValueError, match="GEMM_WGMMA"):
         w = make_int_weight(128, 64, 4, 128, False, torch.float16, seed=4)

@@ -44,7 +44,7 @@ def wgmma_variants() -> list[tuple]:
 
 
 def _compiled(fn, const: dict, dtype: str, warps: int) -> tuple:
-    """(kernel, registers) of a Gluon int4 kernel compiled for sm_90 with x, scales and out in `dtype`; raises on spills."""
+    """(kernel, registers) of a Gluon int4 kernel for sm_90, x / scales / out in `dtype`; raises on spills."""
     types = {"x_ptr": dtype, "w_ptr": "*i32", "scales_ptr": dtype, "zeros_ptr": dtype, "bias_ptr": dtype,
              "out_ptr": dtype, "partial_ptr": "*fp32", "counter_ptr": "*i32"}
     kernel = compile_variant(fn, const, types, _DIVISIBLE, warps, 1, gluon=True)
