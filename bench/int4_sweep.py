@@ -97,7 +97,7 @@ def large_configs(m: int, tiles: bool = True) -> list[KChunkConfig]:
         return C(bm, bn, 128, 0, w, st, gemm=GEMM_WGMMA)
 
     wg = []
-    if torch.cuda.get_device_capability() == (9, 0):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         wg = [W(16, 128, 4, 6), W(16, 64, 4, 6), W(32, 128, 4, 4), W(32, 64, 4, 4), W(64, 128, 4, 4),
               W(64, 64, 4, 4), W(128, 128, 8, 4)]
         wg = [c for c in wg if c.block_m <= max(16, triton.next_power_of_2(m))]

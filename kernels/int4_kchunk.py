@@ -19,7 +19,7 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
   registers and dequantised two per instruction; the picker takes it where `mma` says it can run.
 - `gemm` GEMM_WGMMA (sm_90, bf16/fp16 x, K and the group multiples of 128): `kernels/int4_kchunk_wgmma.py`
   (Gluon), Hopper's wgmma with the dequantised weights as its register operand and x's rows in shared
-  memory; the picker takes it at 17-128 rows where `wgmma` says it can run (before GEMM_MMA).
+  memory; the picker takes it at 9-128 rows where `wgmma` says it can run (before GEMM_MMA).
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV writes silu(gate) * up from its
@@ -372,26 +372,33 @@ def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunk
 
 
 def _wgmma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig | None:
-    """`int4_kchunk_wgmma` where it beat the other paths on an H200 (bench/RESULTS.md run 65: `.gpu`-free
-    `bench/int4_sweep.py --large --wgmma-only` and an A/B of its variants, the 8B shapes, group 128, us, today's
-    pick -> this; 128 columns and 4 warps a program, 4 stages):
-    - 17-64 rows, 32-row programs (64 on the wide gate|up weight above 32 rows): M = 32 qkv 32.0 -> 15.4,
-      o 22.9 -> 13.7, gate_up 88.8 -> 45.0, down 62.4 -> 32.0 (a layer 206 -> 106, bf16 124); M = 64 32.7 ->
-      26.5, 24.5 -> 18.7, 88.5 -> 69.4, 62.1 -> 48.9 (208 -> 164, bf16 131); at 17-24 rows it also beats
-      `int4_kchunk_mma` (qkv 18.8, o 15.2, gate_up 72.5, down 44.4 at 17);
+    """`int4_kchunk_wgmma` where it beat the other paths on an H200 (bench/RESULTS.md run 65: `bench/int4_sweep.py
+    --large --wgmma-only` and A/B timings of its variants, the 8B shapes, group 128, us, today's pick -> this;
+    4 warps a program, 4 stages):
+    - 9-16 rows, 16-row programs of 64 columns (128 on the wide and the long weights), K split to ~4 programs
+      per SM (~2 on long weights): M = 16 qkv 16.8 -> 13.3, o 13.0 -> 10.3, gate_up 47.5 -> 40.0, down 30.0
+      -> 23.9 (a layer 107 -> 88 us, bf16 ~120); M = 9 99 -> 84;
+    - 17-64 rows, 32-row programs of 128 columns (64 rows on the wide gate|up weight above 32 rows), split to
+      ~2 programs per SM up to 32 rows (~4 on long weights), ~1 above: M = 32 qkv 32.0 -> 15.4, o 22.9 ->
+      13.7, gate_up 88.8 -> 45.0, down 62.4 -> 32.0 (206 -> 106, bf16 124); M = 64 32.7 -> 26.5, 24.5 -> 18.7,
+      88.5 -> 69.4, 62.1 -> 48.9 (208 -> 164, bf16 131); at 17-24 rows it also beats `int4_kchunk_mma`
+      (qkv 18.8, o 15.2, gate_up 72.5, down 44.4 at 17);
     - 65-128 rows on long weights only (down 95.9 -> 70.5; qkv 45.5 / 43.2 is a tie, gate_up keeps the
       GEMM's 104.6 against 137.3 and o its dequantise + cuBLAS 24.1 against 26.4).
-    K split to ~2 programs per SM up to 32 rows (~4 on long weights), ~1 above."""
-    if not int4_kchunk_wgmma.fits(K, group_size) or not 17 <= M <= 128:
+    Below 9 rows `int4_kchunk_mma` (x from global memory, no shared memory) and the GEMV stay ahead."""
+    if not int4_kchunk_wgmma.fits(K, group_size) or not 9 <= M <= 128:
         return None
     wide, long_k = N >= 16384, K >= 8192
     if M > 64 and not long_k:
         return None
-    top = 32 if M <= 32 else 64 if M <= 64 else 128  # one split (one compiled variant) per bucket
-    bm = 64 if wide and M > 32 else 32
-    per_sm = (4 if long_k else 2) if M <= 32 else 1
-    split = _split_for(triton.cdiv(N, 128) * triton.cdiv(top, bm), K // int4_kchunk_wgmma.BLOCK_K, per_sm * num_sms)
-    return KChunkConfig(bm, 128, int4_kchunk_wgmma.BLOCK_K, split, 4, 4, gemm=GEMM_WGMMA)
+    if M <= 16:
+        top, bm, bn, per_sm = 16, 16, 128 if wide or long_k else 64, 2 if long_k else 4
+    else:
+        top = 32 if M <= 32 else 64 if M <= 64 else 128  # one split (one compiled variant) per bucket
+        bm, bn = 64 if wide and M > 32 else 32, 128
+        per_sm = (4 if long_k else 2) if M <= 32 else 1
+    split = _split_for(triton.cdiv(N, bn) * triton.cdiv(top, bm), K // int4_kchunk_wgmma.BLOCK_K, per_sm * num_sms)
+    return KChunkConfig(bm, bn, int4_kchunk_wgmma.BLOCK_K, split, 4, 4, gemm=GEMM_WGMMA)
 
 
 @functools.cache
@@ -428,7 +435,7 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mm
     k-chunk GEMM up to 64 rows, to 128 or 256 rows on the larger weights, else the weight
     dequantised once for cuBLAS (there, prefill, that cost is amortised over the rows). With `mma` (the
     caller's x can take it: `mma_runs_on`), `_mma_config` first, up to 24 rows; with `wgmma` (sm_90:
-    `wgmma_runs_on`) `_wgmma_config` before it, at 17-128 rows."""
+    `wgmma_runs_on`) `_wgmma_config` before it, at 9-128 rows."""
     if wgmma:
         cfg = _wgmma_config(M, N, K, group_size, num_sms)
         if cfg is not None:

@@ -104,6 +104,7 @@ WGMMA_CASES = [
     (130, 1024, 256, 2, False, (128, 256, 8, 3)),  # groups of two tiles, 8 warps
     (300, 512, 128, 1, True, (256, 128, 8, 3)),  # 2 stages
     (16, 640, 128, 1, False, (16, 128, 4, 4)),
+    (12, 512, 128, 3, True, (16, 64, 4, 4)),  # 64-column programs (picked at 9-16 rows)
 ]
 
 
@@ -152,7 +153,7 @@ def test_mma_variants_compile_for_sm90_and_keep_the_pdl_contract():
     assert out.count("ok ") >= 4 and out.count("ok wgmma") >= 4 and "FAIL" not in out, out
 
 
-def test_wgmma_picked_at_17_to_128_rows_where_it_won():
+def test_wgmma_picked_at_9_to_128_rows_where_it_won():
     def pick(m, n, k, group=128, wgmma=True):
         return pick_kchunk_config(m, n, k, group, 132, mma=True, wgmma=wgmma)
 
@@ -163,10 +164,12 @@ def test_wgmma_picked_at_17_to_128_rows_where_it_won():
     assert all(pick(20, n, k).gemm == GEMM_WGMMA for n, k in shapes)  # ahead of mma.sync from 17 rows
     assert pick(20, 6144, 4096, wgmma=False).gemm == GEMM_MMA
     assert pick(100, 4096, 14336).gemm == GEMM_WGMMA and pick(100, 28672, 4096).gemm != GEMM_WGMMA
-    assert pick(129, 4096, 14336).gemm != GEMM_WGMMA and pick(16, 28672, 4096).gemm != GEMM_WGMMA
+    assert pick(129, 4096, 14336).gemm != GEMM_WGMMA and pick(8, 28672, 4096).gemm != GEMM_WGMMA
+    assert all(pick(12, n, k).block_m == 16 for n, k in shapes)  # 16-row programs at 9-16 rows
+    assert pick(12, 6144, 4096).block_n == 64 and pick(12, 28672, 4096).block_n == 128
     assert pick(32, 6144, 4096, wgmma=False).gemm != GEMM_WGMMA  # only where the caller says it runs
     assert pick(32, 6144, 4096, group=64).gemm != GEMM_WGMMA  # groups of 64: not its tile
-    for lo, hi in ((17, 32), (33, 64), (65, 128)):  # one split (one compiled variant) per bucket
+    for lo, hi in ((9, 16), (17, 32), (33, 64), (65, 128)):  # one split (one compiled variant) per bucket
         assert len({pick(m, 4096, 14336) for m in range(lo, hi + 1)}) == 1
     with pytest.raises(ValueError, match="GEMM_WGMMA"):
         w = make_int_weight(128, 64, 4, 128, False, torch.float16, seed=4)

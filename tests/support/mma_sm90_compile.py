@@ -5,7 +5,7 @@ over every variant `pick_kchunk_config(..., mma=True)` returns at 1-64 rows on t
 TP=2/4 slices, in bf16 and fp16, launched with PDL as the decode step launches it: each must compile
 without spilling, and keep `kernels/pdl.py`'s contract (release before wait, no store before the wait,
 its first words requested before the wait); then every `int4_kchunk_wgmma` variant the picker returns at
-17-128 rows (`wgmma=True`), which must compile without spilling. Prints `ok <variant> regs=<n> loads_before_wait=<n>` or
+9-128 rows (`wgmma=True`), which must compile without spilling. Prints `ok <variant> regs=<n> loads_before_wait=<n>` or
 `FAIL <variant> <error>` per variant; exit status 1 if any failed.
 """
 
@@ -33,9 +33,9 @@ SHAPES += [(n, k // tp) for n, k in ((4096, 4096), (4096, 14336)) for tp in (1, 
 
 
 def wgmma_variants() -> list[tuple]:
-    """(block_m, block_n, warps, stages, split) of every GEMM_WGMMA tiling picked at 17-128 rows (the shapes above)."""
+    """(block_m, block_n, warps, stages, split) of every GEMM_WGMMA tiling picked at 9-128 rows (the shapes above)."""
     out = []
-    for m in range(17, 129):
+    for m in range(9, 129):
         for n, k in SHAPES:
             cfg = pick_kchunk_config(m, n, k, 128, 132, mma=True, wgmma=True)
             if cfg.gemm == GEMM_WGMMA:
