@@ -406,10 +406,13 @@ def _has_mma_sync(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 8
 
 
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
 def mma_runs_on(x: torch.Tensor) -> bool:
     """Whether `int4_kchunk_mma` can take x: a bf16/fp16 CUDA tensor on sm_80+ (mma.sync, packed FMAs)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and _has_mma_sync(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _has_mma_sync(_device_index(x))
 
 
 @functools.cache
@@ -419,7 +422,7 @@ def _has_wgmma(device_index: int) -> bool:
 
 def wgmma_runs_on(x: torch.Tensor) -> bool:
     """Whether `int4_kchunk_wgmma` can take x: a bf16/fp16 CUDA tensor on sm_90 (Hopper's wgmma)."""
-    return mma_runs_on(x) and _has_wgmma(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return mma_runs_on(x) and _has_wgmma(_device_index(x))
 
 
 def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mma: bool = False,
@@ -481,20 +484,14 @@ def int4_kchunk_linear_impl(
     assert scales.stride(1) == 1 and zeros.stride() == scales.stride()
     assert scales.shape[0] == triton.cdiv(K, group_size), (scales.shape, K, group_size)
     mma_ok = mma_runs_on(x)
+    wgmma_ok = mma_ok and _has_wgmma(_device_index(x))  # `wgmma_runs_on`, mma_runs_on read once
     if config is None:
         config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132,
-                                    mma=mma_ok, wgmma=mma_ok and wgmma_runs_on(x))
-    if config.gemm == GEMM_WGMMA:
-        if not (wgmma_runs_on(x) and int4_kchunk_wgmma.fits(K, group_size)):
-            raise ValueError(f"GEMM_WGMMA takes bf16/fp16 CUDA x on sm_90, K and the group multiples of "
-                             f"{int4_kchunk_wgmma.BLOCK_K}; got {M} x {K} {x.dtype} on {x.device}, group {group_size}")
-        if gated:
-            return silu_and_mul(int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config))
-        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-        if M:
-            int4_kchunk_wgmma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.block_m,
-                                     config.split_k, config.num_warps, config.num_stages)
-        return out
+                                    mma=mma_ok, wgmma=wgmma_ok)
+    wgmma = config.gemm == GEMM_WGMMA
+    if wgmma and not (wgmma_ok and int4_kchunk_wgmma.fits(K, group_size)):
+        raise ValueError(f"GEMM_WGMMA takes bf16/fp16 CUDA x on sm_90, K and the group multiples of "
+                         f"{int4_kchunk_wgmma.BLOCK_K}; got {M} x {K} {x.dtype} on {x.device}, group {group_size}")
     mma = config.gemm == GEMM_MMA
     if mma and (M > int4_kchunk_mma.MAX_ROWS or not mma_ok or not int4_kchunk_mma.fits(K, group_size)):
         raise ValueError(f"GEMM_MMA takes 1-{int4_kchunk_mma.MAX_ROWS} rows of bf16/fp16 CUDA x (sm_80+), K and the "
@@ -518,6 +515,10 @@ def int4_kchunk_linear_impl(
         assert config.block_m == 16 and config.block_n % (16 * config.num_warps) == 0, config
         int4_kchunk_mma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.split_k,
                                config.num_warps)
+        return out
+    if wgmma:  # block_m >= 16: a gated call ran the activation above, on this path's result
+        int4_kchunk_wgmma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.block_m,
+                                 config.split_k, config.num_warps, config.num_stages)
         return out
     gemv = config.block_m < 16
     if config.block_k % 32:

@@ -31,7 +31,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kernels.int4_kchunk_mma import BLOCK_K, _ptx, fits, pair_ptx, store_tile  # noqa: F401 - fits: the same shape rule
 from kernels.int4_matmul import split_k_workspace
 
-MIN_ROWS = 16  # rows of x per program (the MMA's N): a power of two, 16 to 256
 
 # `int4_kchunk_mma.pair_ptx` with the scale: per pair of words and byte, two pairs of (q - z) * s.
 _BF16_0 = gl.constexpr(pair_ptx(0, False, scaled=True))
@@ -96,7 +95,7 @@ def _kchunk_wgmma_kernel(
     HAS_BIAS: gl.constexpr,
     USE_SPLIT: gl.constexpr,
     BLOCK_N: gl.constexpr,  # weight columns per program: a multiple of 16 * WARPS (WARPS a multiple of 4)
-    BLOCK_M: gl.constexpr,  # rows of x per program: a power of two, MIN_ROWS to 256
+    BLOCK_M: gl.constexpr,  # rows of x per program (the MMA's N): a power of two, 16 to 256
     WARPS: gl.constexpr,
     STAGES: gl.constexpr,  # K tiles of x in shared memory (>= 3): STAGES - 2 copies ahead of the MMAs
 ):
