@@ -341,32 +341,37 @@ def _many_rows_config(M: int, N: int, K: int, num_sms: int) -> KChunkConfig:
     return KChunkConfig(bm, bn, 64, _split_for(tiles, triton.cdiv(K, 64), num_sms), warps, 3, gemm=GEMM_JOIN)
 
 
-def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig | None:
-    """`int4_kchunk_mma` where it beat the GEMV and the tensor-core tiles in `bench/int4_sweep.py` on an H200
-    (bench/RESULTS.md run 62, the 8B shapes, group 128, us, today's pick before -> this):
-    - 2-8 rows: 256 columns a program, 8 warps (M = 2: qkv 11.3 -> 9.0, o 8.7 -> 7.6, gate_up 41.5 -> 29.3,
-      down 18.6 -> 16.4; M = 4: 10.4 -> 9.6, 11.2 -> 8.2, 42.7 -> 30.6, 19.2 -> 17.1);
-    - 9-16 rows: 4 warps, except on weights up to 4096 x 4096, which keep the 16-row tiles (M = 16: qkv 17.2 ->
-      16.6, gate_up 57.8 -> 46.4, down 32.5 -> 30.2; o 12.9 against 16.6);
-    - 17-24 rows (x padded to 32): 128 columns, 4 warps; 256 and 8 warps on long weights (M = 17: qkv 31.4 ->
-      18.8, o 22.4 -> 15.2, gate_up 91.2 -> 72.5, down 61.8 -> 44.4; M = 24: 32.4 -> 21.8, 22.8 -> 17.3,
-      90.8 -> 87.0, 63.4 -> 52.0); from 25 rows re-reading x per column tile costs more than it saves;
-    - one row only on long weights (K >= 8192: down 17.5 -> 15.7; the GEMV keeps qkv 8.9 / 8.7, o 6.9 / 7.3
-      and gate_up 24.9 / 28.3).
-    K split to ~2 programs per SM (~1 on the wide gate|up weight)."""
+def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int, gated: bool = False) -> KChunkConfig | None:
+    """`int4_kchunk_mma` where it beat the GEMV and the tensor-core tiles in `bench/int4_sweep.py` and `.gpu`-style
+    A/B calls on an H200 (bench/RESULTS.md runs 62 and 66, the 8B shapes, group 128, us):
+    - 1-8 rows: 128 columns a program and 4 warps, K split to ~4 programs per SM; on wide weights (N >= 16384,
+      the packed gate|up) 256 columns, 8 warps (4 from 5 rows), ~1 program per SM (run 66, the kernel with its
+      zero points and scales one tile ahead; M = 1 qkv 8.9 -> 7.8, o 7.0 -> 6.5, down 17.4 -> 14.6; M = 4
+      8.8 -> 8.6, 7.7 -> 7.3, gate_up 29.2 -> 27.3, down 15.8 -> 15.1);
+    - one row on a wide or a gated weight keeps the GEMV (gate_up 25.7 against 26.3, and its epilogue writes
+      silu(gate) * up, which saves the activation's launch);
+    - 9-16 rows: 128 columns, 4 warps, except on weights up to 4096 x 4096, which keep the 16-row tiles (run 62
+      with 256 columns, M = 16: qkv 17.2 -> 16.6, gate_up 57.8 -> 46.4, down 32.5 -> 30.2; o 12.9 against 16.6;
+      256 columns spill since the next tile's zero points and scales are held too, fp16 under Triton 3.6);
+    - 17-24 rows (x padded to 32): 128 columns, 4 warps; 256 and 8 warps on long weights (run 62, M = 17: qkv
+      31.4 -> 18.8, o 22.4 -> 15.2, gate_up 91.2 -> 72.5, down 61.8 -> 44.4; M = 24: 32.4 -> 21.8, 22.8 ->
+      17.3, 90.8 -> 87.0, 63.4 -> 52.0); from 25 rows re-reading x per column tile costs more than it saves.
+    On sm_90 `_wgmma_config` takes 9 rows and up first."""
     if not int4_kchunk_mma.fits(K, group_size):
         return None
-    long_k = K >= 8192
-    if M > 24 or (M == 1 and not long_k) or (9 <= M <= 16 and N * K <= 4096 * 4096):
+    wide, long_k = N >= 16384, K >= 8192
+    if M > 24 or (M == 1 and (wide or gated)) or (9 <= M <= 16 and N * K <= 4096 * 4096):
         return None
+    per_sm = 2
     if M <= 8:
-        bn, warps = 256, 8
+        bn, warps, per_sm = (256, 8 if M <= 4 else 4, 1) if wide else (128, 4, 4)
     elif M <= 16:
-        bn, warps = 256, 4
+        bn, warps = 128, 4
     else:
         bn, warps = (256, 8) if long_k else (128, 4)
+    if M > 8 and wide:
+        per_sm = 1
     tiles = triton.cdiv(N, bn)
-    per_sm = 1 if N >= 16384 else 2
     split = _split_for(tiles, K // int4_kchunk_mma.BLOCK_K, per_sm * num_sms)
     return KChunkConfig(16, bn, int4_kchunk_mma.BLOCK_K, split, warps, gemm=GEMM_MMA)
 
@@ -426,7 +431,7 @@ def wgmma_runs_on(x: torch.Tensor) -> bool:
 
 
 def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mma: bool = False,
-                       wgmma: bool = False) -> KChunkConfig:
+                       wgmma: bool = False, gated: bool = False) -> KChunkConfig:
     """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
 
     From `bench/int4_sweep.py` on an H100 (bench/RESULTS.md run 36, the 8B shapes, group 128): M <= 2
@@ -438,13 +443,14 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mm
     k-chunk GEMM up to 64 rows, to 128 or 256 rows on the larger weights, else the weight
     dequantised once for cuBLAS (there, prefill, that cost is amortised over the rows). With `mma` (the
     caller's x can take it: `mma_runs_on`), `_mma_config` first, up to 24 rows; with `wgmma` (sm_90:
-    `wgmma_runs_on`) `_wgmma_config` before it, at 9-128 rows."""
+    `wgmma_runs_on`) `_wgmma_config` before it, at 9-128 rows. `gated`: the call writes silu(gate) * up (one
+    row keeps the GEMV, whose epilogue does it)."""
     if wgmma:
         cfg = _wgmma_config(M, N, K, group_size, num_sms)
         if cfg is not None:
             return cfg
     if mma:
-        cfg = _mma_config(M, N, K, group_size, num_sms)
+        cfg = _mma_config(M, N, K, group_size, num_sms, gated)
         if cfg is not None:
             return cfg
     if M > 16:
@@ -487,7 +493,7 @@ def int4_kchunk_linear_impl(
     wgmma_ok = mma_ok and _has_wgmma(_device_index(x))  # `wgmma_runs_on`, mma_runs_on read once
     if config is None:
         config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132,
-                                    mma=mma_ok, wgmma=wgmma_ok)
+                                    mma=mma_ok, wgmma=wgmma_ok, gated=gated)
     wgmma = config.gemm == GEMM_WGMMA
     if wgmma and not (wgmma_ok and int4_kchunk_wgmma.fits(K, group_size)):
         raise ValueError(f"GEMM_WGMMA takes bf16/fp16 CUDA x on sm_90, K and the group multiples of "

@@ -1,4 +1,4 @@
-"""Int4 linear for a few rows (<= 64; picked up to 24) on `mma.sync`, the k-chunk words loaded straight into the MMA's registers.
+"""Int4 linear for a few rows (<= 64; picked from 1 to 24) on `mma.sync`, the k-chunk words loaded straight into the MMA's registers.
 
 Same operands as `kernels/int4_kchunk.py` (`packed` int32 `[K // 32, N, 4]`: nibble j of word w of
 `packed[c, n]` is row 32c + 4j + w; `scales`/`zeros [G, N]` with integer zero points 0..127), torch
@@ -15,7 +15,8 @@ One `prmt` sets byte b of both words side by side, a `lop3` or's their low nibbl
 of the magic pair (128.0, 128.0) (bf16; 1024.0 for fp16) and one packed FMA subtracts 128 + z: two
 weights as exact (q - z) in three instructions, the high nibbles in three more, no shared memory.
 The 8 sub-dots of a 128-row tile sum x (q - z) exactly in fp32 before the group's scale multiplies
-them once. Split-K partials meet as in the other int4 kernels: fp32 workspace, per-tile counter, the
+them once. Everything a tile reads from HBM (words, zero points, scales) is requested one tile ahead:
+a zero point loaded in its own iteration stalled every tile for a DRAM latency (bench/RESULTS.md run 66). Split-K partials meet as in the other int4 kernels: fp32 workspace, per-tile counter, the
 last program sums them in split order (deterministic) and resets the counter.
 """
 
@@ -115,11 +116,10 @@ def _kchunk_mma_kernel(
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
     # A operand side: [BLOCK_N, 16] words, column q = 4 r + w of the tile's chunk r (rows 32 r + 4 j + w).
-    n_a = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A_L))
-    mask_na = n_a < N
-    n_sa = gl.where(mask_na, n_a, 0)
+    # Columns past N re-read column N - 1 (valid memory; their outputs are masked at the store).
+    n_sa = gl.minimum(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A_L)), N - 1)
     q_a = gl.arange(0, 16, layout=gl.SliceLayout(0, A_L))
-    word_offs = (n_a * 4)[:, None] + ((q_a // 4) * stride_wc + q_a % 4)[None, :]
+    word_offs = (n_sa * 4)[:, None] + ((q_a // 4) * stride_wc + q_a % 4)[None, :]
     # B operand side: x^T [16, XN]; rows past M re-read row M - 1 (valid memory), masked to zero.
     q_b = gl.arange(0, 16, layout=gl.SliceLayout(1, B_L))
     m_b = gl.arange(0, XN, layout=gl.SliceLayout(0, B_L))
@@ -134,17 +134,26 @@ def _kchunk_mma_kernel(
     t_start = split * tiles_per_split
     t_end = gl.minimum(t_start + tiles_per_split, num_k_tiles)
     acc = gl.zeros([BLOCK_N, XN], gl.float32, layout=MMA)
-    words_next = gl.load(w_ptr + t_start * 4 * stride_wc + word_offs, mask=mask_na[:, None] & (t_start < t_end),
-                         other=0)
+    # The first tile's words, zero points and scales; an empty split (t_start >= t_end) reads tile 0 and adds nothing.
+    t_first = gl.minimum(t_start, num_k_tiles - 1)
+    words_next = gl.load(w_ptr + t_first * 4 * stride_wc + word_offs)
+    g_row = (t_first * 128 // group_size) * stride_sg
+    z_next = gl.load(zeros_ptr + g_row + n_sa)
+    s_next = gl.load(scales_ptr + g_row + n_sm)
     if PDL:
         _ptx("griddepcontrol.wait; // $0")  # the first tile's words were requested before the upstream kernel ended
     for t in range(t_start, t_end):
-        words = words_next  # the next tile's words are in flight meanwhile
-        words_next = gl.load(w_ptr + (t + 1) * 4 * stride_wc + word_offs, mask=mask_na[:, None] & (t + 1 < t_end),
-                             other=0)
-        g_row = (t * 128 // group_size) * stride_sg
-        z = gl.load(zeros_ptr + g_row + n_sa).to(gl.float32)
-        neg_zero = gl.broadcast((-(z + MAGIC)).to(DTYPE)[:, None], words)[0]
+        # Everything the next tile reads from HBM is in flight while this one computes (the last tile re-reads
+        # itself, from L2): a zero point or scale loaded in the same iteration would stall it for a DRAM latency.
+        words = words_next
+        z = z_next
+        s = s_next
+        t_next = gl.minimum(t + 1, t_end - 1)
+        words_next = gl.load(w_ptr + t_next * 4 * stride_wc + word_offs)
+        g_next = (t_next * 128 // group_size) * stride_sg
+        z_next = gl.load(zeros_ptr + g_next + n_sa)
+        s_next = gl.load(scales_ptr + g_next + n_sm)
+        neg_zero = gl.broadcast((-(z.to(gl.float32) + MAGIC)).to(DTYPE)[:, None], words)[0]
         kk = t * 128 + k_b
         part = gl.zeros([BLOCK_N, XN], gl.float32, layout=MMA)
         if DTYPE == gl.float16:
@@ -157,8 +166,7 @@ def _kchunk_mma_kernel(
             part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 8, part, _BF16_1)
             part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 16, part, _BF16_2)
             part = _sub_dots(words, neg_zero, x_rows, x_mask, kk + 24, part, _BF16_3)
-        s = gl.load(scales_ptr + g_row + n_sm).to(gl.float32)
-        acc += part * s[:, None]
+        acc += part * s.to(gl.float32)[:, None]
     m_m = gl.arange(0, XN, layout=gl.SliceLayout(0, MMA))
     store_tile(acc, n_m, m_m, pid_n, split, split_k, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om,
                HAS_BIAS, USE_SPLIT)

@@ -183,18 +183,21 @@ def test_mma_config_needs_cuda_and_half_precision():
     config = KChunkConfig(16, 64, 128, 1, 4, gemm=GEMM_MMA)
     with pytest.raises(ValueError, match="GEMM_MMA"):
         int4_kchunk_linear_impl(torch.randn(3, 128).half(), packed, w.scales, w.zeros, 128, config=config)
-    # the picker offers it only where the caller says it runs, from 2 rows, on multiples of 128
+    # the picker offers it only where the caller says it runs, on multiples of 128
     assert pick_kchunk_config(4, 6144, 4096, 128, 132, mma=True).gemm == GEMM_MMA
     assert pick_kchunk_config(4, 6144, 4096, 128, 132).gemm != GEMM_MMA
-    assert pick_kchunk_config(1, 28672, 4096, 128, 132, mma=True).block_m == 1  # the GEMV at one row
-    assert pick_kchunk_config(1, 4096, 14336, 128, 132, mma=True).gemm == GEMM_MMA  # but not on long weights
-    assert pick_kchunk_config(2, 6144, 4096, 128, 132, mma=True) == KChunkConfig(16, 256, 128, 11, 8, gemm=GEMM_MMA)
+    assert pick_kchunk_config(1, 28672, 4096, 128, 132, mma=True).block_m == 1  # the GEMV on wide weights at one row
+    assert pick_kchunk_config(1, 6144, 4096, 128, 132, mma=True, gated=True).block_m == 1  # ... and on gated ones
+    assert pick_kchunk_config(1, 6144, 4096, 128, 132, mma=True).gemm == GEMM_MMA  # but not on the others
+    assert pick_kchunk_config(1, 4096, 14336, 128, 132, mma=True).gemm == GEMM_MMA
+    assert pick_kchunk_config(2, 6144, 4096, 128, 132, mma=True) == KChunkConfig(16, 128, 128, 11, 4, gemm=GEMM_MMA)
     assert pick_kchunk_config(2, 28672, 4096, 128, 132, mma=True).split_k == 2  # ~1 program per SM on gate|up
+    assert pick_kchunk_config(2, 28672, 4096, 128, 132, mma=True, gated=True).gemm == GEMM_MMA  # activation after
     assert pick_kchunk_config(12, 4096, 4096, 128, 132, mma=True).gemm != GEMM_MMA  # small weights: the tiles
     assert pick_kchunk_config(12, 28672, 4096, 128, 132, mma=True).num_warps == 4
     assert pick_kchunk_config(4, 6144, 4096, 64, 132, mma=True).gemm != GEMM_MMA  # groups of 64
     # one split per bucket (no second compiled variant as M moves inside it)
-    assert len({pick_kchunk_config(m, 6144, 4096, 128, 132, mma=True) for m in range(2, 9)}) == 1
+    assert len({pick_kchunk_config(m, 6144, 4096, 128, 132, mma=True) for m in range(1, 9)}) == 1
     assert len({pick_kchunk_config(m, 6144, 4096, 128, 132, mma=True) for m in range(9, 17)}) == 1
     assert len({pick_kchunk_config(m, 6144, 4096, 128, 132, mma=True) for m in range(17, 25)}) == 1
     assert pick_kchunk_config(25, 6144, 4096, 128, 132, mma=True).gemm != GEMM_MMA
