@@ -100,6 +100,8 @@ def large_configs(m: int, tiles: bool = True) -> list[KChunkConfig]:
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         wg = [W(16, 128, 4, 6), W(16, 64, 4, 6), W(32, 128, 4, 4), W(32, 64, 4, 4), W(64, 128, 4, 4),
               W(64, 64, 4, 4), W(128, 128, 8, 4)]
+        if m >= 256:  # programs of many rows: each dequantised weight tile serves 128-256 rows of x
+            wg += [W(128, 128, 4, 4), W(128, 64, 4, 4), W(256, 128, 8, 3), W(256, 64, 4, 3)]
         wg = [c for c in wg if c.block_m <= max(16, triton.next_power_of_2(m))]
     return wg + (_tile_configs(m) if tiles else [])
 

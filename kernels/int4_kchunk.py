@@ -388,8 +388,10 @@ def _wgmma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChu
       13.7, gate_up 88.8 -> 45.0, down 62.4 -> 32.0 (206 -> 106, bf16 124); M = 64 32.7 -> 26.5, 24.5 -> 18.7,
       88.5 -> 69.4, 62.1 -> 48.9 (208 -> 164, bf16 131); at 17-24 rows it also beats `int4_kchunk_mma`
       (qkv 18.8, o 15.2, gate_up 72.5, down 44.4 at 17);
-    - 65-128 rows on long weights only (down 95.9 -> 70.5; qkv 45.5 / 43.2 is a tie, gate_up keeps the
-      GEMM's 104.6 against 137.3 and o its dequantise + cuBLAS 24.1 against 26.4).
+    - 65-128 rows on long weights only (down 95.9 -> 70.5; gate_up keeps the GEMM, 103.5 against 110.3, o its
+      dequantise + cuBLAS, 24.7 against 28.7; qkv's 40.4 against the GEMM's 45.7 came from 64-row programs
+      with x in the sub-dot order and K split in 2 (run 66), a variant that spills registers in its split-K
+      epilogue, so qkv keeps the GEMM too).
     Below 9 rows `int4_kchunk_mma` (x from global memory, no shared memory) and the GEMV stay ahead."""
     if not int4_kchunk_wgmma.fits(K, group_size) or not 9 <= M <= 128:
         return None

@@ -14,14 +14,19 @@ tensor cores from int4: each program loads its words straight into A's register 
 `int4_kchunk_mma` does), turns them into (q - z) * s two at a time (`prmt`, `lop3` into the magic
 number's mantissa, a packed FMA subtracting magic + z exactly, a packed multiply by the scale), and
 multiplies them with x's rows from shared memory, which `cp.async` fills STAGES - 2 K tiles ahead. Sub-dot
-j of a 128-row tile (nibble j of every word) pairs with x's columns 32 r + 4 j + w: the copies gather
-them (8-byte pieces) into one [BLOCK_M, 16] buffer per sub-dot, so no permuted copy of x is made.
+j of a 128-row tile (nibble j of every word) pairs with x's columns 32 r + 4 j + w: programs of few rows
+gather them (8-byte pieces) into one [BLOCK_M, 16] buffer per sub-dot; programs of SUB_DOT_BLOCK_M rows
+and more read a copy of x permuted once a call so that each sub-dot's columns are contiguous (16-byte
+pieces, whole 32-byte rows).
 The weight reads are the HBM stream (one tile ahead in registers); x tiles come from L2. Rounding:
 each weight is (q - z) * s rounded once to x's dtype, as the dequantised weight is.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -30,6 +35,14 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from kernels.int4_kchunk_mma import BLOCK_K, _ptx, fits, pair_ptx, store_tile  # noqa: F401 - fits: the same shape rule
 from kernels.int4_matmul import split_k_workspace
+
+# Programs of this many rows and more read x permuted into the sub-dot order (`sub_dot_order`): the gather costs
+# a launch and a pass over x, the 8-byte copies it saves grow with the rows a program copies (bench/RESULTS.md
+# run 66, H200, us, own order -> sub-dot order: 2,048 rows in 256-row programs gate_up 1,795 -> 1,155, qkv
+# 398.6 -> 273.7 (best tilings); 64-row programs at 128 rows qkv 49.0 -> 41.0, gate_up 135.8 -> 110.3, but at
+# 33-48 rows, where most of a 64-row program's rows re-read row M - 1, 66-68 -> 96-144; 16- and 32-row programs
+# lose 2-10 us). The picker's programs have at most 64 rows, so today only explicit tilings (the sweep's) take it.
+SUB_DOT_BLOCK_M = 128
 
 
 # `int4_kchunk_mma.pair_ptx` with the scale: per pair of words and byte, two pairs of (q - z) * s.
@@ -51,18 +64,19 @@ def _weights(words, neg_zero, scale, PTX: gl.constexpr):
 
 
 @gluon.jit
-def _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t, stage):
-    # x's columns of K tile t for sub-dot j into xj[stage] ([BLOCK_M, 16], cp.async of 8-byte pieces). One
-    # allocation per sub-dot: copies into different allocations need no barrier between them.
+def _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t, stage, STEP: gl.constexpr):
+    # x's columns of K tile t for sub-dot j into xj[stage] ([BLOCK_M, 16] by cp.async; sub-dot j starts STEP j
+    # columns on: 4 in x's own order, 16 in the sub-dot order). One allocation per sub-dot: copies into
+    # different allocations need no barrier between them.
     x_t = x_tile + t * 128
     async_copy.async_copy_global_to_shared(x0.index(stage), x_t)
-    async_copy.async_copy_global_to_shared(x1.index(stage), x_t + 4)
-    async_copy.async_copy_global_to_shared(x2.index(stage), x_t + 8)
-    async_copy.async_copy_global_to_shared(x3.index(stage), x_t + 12)
-    async_copy.async_copy_global_to_shared(x4.index(stage), x_t + 16)
-    async_copy.async_copy_global_to_shared(x5.index(stage), x_t + 20)
-    async_copy.async_copy_global_to_shared(x6.index(stage), x_t + 24)
-    async_copy.async_copy_global_to_shared(x7.index(stage), x_t + 28)
+    async_copy.async_copy_global_to_shared(x1.index(stage), x_t + STEP)
+    async_copy.async_copy_global_to_shared(x2.index(stage), x_t + 2 * STEP)
+    async_copy.async_copy_global_to_shared(x3.index(stage), x_t + 3 * STEP)
+    async_copy.async_copy_global_to_shared(x4.index(stage), x_t + 4 * STEP)
+    async_copy.async_copy_global_to_shared(x5.index(stage), x_t + 5 * STEP)
+    async_copy.async_copy_global_to_shared(x6.index(stage), x_t + 6 * STEP)
+    async_copy.async_copy_global_to_shared(x7.index(stage), x_t + 7 * STEP)
 
 
 @gluon.jit
@@ -98,11 +112,15 @@ def _kchunk_wgmma_kernel(
     BLOCK_M: gl.constexpr,  # rows of x per program (the MMA's N): a power of two, 16 to 256
     WARPS: gl.constexpr,
     STAGES: gl.constexpr,  # K tiles of x in shared memory (>= 3): STAGES - 2 copies ahead of the MMAs
+    SUB_DOT_ORDER: gl.constexpr,  # x's columns come permuted (`sub_dot_order`): sub-dot j's 16 are contiguous
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                    instr_shape=[16, BLOCK_M, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    X_L: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
+    # The copies' layout: 16-byte pieces (32 contiguous bytes a row) in the sub-dot order, else 8-byte ones.
+    X_L: gl.constexpr = (gl.BlockedLayout([1, 8], [16, 2], [WARPS, 1], [1, 0]) if SUB_DOT_ORDER
+                         else gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0]))
+    STEP: gl.constexpr = 16 if SUB_DOT_ORDER else 4
     X_S: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     DTYPE: gl.constexpr = x_ptr.dtype.element_ty
     MAGIC: gl.constexpr = 1024.0 if DTYPE == gl.float16 else 128.0
@@ -116,10 +134,12 @@ def _kchunk_wgmma_kernel(
     n_sa = gl.minimum(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A_L)), N - 1)
     q_a = gl.arange(0, 16, layout=gl.SliceLayout(0, A_L))
     w_tile = w_ptr + (n_sa * 4)[:, None] + ((q_a // 4) * stride_wc + q_a % 4)[None, :]
-    # x side: sub-dot j's buffer [m, q] = x[m, 128 t + 32 (q // 4) + q % 4 + 4 j]; rows past M re-read row M - 1.
+    # x side: sub-dot j's buffer [m, q] = x[m, 128 t + 32 (q // 4) + q % 4 + 4 j] (in the sub-dot order: column
+    # 128 t + 16 j + q); rows past M re-read row M - 1.
     m_x = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_L))
     q_x = gl.arange(0, 16, layout=gl.SliceLayout(0, X_L))
-    x_tile = x_ptr + (gl.minimum(m_x, M - 1) * stride_xm)[:, None] + ((q_x // 4) * 32 + q_x % 4)[None, :]
+    col_x = q_x if SUB_DOT_ORDER else (q_x // 4) * 32 + q_x % 4
+    x_tile = x_ptr + (gl.minimum(m_x, M - 1) * stride_xm)[:, None] + col_x[None, :]
     x0 = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_M, 16], X_S)
     x1 = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_M, 16], X_S)
     x2 = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_M, 16], X_S)
@@ -133,7 +153,7 @@ def _kchunk_wgmma_kernel(
     t_end = gl.minimum(t_start + tiles_per_split, num_k_tiles)
     for ahead in gl.static_range(STAGES - 2):
         if t_start + ahead < t_end:
-            _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t_start + ahead, ahead)
+            _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t_start + ahead, ahead, STEP)
         async_copy.commit_group()
     words_next = gl.load(w_tile + gl.minimum(t_start, num_k_tiles - 1) * 4 * stride_wc)
     g_row = (gl.minimum(t_start, num_k_tiles - 1) * 128 // group_size) * stride_sg  # an empty split reads tile 0
@@ -159,7 +179,7 @@ def _kchunk_wgmma_kernel(
         # for all but its last two bytes': tile t - 2's buffers are free.
         _ptx("bar.sync 0; // $0")
         if t + STAGES - 2 < t_end:  # into tile t - 2's buffers
-            _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t + STAGES - 2, (i + STAGES - 2) % STAGES)
+            _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t + STAGES - 2, (i + STAGES - 2) % STAGES, STEP)
         async_copy.commit_group()
         st = i % STAGES
         neg_zero = gl.broadcast((-(z.to(gl.float32) + MAGIC)).to(DTYPE)[:, None], words)[0]
@@ -180,10 +200,27 @@ def _kchunk_wgmma_kernel(
                HAS_BIAS, USE_SPLIT)
 
 
+@functools.cache
+def _sub_dot_columns(K: int, device: torch.device) -> torch.Tensor:
+    k = torch.arange(K, device=device)
+    q = k % 16
+    return (k // 128) * 128 + (q // 4) * 32 + q % 4 + 4 * (k % 128 // 16)
+
+
+def sub_dot_order(x: torch.Tensor) -> torch.Tensor:
+    """x's columns permuted so that each K tile's sub-dot j (columns 32 r + 4 j + w) is 16 contiguous columns
+    128 t + 16 j + q: one gather a call, after which the kernel copies x in 16-byte pieces, whole 32-byte rows."""
+    return x.index_select(1, _sub_dot_columns(x.shape[1], x.device))
+
+
 def launch(x, packed, scales, zeros, group_size, bias, out, block_n, block_m, split, num_warps, stages) -> None:
     """One launch over out [M, N]: programs of block_n columns x block_m rows (column tiles outer), K split in
-    `split` (the workspace as the other int4 kernels take it, `split_k_workspace`)."""
+    `split` (the workspace as the other int4 kernels take it, `split_k_workspace`). Programs of SUB_DOT_BLOCK_M
+    rows and more read x permuted (`sub_dot_order`)."""
     M, K = x.shape
+    permuted = block_m >= SUB_DOT_BLOCK_M
+    if permuted:
+        x = sub_dot_order(x)
     N = packed.shape[1]
     assert num_warps % 4 == 0 and block_n % (16 * num_warps) == 0 and stages >= 3, (block_n, num_warps, stages)
     assert block_m in (16, 32, 64, 128, 256), block_m
@@ -193,5 +230,5 @@ def launch(x, packed, scales, zeros, group_size, bias, out, block_n, block_m, sp
         x, packed, scales, zeros, bias if bias is not None else scales, out, partial, counters,
         M, N, K, group_size, triton.cdiv(K // BLOCK_K, split), split, x.stride(0), packed.stride(0), scales.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_N=block_n, BLOCK_M=block_m,
-        WARPS=num_warps, STAGES=stages, num_warps=num_warps,
+        WARPS=num_warps, STAGES=stages, SUB_DOT_ORDER=permuted, num_warps=num_warps,
     )

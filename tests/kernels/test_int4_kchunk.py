@@ -239,3 +239,15 @@ def test_pick_kchunk_config_buckets():
         assert cfg.block_m >= 16 or 128 % cfg.block_k == 0
     assert pick_kchunk_config(1, 4096, 4096, 32, 132).block_k == 32
     assert pick_kchunk_config(1, 4096, 14336, 14336, 132).block_k == 128  # per channel
+
+
+def test_sub_dot_order_puts_each_sub_dot_in_16_contiguous_columns():
+    # int4_kchunk_wgmma's permuted x: column 128 t + 16 j + q holds x's column 128 t + 32 (q // 4) + q % 4 + 4 j
+    # (sub-dot j's operand), a permutation of each 128-column tile
+    from kernels.int4_kchunk_wgmma import sub_dot_order
+
+    x = torch.arange(3 * 384, dtype=torch.float32).reshape(3, 384)
+    p = sub_dot_order(x)
+    for t, j, q in ((0, 0, 0), (0, 1, 5), (1, 7, 15), (2, 3, 9)):
+        assert torch.equal(p[:, 128 * t + 16 * j + q], x[:, 128 * t + 32 * (q // 4) + q % 4 + 4 * j])
+    assert torch.equal(p.sort(dim=1).values, x)
