@@ -16,8 +16,9 @@ of the magic pair (128.0, 128.0) (bf16; 1024.0 for fp16) and one packed FMA subt
 weights as exact (q - z) in three instructions, the high nibbles in three more, no shared memory.
 The 8 sub-dots of a 128-row tile sum x (q - z) exactly in fp32 before the group's scale multiplies
 them once. Everything a tile reads from HBM (words, zero points, scales) is requested one tile ahead:
-a zero point loaded in its own iteration stalled every tile for a DRAM latency (bench/RESULTS.md run 66). Split-K partials meet as in the other int4 kernels: fp32 workspace, per-tile counter, the
-last program sums them in split order (deterministic) and resets the counter.
+a zero point loaded in its own iteration stalled every tile for a DRAM latency (bench/RESULTS.md run
+66). Split-K partials meet as in the other int4 kernels: fp32 workspace, per-tile counter, the last
+program sums them in split order (deterministic) and resets the counter.
 """
 
 from __future__ import annotations
