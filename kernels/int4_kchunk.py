@@ -362,15 +362,11 @@ def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int, gated: bo
     wide, long_k = N >= 16384, K >= 8192
     if M > 24 or (M == 1 and (wide or gated)) or (9 <= M <= 16 and N * K <= 4096 * 4096):
         return None
-    per_sm = 2
     if M <= 8:
         bn, warps, per_sm = (256, 8 if M <= 4 else 4, 1) if wide else (128, 4, 4)
-    elif M <= 16:
-        bn, warps = 128, 4
     else:
-        bn, warps = (256, 8) if long_k else (128, 4)
-    if M > 8 and wide:
-        per_sm = 1
+        bn, warps = (256, 8) if M > 16 and long_k else (128, 4)
+        per_sm = 1 if wide else 2
     tiles = triton.cdiv(N, bn)
     split = _split_for(tiles, K // int4_kchunk_mma.BLOCK_K, per_sm * num_sms)
     return KChunkConfig(16, bn, int4_kchunk_mma.BLOCK_K, split, warps, gemm=GEMM_MMA)
