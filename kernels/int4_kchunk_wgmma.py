@@ -207,6 +207,11 @@ def _sub_dot_columns(K: int, device: torch.device) -> torch.Tensor:
     return (k // 128) * 128 + (q // 4) * 32 + q % 4 + 4 * (k % 128 // 16)
 
 
+def reads_sub_dot_order(block_m: int) -> bool:
+    """Whether programs of block_m rows read x permuted (`sub_dot_order`): the kernel's SUB_DOT_ORDER."""
+    return block_m >= SUB_DOT_BLOCK_M
+
+
 def sub_dot_order(x: torch.Tensor) -> torch.Tensor:
     """x's columns permuted so that each K tile's sub-dot j (columns 32 r + 4 j + w) is 16 contiguous columns
     128 t + 16 j + q: one gather a call, after which the kernel copies x in 16-byte pieces, whole 32-byte rows."""
@@ -218,7 +223,7 @@ def launch(x, packed, scales, zeros, group_size, bias, out, block_n, block_m, sp
     `split` (the workspace as the other int4 kernels take it, `split_k_workspace`). Programs of SUB_DOT_BLOCK_M
     rows and more read x permuted (`sub_dot_order`)."""
     M, K = x.shape
-    permuted = block_m >= SUB_DOT_BLOCK_M
+    permuted = reads_sub_dot_order(block_m)
     if permuted:
         x = sub_dot_order(x)
     N = packed.shape[1]

@@ -22,7 +22,7 @@ from sm90_compile import compile_variant, report, resources  # noqa: E402
 
 from kernels.int4_kchunk import GEMM_MMA, GEMM_WGMMA, pick_kchunk_config  # noqa: E402
 from kernels.int4_kchunk_mma import _kchunk_mma_kernel  # noqa: E402
-from kernels.int4_kchunk_wgmma import SUB_DOT_BLOCK_M, _kchunk_wgmma_kernel  # noqa: E402
+from kernels.int4_kchunk_wgmma import _kchunk_wgmma_kernel, reads_sub_dot_order  # noqa: E402
 
 _DIVISIBLE = ("x_ptr", "w_ptr", "scales_ptr", "zeros_ptr", "bias_ptr", "out_ptr", "partial_ptr", "counter_ptr",
               "N", "K", "group_size", "stride_xm", "stride_wc", "stride_sg", "stride_om")
@@ -56,7 +56,7 @@ def _compiled(fn, const: dict, dtype: str, warps: int) -> tuple:
 
 def _one_wgmma(block_m: int, block_n: int, warps: int, stages: int, split: bool, dtype: str) -> str:
     const = dict(HAS_BIAS=True, USE_SPLIT=split, BLOCK_N=block_n, BLOCK_M=block_m, WARPS=warps, STAGES=stages,
-                 SUB_DOT_ORDER=block_m >= SUB_DOT_BLOCK_M)
+                 SUB_DOT_ORDER=reads_sub_dot_order(block_m))
     kernel, regs = _compiled(_kchunk_wgmma_kernel, const, dtype, warps)
     return f"regs={regs} shared={kernel.metadata.shared}"
 
