@@ -4,7 +4,7 @@ Issue 25's decode figures leave ~49 us per layer above the weight-bandwidth floo
 70B alike), ~29 us at TP=1, and two all-reduces of ~10 us each explain only part of it. This
 script loads the model shape with random bf16 weights in one process per GPU (the same
 `ModelRunner` each engine rank builds, custom all-reduce as the engine sets it up), points the
-batch-1 decode graph at a 128-token sequence, and replays it:
+batch-1 decode graph at a 128-token sequence (`--batch`: the graph of 2, 4 or 8 such sequences), and replays it:
 
 - untraced, timed with CUDA events (max over ranks): the graph alone, no host work between steps
   (the engine's ms/token minus this is host time per step);
@@ -107,7 +107,7 @@ def summarize(steps: list[list[dict]]) -> dict:
 
 
 def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, seq_len: int, replays: int,
-          traced: int, out_file: str, quantization: str | None = None) -> None:
+          traced: int, out_file: str, quantization: str | None = None, batch: int = 1) -> None:
     import torch.distributed as dist
 
     from serving.engine_config import EngineConfig
@@ -127,15 +127,17 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
                                        quantization=quantization)
     runner = ModelRunner(config, model_dir, device=device, rank=rank, world_size=world)
     graphs = runner.graph_runner
-    assert graphs is not None and 1 in graphs.graphs, "no batch-1 decode graph was captured"
+    assert graphs is not None and batch in graphs.graphs, f"no batch-{batch} decode graph was captured"
     blocks = -(-seq_len // runner.block_size)
-    # One sequence of seq_len tokens: its last token is decoded, its K/V written to slot seq_len - 1.
-    graphs.input_ids[0] = 1000
-    graphs.positions[0] = seq_len - 1
-    graphs.slot_mapping[0] = seq_len - 1
-    graphs.seq_lens[0] = seq_len
-    graphs.block_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device=device)
-    graph = graphs.graphs[1]
+    # `batch` sequences of seq_len tokens, each in its own blocks: their last tokens are decoded, their K/V
+    # written to slot seq_len - 1 of their blocks.
+    for b in range(batch):
+        graphs.input_ids[b] = 1000 + b
+        graphs.positions[b] = seq_len - 1
+        graphs.slot_mapping[b] = b * blocks * runner.block_size + seq_len - 1
+        graphs.seq_lens[b] = seq_len
+        graphs.block_tables[b, :blocks] = torch.arange(b * blocks, (b + 1) * blocks, dtype=torch.int32, device=device)
+    graph = graphs.graphs[batch]
     # The path one decode token's sum takes (the custom all-reduce may have refused to start).
     # (In Llama layers the sums go through all_reduce_rms_norm: "fused" where the fused kernel takes them.)
     path = parallel.all_reduce_rms_norm_path(torch.empty(1, runner.model_args.hidden_size, dtype=runner.dtype,
@@ -174,7 +176,7 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
         tensors = {id(t): t for n, t in [*runner.model.named_parameters(), *runner.model.named_buffers()]
                    if "embed" not in n}
         read = sum(t.numel() * t.element_size() for t in tensors.values())
-        Path(out_file).write_text(json.dumps({"tp": world, "all_reduce_path": path,
+        Path(out_file).write_text(json.dumps({"tp": world, "batch": batch, "all_reduce_path": path,
                                               "layers": layers, "seq_len": seq_len, "weight_bytes_read": read,
                                               "graph_step_us": float(step_us.item()), **summary}))
     runner.close()
@@ -183,16 +185,16 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
 
 
 def profile_degree(shape: str, tp: int, custom: bool, model_root: str, out_dir: Path, seq_len: int = 128,
-                   replays: int = 200, traced: int = 20, quantize: str = "bf16") -> dict:
-    """Spawn `tp` ranks, profile rank 0's batch-1 decode graph (weights as the `QUANT_VARIANTS` variant
-    `quantize`); the summary dict (see `summarize`)."""
+                   replays: int = 200, traced: int = 20, quantize: str = "bf16", batch: int = 1) -> dict:
+    """Spawn `tp` ranks, profile rank 0's decode graph of `batch` sequences (1, 2, 4 or 8; weights as the
+    `QUANT_VARIANTS` variant `quantize`); the summary dict (see `summarize`)."""
     import torch.multiprocessing as mp
 
     model_dir = str(make_dummy_model_dir(shape, dummy_dir(model_root, shape, quantize), quantize=quantize))
-    out_file = out_dir / f"decode_profile_{shape}_{quantize}_tp{tp}{'' if custom or tp == 1 else '_nccl'}.json"
+    out_file = out_dir / f"decode_profile_{shape}_{quantize}_tp{tp}_b{batch}{'' if custom or tp == 1 else '_nccl'}.json"
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(tp, os.path.join(tmp, "init"), model_dir, custom, seq_len, replays, traced,
-                              str(out_file), QUANT_VARIANTS[quantize][1]), nprocs=tp, join=True)
+                              str(out_file), QUANT_VARIANTS[quantize][1], batch), nprocs=tp, join=True)
     return {"shape": shape, "quantize": quantize, **json.loads(out_file.read_text())}
 
 
@@ -200,8 +202,8 @@ def print_profile(result: dict, top: int = 14) -> None:
     layers = result["layers"]
     ar = {"none": "one GPU"}.get(result["all_reduce_path"], f"all-reduce: {result['all_reduce_path']}")
     print(f"\n== decode step profile, {result['shape']} {result.get('quantize', 'bf16')} TP={result['tp']} ({ar}), "
-          f"batch 1, {result['seq_len']} tokens of context, rank 0, {result['steps']} traced replays "
-          f"(kernels grouped by {result['grouping']})")
+          f"batch {result.get('batch', 1)}, {result['seq_len']} tokens of context, rank 0, {result['steps']} traced "
+          f"replays (kernels grouped by {result['grouping']})")
     print(f"graph alone (untraced, max over ranks): {result['graph_step_us']:.0f} us/step; traced: span "
           f"{result['span_us']:.0f} us = kernels {result['busy_us']:.0f} + gaps {result['gap_us']:.0f} "
           f"({result['kernels_per_step']:.0f} kernels; gap {result['gap_us'] / max(1, result['kernels_per_step']):.2f} "
@@ -229,6 +231,7 @@ def main() -> None:
     ap.add_argument("--tp", default="1,4", help="degrees, each in its own processes")
     ap.add_argument("--custom-ar", default="on", help="'on', 'off' (NCCL) or 'on,off' for TP > 1")
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1, choices=(1, 2, 4, 8), help="sequences decoded together")
     ap.add_argument("--quantize", default="bf16", help=f"comma-separated variants of {sorted(QUANT_VARIANTS)}")
     ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/decode_profile"))
@@ -244,7 +247,7 @@ def main() -> None:
         for quantize in args.quantize.split(","):
             for mode in (args.custom_ar.split(",") if tp > 1 else ["on"]):
                 results.append(profile_degree(args.shape, tp, mode == "on", args.model_root, out_dir, args.seq_len,
-                                              quantize=quantize))
+                                              quantize=quantize, batch=args.batch))
                 print_profile(results[-1])
     if args.out:
         Path(args.out).write_text(json.dumps(results))

@@ -22,8 +22,9 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
   memory; the picker takes it at 9-128 rows where `wgmma` says it can run (before GEMM_MMA).
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
-With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV writes silu(gate) * up from its
-epilogue (`kernels/int4_common.finish_gemv_tile`); the other paths run `kernels/activation.py` after.
+With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV and GEMM_MMA write silu(gate) * up from
+their epilogue (`kernels/int4_common.finish_gemv_tile`, `int4_kchunk_mma.store_tile`); the other paths run
+`kernels/activation.py` after.
 """
 
 from __future__ import annotations
@@ -326,14 +327,16 @@ def _many_rows_config(M: int, N: int, K: int, num_sms: int) -> KChunkConfig:
     62.7 / 101.6 / 47.7 (the 8-sub-dot kernel it replaces: 49.0, 31.5, 163.6, -); M = 128: 45.1 / 44.6,
     32.7 / 27.3 (o: dequantise wins), 104.4 (128-row tiles, 8 warps) / 199.8, 94.6 / 108.6; M = 256 only
     gate_up's 203 / 213 (qkv 84 / 49, o 47 / 30, down 136 / 111); from 512 up dequantise + cuBLAS, as
-    prefill (M = 2048: 1.12-1.17x bf16, the GEMM 2.2x: ~350 TFLOP/s against cuBLAS's ~780)."""
+    prefill (M = 2048: 1.12-1.17x bf16, the GEMM 2.2x: ~350 TFLOP/s against cuBLAS's ~780). On an H200 (run 68,
+    `.gpu/big.py`, whose 4.8 TB/s make the dense copy cheaper) dequantise + cuBLAS wins where the H100 had them
+    nearly tied, and so takes them on both: gate_up at 144 / 192 / 256 rows 145.9 / 156.2 / 170.7 against the
+    GEMM's 199.1 / 201.9 / 202.8 (H100 at 256: 213 / 203), qkv at 80 rows 31.3 against 45.1 (H100 at 128: 44.6 /
+    45.1); gate_up at 80 rows keeps the GEMM (103.0 against 143.5)."""
     wide = N >= 16384
     if M <= 64:
         top, bm, bn, warps = 64, 64, 128, 4
-    elif M <= 128 and N * K >= 6144 * 4096:
+    elif M <= 128 and (wide or K >= 8192):
         top, bm, bn, warps = 128, (128 if wide else 64), 128, (8 if wide else 4)
-    elif M <= 256 and wide:
-        top, bm, bn, warps = 256, 128, 128, 8
     else:
         return DENSE
     # Row tiles of the bucket's largest M: one split (and one compiled variant) for the whole bucket.
@@ -350,6 +353,9 @@ def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int, gated: bo
       8.8 -> 8.6, 7.7 -> 7.3, gate_up 29.2 -> 27.3, down 15.8 -> 15.1);
     - one row on a wide or a gated weight keeps the GEMV (gate_up 25.7 against 26.3, and its epilogue writes
       silu(gate) * up, which saves the activation's launch);
+    - 2-8 rows on the gated wide gate|up: the kernel writes silu(gate) * up itself (`int4_kchunk_mma.store_tile`),
+      256 columns, 4 warps, ~2 programs per SM (run 68: M = 2 31.9 -> 27.4 us, 4 33.8 -> 28.5, 8 38.6 -> 30.0,
+      against 256 / 8 / ~1 with the same epilogue; the GEMV 26.0 at one row, 46.2 at two);
     - 9-16 rows: 128 columns, 4 warps, except on weights up to 4096 x 4096, which keep the 16-row tiles (run 62
       with 256 columns, M = 16: qkv 17.2 -> 16.6, gate_up 57.8 -> 46.4, down 32.5 -> 30.2; o 12.9 against 16.6;
       256 columns spill since the next tile's zero points and scales are held too, fp16 under Triton 3.6);
@@ -362,8 +368,10 @@ def _mma_config(M: int, N: int, K: int, group_size: int, num_sms: int, gated: bo
     wide, long_k = N >= 16384, K >= 8192
     if M > 24 or (M == 1 and (wide or gated)) or (9 <= M <= 16 and N * K <= 4096 * 4096):
         return None
-    if M <= 8:
-        bn, warps, per_sm = (256, 8 if M <= 4 else 4, 1) if wide else (128, 4, 4)
+    if M <= 8 and wide:
+        bn, warps, per_sm = (256, 4, 2) if gated else (256, 8 if M <= 4 else 4, 1)
+    elif M <= 8:
+        bn, warps, per_sm = 128, 4, 4
     else:
         bn, warps = (256, 8) if M > 16 and long_k else (128, 4)
         per_sm = 1 if wide else 2
@@ -479,8 +487,8 @@ def int4_kchunk_linear_impl(
     gated: bool = False,
 ) -> torch.Tensor:
     """`int4_kchunk_linear` with an explicit tiling (tests and the sweep pass their own). `gated`: the
-    columns are a packed [gate | up] (2 I) and the result silu(gate) * up `[M, I]`: the GEMV writes it
-    from its epilogue (the tiling N = 2 I takes), the other paths through `kernels/activation.py`."""
+    columns are a packed [gate | up] (2 I) and the result silu(gate) * up `[M, I]`: the GEMV and GEMM_MMA write
+    it from their epilogue (the tiling N = 2 I takes), the other paths through `kernels/activation.py`."""
     M, K = x.shape
     chunks, N, four = packed.shape
     assert packed.dtype == torch.int32 and four == 4 and chunks * 32 == K and packed.is_contiguous()
@@ -504,7 +512,7 @@ def int4_kchunk_linear_impl(
     if gated:
         if N % 2:
             raise ValueError(f"a gated int4 weight needs an even column count, got {N}")
-        if not 0 < config.block_m < 16 or M == 0:
+        if not (0 < config.block_m < 16 or mma) or M == 0:
             return silu_and_mul(int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config))
     out = torch.empty((M, N // 2 if gated else N), device=x.device, dtype=x.dtype)
     if M == 0:
@@ -518,7 +526,7 @@ def int4_kchunk_linear_impl(
     if mma:
         assert config.block_m == 16 and config.block_n % (16 * config.num_warps) == 0, config
         int4_kchunk_mma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.split_k,
-                               config.num_warps)
+                               config.num_warps, gated)
         return out
     if wgmma:  # block_m >= 16: a gated call ran the activation above, on this path's result
         int4_kchunk_wgmma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.block_m,

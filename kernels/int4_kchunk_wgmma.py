@@ -33,7 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kernels.int4_kchunk_mma import BLOCK_K, _ptx, fits, pair_ptx, store_tile  # noqa: F401 - fits: the same shape rule
+from kernels.int4_kchunk_mma import (  # noqa: F401 - fits: the same shape rule
+    BLOCK_K, _columns, _ptx, fits, group_row, group_tiles, pair_ptx, store_tile)
 from kernels.int4_matmul import split_k_workspace
 
 # Programs of this many rows and more read x permuted into the sub-dot order (`sub_dot_order`): the gather costs
@@ -105,9 +106,10 @@ def _tile(acc, words, neg_zero, scale, xs, a1, a2, a3, a4, P0: gl.constexpr, P1:
 def _kchunk_wgmma_kernel(
     # as `int4_kchunk_mma._kchunk_mma_kernel`'s
     x_ptr, w_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-    M, N, K, group_size, tiles_per_split, split_k, stride_xm, stride_wc, stride_sg, stride_om,
+    M, N, K, tiles_per_split, split_k, stride_xm, stride_wc, stride_sg, stride_om,
     HAS_BIAS: gl.constexpr,
     USE_SPLIT: gl.constexpr,
+    GROUP_TILES: gl.constexpr,  # K tiles a scale group (`int4_kchunk_mma.group_tiles`; 0: one group)
     BLOCK_N: gl.constexpr,  # weight columns per program: a multiple of 16 * WARPS (WARPS a multiple of 4)
     BLOCK_M: gl.constexpr,  # rows of x per program (the MMA's N): a power of two, 16 to 256
     WARPS: gl.constexpr,
@@ -156,7 +158,7 @@ def _kchunk_wgmma_kernel(
             _copy_x(x0, x1, x2, x3, x4, x5, x6, x7, x_tile, t_start + ahead, ahead, STEP)
         async_copy.commit_group()
     words_next = gl.load(w_tile + gl.minimum(t_start, num_k_tiles - 1) * 4 * stride_wc)
-    g_row = (gl.minimum(t_start, num_k_tiles - 1) * 128 // group_size) * stride_sg  # an empty split reads tile 0
+    g_row = group_row(gl.minimum(t_start, num_k_tiles - 1), stride_sg, GROUP_TILES)  # an empty split reads tile 0
     z_next = gl.load(zeros_ptr + g_row + n_sa)
     s_next = gl.load(scales_ptr + g_row + n_sa)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
@@ -170,7 +172,7 @@ def _kchunk_wgmma_kernel(
         words_next = gl.load(w_tile + gl.minimum(t + 1, t_end - 1) * 4 * stride_wc)
         z = z_next
         s = s_next
-        g_row = (gl.minimum(t + 1, t_end - 1) * 128 // group_size) * stride_sg
+        g_row = group_row(gl.minimum(t + 1, t_end - 1), stride_sg, GROUP_TILES)
         z_next = gl.load(zeros_ptr + g_row + n_sa)
         s_next = gl.load(scales_ptr + g_row + n_sa)
         async_copy.wait_group(STAGES - 3)  # this thread's copies of tile t have landed
@@ -194,10 +196,10 @@ def _kchunk_wgmma_kernel(
                                         _BF16_3)
     acc, a1, a2, a3, a4 = warpgroup_mma_wait(0, deps=[acc, a1, a2, a3, a4])
     async_copy.wait_group(0)
-    n_m = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    n_sm, valid = _columns(pid_n, N, gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA)), BLOCK_N, False)
     m_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    store_tile(acc, n_m, m_m, pid, split, split_k, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om,
-               HAS_BIAS, USE_SPLIT)
+    store_tile(acc, n_sm, valid, m_m, pid, split, split_k, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+               stride_om, HAS_BIAS, USE_SPLIT, False)
 
 
 @functools.cache
@@ -233,7 +235,8 @@ def launch(x, packed, scales, zeros, group_size, bias, out, block_n, block_m, sp
     partial, counters = split_k_workspace(out, split, tiles)
     _kchunk_wgmma_kernel[(tiles, split)](
         x, packed, scales, zeros, bias if bias is not None else scales, out, partial, counters,
-        M, N, K, group_size, triton.cdiv(K // BLOCK_K, split), split, x.stride(0), packed.stride(0), scales.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, USE_SPLIT=split > 1, BLOCK_N=block_n, BLOCK_M=block_m,
+        M, N, K, triton.cdiv(K // BLOCK_K, split), split, x.stride(0), packed.stride(0), scales.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, USE_SPLIT=split > 1, GROUP_TILES=group_tiles(K, group_size),
+        BLOCK_N=block_n, BLOCK_M=block_m,
         WARPS=num_warps, STAGES=stages, SUB_DOT_ORDER=permuted, num_warps=num_warps,
     )

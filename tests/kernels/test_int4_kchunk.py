@@ -11,7 +11,7 @@ import torch
 from quant_helpers import make_int_weight
 from sm90_compile import run_script
 
-from kernels import quant_reference
+from kernels import int4_kchunk_mma, quant_reference
 from kernels.activation import silu_and_mul
 from kernels.int4_kchunk import (GEMM_MMA, GEMM_WGMMA, KChunkConfig, int4_kchunk_linear, int4_kchunk_linear_impl,
                                  pick_kchunk_config)
@@ -140,6 +140,9 @@ def test_mma_matches_reference(dtype, M, K, group_size, split, with_bias):
             out = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config=config)
             assert out.dtype == dtype and out.shape == (M, N)
             assert _rel_err(out, ref) < (5e-3 if dtype == torch.bfloat16 else 2e-3), (block_n, config)
+        for _ in range(2):  # [gate | up] columns: the epilogue's silu(gate) * up is the activation's, bit for bit
+            gated = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias, config=config, gated=True)
+            torch.testing.assert_close(gated, silu_and_mul(out), rtol=0, atol=0)
     # the same weights through the picker's path at 2-16 rows give the other kernels' result
     gemv = int4_kchunk_linear_impl(x, packed, scales, zeros, group_size, bias,
                                    config=pick_kchunk_config(M, N, K, group_size, 132))
@@ -177,6 +180,14 @@ def test_wgmma_picked_at_9_to_128_rows_where_it_won():
                                 w.zeros, 128, config=pick(40, 64, 128))
 
 
+def test_group_tiles_is_the_k_tiles_a_scale_group_spans():
+    # the Gluon kernels' GROUP_TILES constexpr: tile t reads scale row t // GROUP_TILES (0: one group over K)
+    assert int4_kchunk_mma.group_tiles(4096, 128) == 1 and int4_kchunk_mma.group_tiles(1024, 256) == 2
+    assert int4_kchunk_mma.group_tiles(384, 384) == 0 and int4_kchunk_mma.group_tiles(384, 4096) == 0
+    with pytest.raises(AssertionError):
+        int4_kchunk_mma.group_tiles(4096, 64)  # groups smaller than a tile: not these kernels' weights
+
+
 def test_mma_config_needs_cuda_and_half_precision():
     w = make_int_weight(128, 64, 4, 128, False, torch.float16, seed=4)
     packed = quant_reference.repack_int4_kchunk(w.qweight)
@@ -192,7 +203,10 @@ def test_mma_config_needs_cuda_and_half_precision():
     assert pick_kchunk_config(1, 4096, 14336, 128, 132, mma=True).gemm == GEMM_MMA
     assert pick_kchunk_config(2, 6144, 4096, 128, 132, mma=True) == KChunkConfig(16, 128, 128, 11, 4, gemm=GEMM_MMA)
     assert pick_kchunk_config(2, 28672, 4096, 128, 132, mma=True).split_k == 2  # ~1 program per SM on gate|up
-    assert pick_kchunk_config(2, 28672, 4096, 128, 132, mma=True, gated=True).gemm == GEMM_MMA  # activation after
+    # the gated epilogue: 256 columns, 4 warps, ~2 programs per SM on the packed gate|up
+    assert pick_kchunk_config(2, 28672, 4096, 128, 132, mma=True, gated=True) == KChunkConfig(16, 256, 128, 3, 4,
+                                                                                              gemm=GEMM_MMA)
+    assert pick_kchunk_config(1, 28672, 4096, 128, 132, mma=True, gated=True).gemm != GEMM_MMA  # the GEMV's
     assert pick_kchunk_config(12, 4096, 4096, 128, 132, mma=True).gemm != GEMM_MMA  # small weights: the tiles
     assert pick_kchunk_config(12, 28672, 4096, 128, 132, mma=True).num_warps == 4
     assert pick_kchunk_config(4, 6144, 4096, 64, 132, mma=True).gemm != GEMM_MMA  # groups of 64

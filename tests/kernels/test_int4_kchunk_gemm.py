@@ -77,9 +77,10 @@ def test_pick_many_rows_buckets():
         cfg = pick_kchunk_config(64, n, k, 128, 132)
         assert cfg.gemm == GEMM_JOIN and cfg.block_m == 64  # no dense copy of the weight up to 64 rows
         assert pick_kchunk_config(300, n, k, 128, 132) == DENSE  # prefill: dequantise once, then cuBLAS
-    # where the sweep found the GEMM ahead of dequantise + cuBLAS (H100, bench/RESULTS.md run 41)
+    # where the sweeps found the GEMM ahead of dequantise + cuBLAS (H100 run 41, H200 run 68)
     assert pick_kchunk_config(128, 28672, 4096, 128, 132) == KChunkConfig(128, 128, 64, 1, 8, 3, gemm=GEMM_JOIN)
     assert pick_kchunk_config(100, 4096, 14336, 128, 132).gemm == GEMM_JOIN
     assert pick_kchunk_config(100, 4096, 4096, 128, 132) == DENSE  # o: dequantise + cuBLAS won at 128
-    assert pick_kchunk_config(256, 28672, 4096, 128, 132).gemm == GEMM_JOIN
+    assert pick_kchunk_config(100, 6144, 4096, 128, 132) == DENSE  # qkv: the same (H200 80 rows 31.3 / 45.1 us)
+    assert pick_kchunk_config(256, 28672, 4096, 128, 132) == DENSE  # gate_up above 128 rows (H200 170.7 / 202.8)
     assert pick_kchunk_config(256, 6144, 4096, 128, 132) == DENSE
