@@ -54,10 +54,11 @@ def launch_kwargs(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-def launch_options(t: torch.Tensor) -> dict:
+def launch_options(t: torch.Tensor, enabled: bool = True) -> dict:
     """What a launcher passes (`**launch_options(x)`) to a kernel over `t` with a `PDL` constexpr: the
-    constexpr and Triton's launch option, both from `enabled_for(t)`."""
-    pdl = enabled_for(t)
+    constexpr and Triton's launch option, both from `enabled_for(t)`; `enabled=False` launches this one
+    without PDL (where it measured slower with it)."""
+    pdl = enabled and enabled_for(t)
     return {"PDL": pdl, **launch_kwargs(pdl)}
 
 
