@@ -335,7 +335,7 @@ def _many_rows_config(M: int, N: int, K: int, num_sms: int) -> KChunkConfig:
     wide = N >= 16384
     if M <= 64:
         top, bm, bn, warps = 64, 64, 128, 4
-    elif M <= 128 and (wide or K >= 8192):
+    elif M <= 128 and N * K > 6144 * 4096:  # larger than the 8B qkv
         top, bm, bn, warps = 128, (128 if wide else 64), 128, (8 if wide else 4)
     else:
         return DENSE
@@ -446,7 +446,7 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mm
     gate_up 28.1, down 19.9 us; the general kernel 13.7 / 11.2 / 35.9 / 23.7); M = 3-16 16-row
     tensor-core tiles of 64 columns split to ~4 programs per SM, 3 stages from M = 5 (M = 16: 17.0 /
     12.6 / 54.8 / 31.1 us against 23.2 / 19.7 / 72.5 / 41.5); above, `_many_rows_config`: the
-    k-chunk GEMM up to 64 rows, to 128 rows on the wide and the long weights, else the weight
+    k-chunk GEMM up to 64 rows, to 128 rows on weights larger than the 8B qkv, else the weight
     dequantised once for cuBLAS (there, prefill, that cost is amortised over the rows). With `mma` (the
     caller's x can take it: `mma_runs_on`), `_mma_config` first, up to 24 rows; with `wgmma` (sm_90:
     `wgmma_runs_on`) `_wgmma_config` before it, at 9-128 rows. `gated`: the call writes silu(gate) * up (one
