@@ -407,7 +407,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     iters_per_split = triton.cdiv(triton.cdiv(K, step), split)
     # MODE_DOT16 launches without PDL: with it the engine's FP8 8B decode step at 3-4 requests took 4.76 ms
     # instead of 3.57 (bench/RESULTS.md run 68; the FMA modes at 1-2 rows gain from it: 3.39 -> 3.20 ms at 2).
-    pdl = launch_options(x) if config.mode != MODE_DOT16 else launch_options(x, enabled=False)
+    pdl = launch_options(x, enabled=config.mode != MODE_DOT16)
     epw = 4 if fp8 else 2
     _fp8_gemv_kernel[(tiles, split)](
         x, weight.view(torch.int32), scale.reshape(-1) if fp8 else out, bias if bias is not None else out, out,
