@@ -219,7 +219,7 @@ def _gated_pairs(v):
 
 
 @gluon.jit
-def _store_out(total, n_sm, valid, m_m, M, N, out_ptr, stride_om, GATED: gl.constexpr):
+def _store_out(total, n_sm, valid, m_m, M, out_ptr, stride_om, GATED: gl.constexpr):
     # out[m, n] = total[n, m] (total fp32, bias included); with GATED out[m, c] = silu(gate) * up, rounded as
     # `kernels/activation.silu_and_mul` rounds the gate|up product it reads (x's dtype) and its result.
     DTYPE: gl.constexpr = out_ptr.dtype.element_ty
@@ -258,12 +258,12 @@ def store_tile(acc, n_sm, valid, m_m, tile, split, split_k, M, N, bias_ptr, out_
                 total += gl.load(partial_ptr + i * M * N + part_offs, mask=part_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += gl.load(bias_ptr + n_sm).to(gl.float32)[:, None]
-            _store_out(total, n_sm, valid, m_m, M, N, out_ptr, stride_om, GATED)
+            _store_out(total, n_sm, valid, m_m, M, out_ptr, stride_om, GATED)
             gl.store(counter_ptr + tile, 0)  # ready for the next launch
     else:
         if HAS_BIAS:
             acc += gl.load(bias_ptr + n_sm).to(gl.float32)[:, None]
-        _store_out(acc, n_sm, valid, m_m, M, N, out_ptr, stride_om, GATED)
+        _store_out(acc, n_sm, valid, m_m, M, out_ptr, stride_om, GATED)
 
 
 def launch(x, packed, scales, zeros, group_size, bias, out, block_n, split, num_warps, gated=False) -> None:
@@ -279,6 +279,6 @@ def launch(x, packed, scales, zeros, group_size, bias, out, block_n, split, num_
         x, packed, scales, zeros, bias if bias is not None else scales, out, partial, counters,
         M, N, K, triton.cdiv(K // BLOCK_K, split), split, x.stride(0), packed.stride(0), scales.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, USE_SPLIT=split > 1, GROUP_TILES=group_tiles(K, group_size),
-        BLOCK_N=block_n,
-        XN=max(8, triton.next_power_of_2(M)), WARPS=num_warps, GATED=gated, num_warps=num_warps, **launch_options(x),
+        BLOCK_N=block_n, XN=max(8, triton.next_power_of_2(M)), WARPS=num_warps, GATED=gated, num_warps=num_warps,
+        **launch_options(x),
     )
