@@ -208,6 +208,30 @@ def lora_expand(
     impl(y, partials, b_stacked, slice_sizes, sorted_rows, seg_starts, seg_counts, block_slot, block_m0)
 
 
+def stage_decode_inputs(
+    ids: torch.Tensor,  # [n] int64 (PLACEHOLDER where `fix_rows` says)
+    positions: torch.Tensor,  # [n] int64
+    slots: torch.Tensor,  # [n] int64
+    seq_lens: torch.Tensor,  # [n] int64
+    rows: torch.Tensor,  # [n] int64: each sequence's row of `block_table`
+    fix_rows: torch.Tensor,  # [f] int64: rows whose id is a placeholder
+    fix_src: torch.Tensor,  # [f] int64: the entry of `prev_ids` holding each one's id
+    prev_ids: torch.Tensor | None,  # the previous step's sampled ids (needed when f > 0)
+    block_table: torch.Tensor,  # [rows, max_blocks] int32, the device mirror
+    width: int,  # block-table columns in use
+    out_ids: torch.Tensor,  # the graph's static buffers ([bucket] and more) ...
+    out_positions: torch.Tensor,
+    out_slots: torch.Tensor,
+    out_seq_lens: torch.Tensor,  # int32
+    out_tables: torch.Tensor,  # [>= bucket, >= width] int32
+    bucket: int,  # the replayed graph's batch size: rows [n, bucket) become padding
+) -> None:
+    """Write one decode step's inputs into a CUDA graph's static buffers (one launch on CUDA)."""
+    impl = _mod("stage_inputs").stage_decode_inputs if use_triton(ids) else reference.stage_decode_inputs
+    impl(ids, positions, slots, seq_lens, rows, fix_rows, fix_src, prev_ids, block_table, width,
+         out_ids, out_positions, out_slots, out_seq_lens, out_tables, bucket)
+
+
 def gumbel_sample(
     logits: torch.Tensor,  # [num_rows, vocab] float
     inv_temperature: torch.Tensor,  # [num_rows] float32; 0 = greedy row

@@ -405,3 +405,23 @@ def lora_expand(
                            for p, b in enumerate(b_stacked[s].split(list(slice_sizes)))], dim=1)
         y.index_add_(0, rows, delta.to(y.dtype))
 
+
+def stage_decode_inputs(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                        rows: torch.Tensor, fix_rows: torch.Tensor, fix_src: torch.Tensor,
+                        prev_ids: torch.Tensor | None, block_table: torch.Tensor, width: int,
+                        out_ids: torch.Tensor, out_positions: torch.Tensor, out_slots: torch.Tensor,
+                        out_seq_lens: torch.Tensor, out_tables: torch.Tensor, bucket: int) -> None:
+    """A decode step's inputs into a CUDA graph's static buffers (`kernels/stage_inputs.py`): rows [0, n)
+    from the step (placeholder ids from `prev_ids`, block-table rows gathered), rows [n, bucket) padding."""
+    n = ids.shape[0]
+    assert 0 < n <= bucket <= out_ids.shape[0] and width <= min(block_table.shape[1], out_tables.shape[1])
+    out_ids[:n].copy_(ids)
+    if fix_rows.shape[0]:
+        assert prev_ids is not None, "placeholders without the previous step's ids"
+        out_ids.index_copy_(0, fix_rows, prev_ids.index_select(0, fix_src))
+    out_positions[:n].copy_(positions)
+    out_slots[:n].copy_(slots)
+    out_seq_lens[:n].copy_(seq_lens)
+    out_tables[:n, :width].copy_(block_table[:, :width].index_select(0, rows))
+    out_slots[n:bucket].fill_(-1)
+    out_seq_lens[n:bucket].zero_()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+import kernels
 from serving.executor.attention_metadata import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
@@ -117,14 +118,43 @@ class DecodeGraphRunner:
         """True when a captured bucket fits this decode step."""
         return 0 < num_seqs <= self.batch_sizes[-1] and block_table_width <= self.block_tables.shape[1]
 
+    def stage(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+              rows: torch.Tensor, fix_rows: torch.Tensor, fix_src: torch.Tensor, prev_ids: torch.Tensor | None,
+              block_table: torch.Tensor, width: int, max_seq_len: int,
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Write a decode step's inputs straight into the static buffers (`kernels.stage_decode_inputs`:
+        one launch instead of the copies `run` makes) -> (input_ids, positions, meta): views of the
+        buffers, which `run` then replays as they are. Ask `can_run` first."""
+        n = ids.shape[0]
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        kernels.stage_decode_inputs(ids, positions, slots, seq_lens, rows, fix_rows, fix_src, prev_ids, block_table,
+                                    width, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                                    self.block_tables, bs)
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n, :width],
+            num_decodes=n,
+            num_decode_tokens=n,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
+        return self.input_ids[:n], self.positions[:n], meta
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay the bucket for this decode step -> hidden [num_seqs, hidden] (a view; copy to keep).
 
+        Inputs from `stage` are the static buffers already; others are copied into them here.
         With `compute_logits`, `self.logits[:num_seqs]` then holds the logits of every row
         (valid until the next replay).
         """
         n = input_ids.shape[0]
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        if input_ids.data_ptr() == self.input_ids.data_ptr():  # staged: the buffers hold the step
+            assert meta.slot_mapping.data_ptr() == self.slot_mapping.data_ptr(), "inputs staged in part"
+            self.graphs[bs].replay()
+            return self.outputs[bs][:n]
         width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)

@@ -294,7 +294,7 @@ class ModelRunner:
         if self.lora is not None:  # fill the slots this step needs, then each row's slot
             self.lora.apply_loads(plan.lora_loads)
             self.lora.stage(plan.lora_slots, plan.num_tokens)
-        inputs = prepare_inputs(plan, self.batch, self.block_size, self.device, prev)
+        inputs = prepare_inputs(plan, self.batch, self.block_size, self.device, prev, graphs=self.graph_runner)
         hidden, all_logits = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.prompt_logprob_chunks:
             self._collect_prompt_logprobs(seqs, inputs, hidden)

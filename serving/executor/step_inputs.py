@@ -9,7 +9,9 @@ the batch's mirror, after the entries written since the last step (in the same c
 applied to it. A decode row whose token is still a `PLACEHOLDER` (sampled by the previous
 step, not yet on the host) takes its id from that step's device tensor, on the device.
 `sample_rows` are the rows whose logits are sampled: the last row of each sampled entry (the
-last k+1 rows of an entry verifying k draft tokens).
+last k+1 rows of an entry verifying k draft tokens). A decode-only step that a captured decode
+graph will replay skips the separate tensors: one launch writes it into the graph's static
+buffers (`DecodeGraphRunner.stage`, `kernels/stage_inputs.py`), whose views it returns.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from serving.executor.attention_metadata import AttentionMetadata
 from serving.executor.batch_state import BatchState
+from serving.executor.cuda_graphs import DecodeGraphRunner
 from serving.executor.plan import PLACEHOLDER, StepOutput, StepPlan
 
 
@@ -64,13 +67,15 @@ def _to_device(packed: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def prepare_inputs(
-    plan: StepPlan, batch: BatchState, block_size: int, device: torch.device, prev: StepOutput | None = None
+    plan: StepPlan, batch: BatchState, block_size: int, device: torch.device, prev: StepOutput | None = None,
+    graphs: DecodeGraphRunner | None = None,
 ) -> StepInputs:
     """Build `StepInputs` for `plan`, already applied to `batch` (one H2D copy).
 
     Decode rows come from the batch's row columns by numpy ops; prefill chunks (few, long)
     slice their sequence's ids. `prev` is the previous step's output, needed when this step's
-    decode rows carry placeholders for the tokens it sampled.
+    decode rows carry placeholders for the tokens it sampled. `graphs`: a decode-only step that
+    one of its graphs can run is staged into the graph's buffers (`DecodeGraphRunner.stage`).
     """
     ib = batch.input_batch
     nd = plan.num_decodes
@@ -133,9 +138,15 @@ def prepare_inputs(
     pos_t, ids_t, slot_t, qsl_t, lens_t, rows_t, fix_rows_t, fix_src_t, batch_rows_t, dirty_t = dev.split(
         [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, sample_rows.shape[0], fix_rows.shape[0],
          fix_src.shape[0], num_seqs, dirty.size])
-    if fix_rows.shape[0]:
-        ids_t.index_copy_(0, fix_rows_t, prev.token_ids.index_select(0, fix_src_t))  # type: ignore[union-attr]
-    ib.apply_dirty(dirty_t.view(3, -1))
+    ib.apply_dirty(dirty_t.view(3, -1))  # before any gather of the block tables
+    prev_ids = prev.token_ids if fix_rows.shape[0] else None  # type: ignore[union-attr]
+    if graphs is not None and nd == num_seqs and graphs.can_run(num_seqs, width):
+        # A decode-graph step: its inputs go straight into the graph's buffers, in one launch.
+        ids_t, pos_t, meta = graphs.stage(ids_t, pos_t, slot_t, lens_t, batch_rows_t, fix_rows_t, fix_src_t, prev_ids,
+                                          ib.device_block_table, width, int(seq_lens.max()))
+        return StepInputs(ids_t, pos_t, meta, rows_t, plp, rows)
+    if prev_ids is not None:
+        ids_t.index_copy_(0, fix_rows_t, prev_ids.index_select(0, fix_src_t))
     meta = AttentionMetadata(
         slot_mapping=slot_t,
         query_start_loc=qsl_t.to(torch.int32),

@@ -36,6 +36,7 @@ _TRITON_MODULES = (
     "kernels.fp8_gemm",  # before fp8_matmul, which imports it
     "kernels.fp8_matmul",
     "kernels.all_reduce_norm",
+    "kernels.stage_inputs",
 )
 
 if not torch.cuda.is_available():

@@ -4,6 +4,7 @@ the rows equal a per-sequence reference, placeholders included (async scheduling
 
 from __future__ import annotations
 
+import bisect
 import random
 
 import numpy as np
@@ -14,6 +15,7 @@ from serving.engine.plan_builder import build_plan
 from serving.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from serving.engine.sequence import Sequence
 from serving.executor.batch_state import BatchState
+from serving.executor.cuda_graphs import DecodeGraphRunner
 from serving.executor.input_batch import InputBatch
 from serving.executor.plan import PLACEHOLDER, StepOutput
 from serving.executor.step_inputs import prepare_inputs
@@ -146,8 +148,13 @@ def reference_inputs(out: SchedulerOutput, device_ids: dict[int, int]) -> dict[s
     return dict(ids=ids, pos=pos, slots=slots, qsl=qsl, lens=lens, tables=tables, sample_rows=sample_rows)
 
 
-@pytest.mark.parametrize("mirror", [False, True])
-def test_steps_with_joins_leaves_preemption_and_placeholders_match_the_reference(mirror):
+@pytest.mark.parametrize("mirror, staged", [(False, False), (True, False), (True, True)])
+def test_steps_with_joins_leaves_preemption_and_placeholders_match_the_reference(mirror, staged):
+    # staged: decode-only steps go into a decode-graph runner's static buffers (`DecodeGraphRunner.stage`,
+    # `kernels.stage_decode_inputs`; here its torch reference), the rest as before; the same inputs either way.
+    graphs = DecodeGraphRunner(None, max_num_seqs=16, max_blocks_per_seq=32, hidden_size=8, max_seq_len=512,
+                               device=torch.device("cpu")) if staged else None
+    num_staged = 0
     eng = Engine(seed=1)
     batch = BatchState(max_rows=2, max_blocks=1)  # both grow during the run
     batch.input_batch = InputBatch(2, 1, mirror=mirror)
@@ -168,8 +175,14 @@ def test_steps_with_joins_leaves_preemption_and_placeholders_match_the_reference
         out = eng.schedule(chunk=1 if step % 5 == 2 else 4)  # 1: one-token chunks inside prompts
         plan = eng.plan(out, step)
         batch.apply(plan)
-        inputs = prepare_inputs(plan, batch, BS, torch.device("cpu"), prev)
+        inputs = prepare_inputs(plan, batch, BS, torch.device("cpu"), prev, graphs=graphs)
         ref = reference_inputs(out, on_device)
+        if graphs is not None and inputs.input_ids.data_ptr() == graphs.input_ids.data_ptr():
+            num_staged += 1
+            n = len(out.scheduled)
+            bucket = graphs.batch_sizes[bisect.bisect_left(graphs.batch_sizes, n)]
+            assert out.num_decodes == n and inputs.meta.slot_mapping.data_ptr() == graphs.slot_mapping.data_ptr()
+            assert graphs.slot_mapping[n:bucket].eq(-1).all() and graphs.seq_lens[n:bucket].eq(0).all()
         assert inputs.input_ids.tolist() == ref["ids"]
         assert inputs.positions.tolist() == ref["pos"]
         assert inputs.meta.slot_mapping.tolist() == ref["slots"]
@@ -199,6 +212,7 @@ def test_steps_with_joins_leaves_preemption_and_placeholders_match_the_reference
             seq.token_ids.append(PLACEHOLDER)
     assert len(batch.seqs) == len(batch.input_batch.row_of)
     assert sorted(batch.input_batch.row_of) == sorted(s.seq_id for s in eng.seqs if s.in_worker)
+    assert num_staged >= 10 if staged else num_staged == 0, num_staged
 
 
 def test_apply_syncs_ids_extends_tables_and_frees_rows():
