@@ -24,14 +24,15 @@ sys.path.insert(0, ROOT)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench.quant_kernels import _copies, time_us  # noqa: E402
+from bench.quant_kernels import NUM_LAYERS, SHAPES, _copies, int4_bytes, time_us  # noqa: E402
 
-# MB a linear of the 8B layer moves (qkv 4096 x 6144, o 4096 x 4096, gate_up 4096 x 28672, down 14336 x 4096):
-# int4 = K * N / 2 + 2 * (K / 128) * N * 2 (bf16 scales, zero points); FP8 = K * N (+ N scales); bf16 = 2 K N.
-LINEAR_MB = {
-    "int4": {"qkv": 13.4, "o": 8.9, "gate_up": 62.4, "down": 31.2},
-    "fp8": {"qkv": 25.2, "o": 16.8, "gate_up": 117.4, "down": 58.7},
-    "bf16": {"qkv": 50.3, "o": 33.6, "gate_up": 234.9, "down": 117.4},
+NAMES = ("qkv", "o", "gate_up", "down")  # SHAPES' order: (K, N) of the 8B layer's linears
+# Bytes a linear's weights take: int4 g128 with its bf16 scales and zero points, FP8 with fp32 per-channel
+# scales, bf16.
+WEIGHT_BYTES = {
+    "int4": lambda k, n: int4_bytes(0, k, n, 128),
+    "fp8": lambda k, n: k * n + 4 * n,
+    "bf16": lambda k, n: 2 * k * n,
 }
 
 
@@ -69,14 +70,15 @@ def read_floor_us(nbytes: int, num_sms: int) -> tuple[float, tuple[int, int, int
 def main() -> None:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()}: a read-only kernel per linear of the 8B layer, us (TB/s)")
-    for fmt, linears in LINEAR_MB.items():
+    for fmt, weight_bytes in WEIGHT_BYTES.items():
         total = 0.0
-        for name, mb in linears.items():
-            t, cfg = read_floor_us(int(mb * 1e6), num_sms)
+        for name, (k, n) in zip(NAMES, SHAPES):
+            nbytes = weight_bytes(k, n)
+            t, cfg = read_floor_us(nbytes, num_sms)
             total += t
-            print(f"  {fmt:5} {name:8} {mb:6.1f} MB {t:7.1f} us ({mb / t:4.2f} TB/s)  programs/SM, block, warps {cfg}",
-                  flush=True)
-        print(f"  {fmt:5} layer {total:.1f} us, x 32 layers {total * 32 / 1e3:.3f} ms")
+            print(f"  {fmt:5} {name:8} {nbytes / 1e6:6.1f} MB {t:7.1f} us ({nbytes / t / 1e6:4.2f} TB/s)  "
+                  f"programs/SM, block, warps {cfg}", flush=True)
+        print(f"  {fmt:5} layer {total:.1f} us, x {NUM_LAYERS} layers {total * NUM_LAYERS / 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -72,17 +72,23 @@ class DecodeGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _meta(self, rows: int, width: int | None = None, max_seq_len: int | None = None) -> AttentionMetadata:
+        """Metadata over the first `rows` rows of the static buffers (a bucket at capture; a staged step's
+        rows and block-table width in `stage`)."""
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
-            num_decodes=bs,
-            num_decode_tokens=bs,
+            slot_mapping=self.slot_mapping[:rows],
+            query_start_loc=self.query_start_loc[: rows + 1],
+            seq_lens=self.seq_lens[:rows],
+            block_tables=self.block_tables[:rows, :width],
+            num_decodes=rows,
+            num_decode_tokens=rows,
             max_query_len=1,
-            max_seq_len=self.max_seq_len,
+            max_seq_len=self.max_seq_len if max_seq_len is None else max_seq_len,
         )
+
+    def _bucket(self, n: int) -> int:
+        """The smallest captured batch size that holds n rows."""
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -126,21 +132,10 @@ class DecodeGraphRunner:
         one launch instead of the copies `run` makes) -> (input_ids, positions, meta): views of the
         buffers, which `run` then replays as they are. Ask `can_run` first."""
         n = ids.shape[0]
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         kernels.stage_decode_inputs(ids, positions, slots, seq_lens, rows, fix_rows, fix_src, prev_ids, block_table,
                                     width, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                                    self.block_tables, bs)
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:n],
-            query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens=self.seq_lens[:n],
-            block_tables=self.block_tables[:n, :width],
-            num_decodes=n,
-            num_decode_tokens=n,
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-        )
-        return self.input_ids[:n], self.positions[:n], meta
+                                    self.block_tables, self._bucket(n))
+        return self.input_ids[:n], self.positions[:n], self._meta(n, width, max_seq_len)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay the bucket for this decode step -> hidden [num_seqs, hidden] (a view; copy to keep).
@@ -150,7 +145,7 @@ class DecodeGraphRunner:
         (valid until the next replay).
         """
         n = input_ids.shape[0]
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        bs = self._bucket(n)
         if input_ids.data_ptr() == self.input_ids.data_ptr():  # staged: the buffers hold the step
             assert meta.slot_mapping.data_ptr() == self.slot_mapping.data_ptr(), "inputs staged in part"
             self.graphs[bs].replay()
