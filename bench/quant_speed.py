@@ -42,7 +42,7 @@ from bench.quant_kernels import _copies, int4_weights, time_us, write_report  # 
 from kernels import quant_reference  # noqa: E402
 from kernels.fp8_matmul import scaled_mm_linear  # noqa: E402
 from kernels.int4_matmul import quant_linear_impl  # noqa: E402
-from kernels.skinny_linear import MAX_M, pick_skinny_config, skinny_linear_impl  # noqa: E402
+from kernels.skinny_linear import MAX_M, card_of, pick_skinny_config, skinny_linear_impl  # noqa: E402
 from bench.skinny_sweep import candidates as skinny_candidates  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -97,7 +97,7 @@ def sweep(num_sms: int, report: dict) -> None:
             rows = [(cfg, _try(lambda c=cfg: time_us([lambda w=w: skinny_linear_impl(x, w[0], w[1], None, c)
                                                       for w in w8])))
                     for cfg in skinny_candidates(m, n, k, 1, num_sms)]
-            default = pick_skinny_config(m, n, k, torch.float8_e4m3fn, num_sms)
+            default = pick_skinny_config(m, n, k, torch.float8_e4m3fn, num_sms, card_of(x.device))
             timed = sorted((r for r in rows if isinstance(r[1], float)), key=lambda r: r[1])
             fails = [r for r in rows if not isinstance(r[1], float)]
             d = next((t for c, t in rows if c == default), None)

@@ -45,6 +45,7 @@ from kernels.skinny_linear import (  # noqa: E402
     SkinnyConfig,
     config_for,
     m_bucket,
+    card_of,
     pick_skinny_config,
     skinny_linear_impl,
     use_skinny,
@@ -170,7 +171,7 @@ def run_case(model: str, tp: int, proj: str, k: int, n: int, dtype: str, ms: lis
             cands.append((cfg, us, err))
         ok = [c for c in cands if isinstance(c[1], float) and isinstance(c[2], float) and c[2] < 2e-2]
         best = min(ok, key=lambda c: c[1]) if ok else None
-        pick = pick_skinny_config(m, n, k, w0.dtype, num_sms)
+        pick = pick_skinny_config(m, n, k, w0.dtype, num_sms, card_of(torch.device(DEVICE)))
         pick_us = next((us for cfg, us, _ in cands if cfg == pick and isinstance(us, float)), None)
         if pick_us is None:
             pick_us = _try(lambda: time_us([lambda w=w, s=s: skinny_linear_impl(x, w, s, None, pick) for w, s in ws]))
@@ -297,7 +298,7 @@ def run_gemv_case(tp: int, proj: str, k: int, n: int, ms: list[int], num_sms: in
         nbytes = n * k + m * k * 2 + m * n * 2 + 4 * n
         bf16 = time_us([lambda w=w: F.linear(x, w) for w in wb])
         scaled = time_us([lambda w=w, s=s: scaled_mm_linear(x, w, s, own_tiles=False) for w, s in ws])
-        pick = pick_skinny_config(m, n, k, w0.dtype, num_sms)
+        pick = pick_skinny_config(m, n, k, w0.dtype, num_sms, card_of(torch.device(DEVICE)))
         today = _try(lambda: time_us([lambda w=w, s=s: skinny_linear_impl(x, w, s, None, pick) for w, s in ws]))
         cands = []
         over = time.time() - T0 > BUDGET_S  # past the budget: only the baselines (the run stays under ~4 min)
@@ -439,7 +440,7 @@ def main() -> None:
             itemsize = 2 if dtype == "bf16" else 1
             wdtype = BF16 if itemsize == 2 else torch.float8_e4m3fn
             for m in ms:
-                for cfg in candidates(m, n, k, itemsize, num_sms) + [pick_skinny_config(m, n, k, wdtype, num_sms)]:
+                for cfg in candidates(m, n, k, itemsize, num_sms) + [pick_skinny_config(m, n, k, wdtype, num_sms, card_of(torch.device(DEVICE)))]:
                     k_warm = 4096 if k % cfg.block_k == 0 else k
                     jobs.append((m_bucket(m), itemsize, k_warm, cfg._replace(split_k=min(cfg.split_k, 2))))
         prewarm(jobs, args.jobs)

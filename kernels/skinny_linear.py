@@ -27,7 +27,8 @@ loads, inline-asm e4m3 conversion, fp32 FMAs at M = 1-2, fp16 tensor cores at 3-
 every 8B shape. bf16 weights at M = 1-2 go there too (two a word, fp32 FMAs); cuBLAS keeps bf16 above.
 `pick_skinny_config` chooses the tiling from shapes alone (one compiled variant per M bucket) and
 `use_skinny` says per shape whether this kernel or cuBLAS runs; both read the tables below, which
-`bench/skinny_sweep.py` measures.
+`bench/skinny_sweep.py` measures (on an H100); a card whose engine measured faster with other entries
+(`card_of`: the H200) replaces those buckets (`_CARD_GEMV_TABLE`, `_CARD_TABLE`).
 """
 
 from __future__ import annotations
@@ -262,6 +263,37 @@ _BF16_GEMV_TABLE: dict[int, tuple[int, ...]] = {
     2: (fp8_gemv.MODE_ACC, 16, 256, 1, 4, 3, 1),
 }
 
+# Per card: buckets of the tables above that a card replaces, where the engine's decode graph measured
+# faster on that card (the tables above came from H100 sweeps). Keyed by a substring of the device's
+# name (`card_of`); a card not listed takes the tables above. H200 (bench/RESULTS.md run 72, `python3
+# bench/decode_profile.py --tp 1 --quantize fp8 [--batch N]`, the 8B decode graph alone, us a step):
+# - FP8 at M = 1: the same tiles with K split to reach 2 programs per SM (at 8B TP=1 o and down split in
+#   two): 2,714 -> 2,592. 3 and 4 per SM 2,655 / 2,825; 3 stages without the split 2,739; 1-stage
+#   register-prefetch tilings (which overlap the previous kernel under PDL) 2,873-3,165.
+# - FP8 at 5-8 rows: 2 programs per SM instead of 4: batch 8 3,996 -> 3,947.
+# - FP8 at M = 2 stays: split to 2 per SM 3,386, 16 x 512 tiles 3,247, against 3,086.
+_CARD_GEMV_TABLE: dict[str, dict[int, tuple[int, ...]]] = {
+    "H200": {1: (fp8_gemv.MODE_ACC, 16, 512, 1, 4, 4, 2)},
+}
+_CARD_TABLE: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {
+    "H200": {(8, 1): (MODE_DOT, 32, 512, 4, 3, 2)},
+}
+CARDS = tuple(dict.fromkeys([*_CARD_GEMV_TABLE, *_CARD_TABLE]))
+
+
+@functools.cache
+def _card_of_index(device_index: int) -> str:
+    name = torch.cuda.get_device_name(device_index)
+    return next((card for card in CARDS if card in name), "")
+
+
+def card_of(device: torch.device) -> str:
+    """The `CARDS` key whose per-card tiles `device` takes ('' for none: the tables measured on an H100,
+    and every CPU device)."""
+    if device.type != "cuda":
+        return ""
+    return _card_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
 
 def m_bucket(M: int) -> int:
     """The power of two >= M (1..16) that names M's compiled variant."""
@@ -284,15 +316,28 @@ def config_for(M: int, N: int, K: int, mode: int, block_n: int, block_k: int, wa
     return SkinnyConfig(mode, block_n, block_k, split, warps, stages, sub)
 
 
-def pick_skinny_config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int) -> SkinnyConfig | GemvConfig:
+def pick_skinny_config(M: int, N: int, K: int, weight_dtype: torch.dtype, num_sms: int,
+                       card: str = "") -> SkinnyConfig | GemvConfig:
     """The tiling for one call, from shapes alone: the table's entry for M's bucket, split-K from N, K
-    (a `GemvConfig`, run by `kernels/fp8_gemv.py`, where `_GEMV_TABLE` has FP8's bucket)."""
-    tables = {torch.float8_e4m3fn: _GEMV_TABLE, torch.bfloat16: _BF16_GEMV_TABLE}
-    gemv = tables[weight_dtype].get(m_bucket(M)) if weight_dtype in tables else None
+    (a `GemvConfig`, run by `kernels/fp8_gemv.py`, where `_GEMV_TABLE` has FP8's bucket); `card` (from
+    `card_of`) takes that card's entries where `_CARD_GEMV_TABLE` / `_CARD_TABLE` have them."""
+    if card and card not in CARDS:
+        raise ValueError(f"pick_skinny_config: card {card!r} is not one of {CARDS} ('' for the default tables)")
+    bucket = m_bucket(M)
+    if weight_dtype == torch.float8_e4m3fn:
+        gemv = _CARD_GEMV_TABLE.get(card, {}).get(bucket, _GEMV_TABLE.get(bucket))
+    else:
+        gemv = _BF16_GEMV_TABLE.get(bucket) if weight_dtype == torch.bfloat16 else None
     if gemv is not None:
         mode, bn, bk, unroll, warps, stages, per_sm = gemv
         return fp8_gemv.gemv_config(N, K, mode, bn, bk, unroll, warps, stages, per_sm, num_sms)
-    mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight_dtype.itemsize, 2))]
+    return _tiled_config(M, N, K, weight_dtype.itemsize, num_sms, card)
+
+
+def _tiled_config(M: int, N: int, K: int, itemsize: int, num_sms: int, card: str) -> SkinnyConfig:
+    # The tiled kernel's entry for M's bucket and the weight's width (the card's where it has one).
+    key = (m_bucket(M), min(itemsize, 2))
+    mode, bn, bk, warps, stages, per_sm, *sub = _CARD_TABLE.get(card, {}).get(key, _TABLE[key])
     return config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
 
 
@@ -330,10 +375,10 @@ def _call_config(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | GemvCo
     where the GEMV's pick cannot read the weight's rows as words."""
     (M, K), N = x.shape, weight.shape[0]
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
-    config = pick_skinny_config(M, N, K, weight.dtype, num_sms)
+    card = card_of(x.device)
+    config = pick_skinny_config(M, N, K, weight.dtype, num_sms, card)
     if isinstance(config, GemvConfig) and not fp8_gemv.word_aligned(weight):
-        mode, bn, bk, warps, stages, per_sm, *sub = _TABLE[(m_bucket(M), min(weight.element_size(), 2))]
-        config = config_for(M, N, K, mode, bn, bk, warps, stages, per_sm, num_sms, *sub)
+        config = _tiled_config(M, N, K, weight.element_size(), num_sms, card)
     return config
 
 

@@ -13,10 +13,12 @@ import torch
 from kernels import quant_reference
 from kernels.fp8_gemv import MODE_ACC, MODE_DOT16, GemvConfig
 from kernels.skinny_linear import (
+    CARDS,
     MODE_DOT,
     MODE_FMA,
     MODE_FMA_REDUCE,
     SkinnyConfig,
+    card_of,
     cublas_wins,
     m_bucket,
     pick_skinny_config,
@@ -157,6 +159,29 @@ def test_pick_and_use_skinny():
     assert cublas_wins(5, 28672, 4096, 1) and cublas_wins(16, 14336, 8192, 1)
     assert not cublas_wins(2, 57344, 8192, 1) and not cublas_wins(8, 7168, 4096, 1)
     assert not cublas_wins(16, 6144, 4096, 1) and not cublas_wins(4, 4096, 14336, 1)
+
+
+def test_per_card_tilings():
+    # The H200 replaces two FP8 buckets (bench/RESULTS.md run 72): M = 1 splits K to ~2 programs per SM (at 8B
+    # TP=1 o and down split in two, qkv and gate_up do not), M = 5-8 to ~2 instead of ~4; everything else is
+    # the default table's.
+    assert "H200" in CARDS
+    for n, k, default_split, h200_split in ((4096, 4096, 1, 2), (4096, 14336, 1, 2), (6144, 4096, 1, 1),
+                                            (28672, 4096, 1, 1)):
+        default, h200 = (pick_skinny_config(1, n, k, FP8, 132, card) for card in ("", "H200"))
+        assert (default.split_k, h200.split_k) == (default_split, h200_split), (n, k)
+        assert default._replace(split_k=0) == h200._replace(split_k=0)
+    default, h200 = (pick_skinny_config(8, 4096, 4096, FP8, 132, card) for card in ("", "H200"))
+    assert isinstance(h200, SkinnyConfig) and h200._replace(split_k=0) == default._replace(split_k=0)
+    assert h200.split_k < default.split_k
+    for m, wdtype in ((2, FP8), (4, FP8), (16, FP8), (1, torch.bfloat16), (8, torch.bfloat16)):
+        assert pick_skinny_config(m, 4096, 4096, wdtype, 132, "H200") == pick_skinny_config(m, 4096, 4096, wdtype, 132)
+    with pytest.raises(ValueError, match="card 'B200'"):
+        pick_skinny_config(1, 4096, 4096, FP8, 132, "B200")
+    assert card_of(torch.device("cpu")) == ""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        assert card_of(torch.device("cuda", 0)) == ("H200" if "H200" in name else "")
 
 
 def test_picked_tilings_compile_for_sm90():

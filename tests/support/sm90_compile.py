@@ -8,6 +8,7 @@ returns of different shapes), so `tests/kernels/test_skinny_linear.py` runs this
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -22,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.fp8_gemv import GemvConfig, _fp8_gemv_kernel, block_m_for  # noqa: E402
-from kernels.skinny_linear import MAX_M, MODE_DOT, _skinny_kernel, m_bucket, pick_skinny_config  # noqa: E402
+from kernels.skinny_linear import CARDS, MAX_M, MODE_DOT, _skinny_kernel, m_bucket, pick_skinny_config  # noqa: E402
 
 _SIG = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
         "counter_ptr": "*i32"}
@@ -107,23 +108,22 @@ def main() -> int:
 
     failed = 0
     seen = set()
-    for wdtype in (torch.bfloat16, torch.float8_e4m3fn):
-        for m in range(1, MAX_M + 1):
-            for n, k in ((1536, 4096), (57344, 8192)):  # split and not
-                cfg = pick_skinny_config(m, n, k, wdtype, 132)
-                bucket = block_m_for(m, cfg.mode) if isinstance(cfg, GemvConfig) else m_bucket(m)
-                key = (bucket, wdtype, cfg._replace(split_k=min(cfg.split_k, 2)))
-                if key in seen:
-                    continue
-                seen.add(key)
-                for even_k in (True, False):  # K a multiple of block_k or not (masked tail)
-                    fp8 = wdtype == torch.float8_e4m3fn
-                    failed += not report(f"{key} even_k={even_k}", lambda: "regs=%d" % compile_sm90(
-                        m, fp8, cfg, cfg.split_k > 1, even_k))
-                    if isinstance(cfg, GemvConfig):  # as a row-parallel partial pushed to 2 and 4 ranks
-                        for push_w in (2, 4):
-                            failed += not report(f"{key} even_k={even_k} push={push_w}", lambda: "regs=%d" % _compile_gemv(
-                                m, cfg, cfg.split_k > 1, even_k, 4 if fp8 else 2, push_w))
+    for wdtype, card, m, (n, k) in itertools.product((torch.bfloat16, torch.float8_e4m3fn), ("", *CARDS),
+                                                     range(1, MAX_M + 1), ((1536, 4096), (57344, 8192))):  # split, not
+        cfg = pick_skinny_config(m, n, k, wdtype, 132, card)
+        bucket = block_m_for(m, cfg.mode) if isinstance(cfg, GemvConfig) else m_bucket(m)
+        key = (bucket, wdtype, cfg._replace(split_k=min(cfg.split_k, 2)))
+        if key in seen:
+            continue
+        seen.add(key)
+        for even_k in (True, False):  # K a multiple of block_k or not (masked tail)
+            fp8 = wdtype == torch.float8_e4m3fn
+            failed += not report(f"{key} even_k={even_k}", lambda: "regs=%d" % compile_sm90(
+                m, fp8, cfg, cfg.split_k > 1, even_k))
+            if isinstance(cfg, GemvConfig):  # as a row-parallel partial pushed to 2 and 4 ranks
+                for push_w in (2, 4):
+                    failed += not report(f"{key} even_k={even_k} push={push_w}", lambda: "regs=%d" % _compile_gemv(
+                        m, cfg, cfg.split_k > 1, even_k, 4 if fp8 else 2, push_w))
     return 1 if failed else 0
 
 
