@@ -52,6 +52,11 @@ CASES = [
     (40, 400, 11, True, True, GemvConfig(MODE_DOT16, 32, 64, 2, 2, 4, 3)),
     (64, 256, 1, False, False, GemvConfig(MODE_DOT16, 32, 64, 1, 1, 4, 1)),
     (48, 256, 16, True, True, GemvConfig(MODE_DOT16, 16, 64, 1, 4, 4, 3)),
+    # the pipelined FMA loop (stages > 1): unrolled sub-tiles, a K tail, a split left empty by an explicit
+    # tiling (400 columns in steps of 128 over 3 splits: 2, 2, 0 iterations)
+    (40, 400, 1, False, True, GemvConfig(MODE_ACC, 16, 64, 2, 3, 4, 3)),
+    (40, 512, 2, True, False, GemvConfig(MODE_ROWSUM, 16, 32, 4, 1, 4, 2)),
+    (24, 128, 4, True, True, GemvConfig(MODE_ACC, 8, 32, 4, 1, 4, 4)),
 ]
 
 
@@ -115,6 +120,7 @@ BF16_CASES = [
     (24, 512, 2, True, GemvConfig(MODE_ACC, 8, 128, 1, 2, 4, 3)),  # smem pipelining
     (40, 400, 3, False, GemvConfig(MODE_ROWSUM, 16, 32, 4, 3, 4, 1)),
     (72, 512, 4, True, GemvConfig(MODE_ROWSUM, 32, 64, 2, 1, 4, 1)),
+    (40, 400, 1, True, GemvConfig(MODE_ACC, 16, 64, 2, 3, 4, 3)),  # pipelined, a split left empty
 ]
 
 
