@@ -21,11 +21,14 @@ early launch, its wait for the previous kernel included, so the per-kernel sums 
   python bench/decode_profile.py --tp 1,4                    # Llama-3-8B shape, on 4 GPUs (~1 min)
   python bench/decode_profile.py --shape llama-3-70b --tp 4  # the 70B shape
   python bench/decode_profile.py --tp 1 --quantize bf16,gptq,fp8  # quantized weights (tests/support QUANT_VARIANTS)
+  python bench/decode_profile.py --tp 1 --quantize fp8 --tiles "card; default; gemv1=0,16,512,1,4,4,2"
+      # decode-tile variants of kernels/skinny_linear.py's tables (bench/tiles.py), one profile each
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -42,6 +45,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # the random-weight model b
 import torch  # noqa: E402
 
 import bench.parallel  # noqa: E402, F401 - adds the 70B shape to SHAPES
+import bench.tiles  # noqa: E402
 from bench.ceilings import time_ms  # noqa: E402
 from bench.studies.profile_workload import busy_and_gaps, family  # noqa: E402
 from dummy_model import QUANT_VARIANTS, SHAPES, dummy_dir, make_dummy_model_dir  # noqa: E402
@@ -107,7 +111,7 @@ def summarize(steps: list[list[dict]]) -> dict:
 
 
 def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, seq_len: int, replays: int,
-          traced: int, out_file: str, quantization: str | None = None, batch: int = 1) -> None:
+          traced: int, out_file: str, quantization: str | None = None, batch: int = 1, tiles: str = "card") -> None:
     import torch.distributed as dist
 
     from serving.engine_config import EngineConfig
@@ -116,6 +120,7 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
     from serving.executor.rank_process import die_with_parent
 
     die_with_parent(os.getppid())  # a parent killed on a timeout takes its ranks along
+    bench.tiles.apply(tiles)  # before any decode graph is captured
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     if world > 1:
@@ -185,17 +190,21 @@ def _rank(rank: int, world: int, init_file: str, model_dir: str, custom: bool, s
 
 
 def profile_degree(shape: str, tp: int, custom: bool, model_root: str, out_dir: Path, seq_len: int = 128,
-                   replays: int = 200, traced: int = 20, quantize: str = "bf16", batch: int = 1) -> dict:
+                   replays: int = 200, traced: int = 20, quantize: str = "bf16", batch: int = 1,
+                   tiles: str = "card") -> dict:
     """Spawn `tp` ranks, profile rank 0's decode graph of `batch` sequences (1, 2, 4 or 8; weights as the
-    `QUANT_VARIANTS` variant `quantize`); the summary dict (see `summarize`)."""
+    `QUANT_VARIANTS` variant `quantize`; decode tiles as `bench/tiles.py`'s variant `tiles`); the summary
+    dict (see `summarize`)."""
     import torch.multiprocessing as mp
 
     model_dir = str(make_dummy_model_dir(shape, dummy_dir(model_root, shape, quantize), quantize=quantize))
-    out_file = out_dir / f"decode_profile_{shape}_{quantize}_tp{tp}_b{batch}{'' if custom or tp == 1 else '_nccl'}.json"
+    tag = re.sub(r"[^\w.,=-]+", "_", tiles.strip())[:60]
+    out_file = out_dir / (f"decode_profile_{shape}_{quantize}_tp{tp}_b{batch}{'' if custom or tp == 1 else '_nccl'}"
+                          f"{'' if tag == 'card' else '_' + tag}.json")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(tp, os.path.join(tmp, "init"), model_dir, custom, seq_len, replays, traced,
-                              str(out_file), QUANT_VARIANTS[quantize][1], batch), nprocs=tp, join=True)
-    return {"shape": shape, "quantize": quantize, **json.loads(out_file.read_text())}
+                              str(out_file), QUANT_VARIANTS[quantize][1], batch, tiles), nprocs=tp, join=True)
+    return {"shape": shape, "quantize": quantize, "tiles": tiles.strip(), **json.loads(out_file.read_text())}
 
 
 def print_profile(result: dict, top: int = 14) -> None:
@@ -203,7 +212,7 @@ def print_profile(result: dict, top: int = 14) -> None:
     ar = {"none": "one GPU"}.get(result["all_reduce_path"], f"all-reduce: {result['all_reduce_path']}")
     print(f"\n== decode step profile, {result['shape']} {result.get('quantize', 'bf16')} TP={result['tp']} ({ar}), "
           f"batch {result.get('batch', 1)}, {result['seq_len']} tokens of context, rank 0, {result['steps']} traced "
-          f"replays (kernels grouped by {result['grouping']})")
+          f"replays (kernels grouped by {result['grouping']}), tiles: {result.get('tiles', 'card')}")
     print(f"graph alone (untraced, max over ranks): {result['graph_step_us']:.0f} us/step; traced: span "
           f"{result['span_us']:.0f} us = kernels {result['busy_us']:.0f} + gaps {result['gap_us']:.0f} "
           f"({result['kernels_per_step']:.0f} kernels; gap {result['gap_us'] / max(1, result['kernels_per_step']):.2f} "
@@ -236,7 +245,11 @@ def main() -> None:
     ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/decode_profile"))
     ap.add_argument("--out", default="", help="also write every summary to this JSON file")
+    ap.add_argument("--tiles", default="card", help="';'-separated decode-tile variants (bench/tiles.py), each profiled")
     args = ap.parse_args()
+    variants = [v.strip() for v in args.tiles.split(";") if v.strip()]
+    for v in variants:
+        bench.tiles.parse(v)  # a bad variant fails here, before any model is built
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
@@ -245,10 +258,15 @@ def main() -> None:
             print(f"TP={tp}: only {torch.cuda.device_count()} GPUs, skipped")
             continue
         for quantize in args.quantize.split(","):
-            for mode in (args.custom_ar.split(",") if tp > 1 else ["on"]):
+            for mode, tiles in itertools.product(args.custom_ar.split(",") if tp > 1 else ["on"], variants):
                 results.append(profile_degree(args.shape, tp, mode == "on", args.model_root, out_dir, args.seq_len,
-                                              quantize=quantize, batch=args.batch))
+                                              quantize=quantize, batch=args.batch, tiles=tiles))
                 print_profile(results[-1])
+    if len(variants) > 1:
+        print("\n== graph alone per tile variant (us a step)")
+        for r in results:
+            print(f"{r['quantize']:>5} TP={r['tp']} batch {r['batch']} {r['all_reduce_path']:>8}  "
+                  f"{r['graph_step_us']:7.0f}  {r['tiles']}")
     if args.out:
         Path(args.out).write_text(json.dumps(results))
 

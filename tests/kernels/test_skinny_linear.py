@@ -184,6 +184,30 @@ def test_per_card_tilings():
         assert card_of(torch.device("cuda", 0)) == ("H200" if "H200" in name else "")
 
 
+def test_bench_tile_variants(monkeypatch):
+    # bench/tiles.py (bench/decode_profile.py --tiles): a variant replaces buckets on top of the default tables
+    import sys
+
+    from bench import tiles
+
+    module = sys.modules["kernels.skinny_linear"]
+    for name in ("_GEMV_TABLE", "_BF16_GEMV_TABLE", "_TABLE", "_CARD_GEMV_TABLE", "_CARD_TABLE"):
+        monkeypatch.setattr(module, name, {k: (dict(v) if isinstance(v, dict) else v)
+                                           for k, v in getattr(module, name).items()})
+    assert tiles.parse("card") == tiles.parse(" default ") == {}
+    assert tiles.parse("gemv1=0,16,512,1,4,3,2.5 skinny8=2,32,512,4,3,2") == {
+        ("gemv", 1): (0, 16, 512, 1, 4, 3, 2.5), ("skinny", 8): (2, 32, 512, 4, 3, 2)}
+    for bad in ("gemv1=0,16", "gemv8=0,16,512,1,4,3,2", "fast", "skinny3=2,32,512,4,3,2"):
+        with pytest.raises(ValueError, match="tile variant"):
+            tiles.parse(bad)
+    tiles.apply("card")
+    assert pick_skinny_config(1, 4096, 4096, FP8, 132, "H200").split_k == 2  # untouched
+    tiles.apply("gemv1=0,16,512,1,4,3,1 bf16gemv2=0,16,256,1,4,1,1")
+    assert module._CARD_GEMV_TABLE == {} and module._CARD_TABLE == {}  # the card's buckets are gone
+    assert pick_skinny_config(1, 4096, 4096, FP8, 132, "H200") == GemvConfig(MODE_ACC, 16, 512, 1, 1, 4, 3)
+    assert pick_skinny_config(2, 4096, 4096, torch.bfloat16, 132).stages == 1
+
+
 def test_picked_tilings_compile_for_sm90():
     # The interpreter runs programs the compiler rejects; compile every tiling the picker can return
     # for sm_90 (no GPU needed: Triton's own ptxas) in a process without TRITON_INTERPRET.
