@@ -264,8 +264,8 @@ _BF16_GEMV_TABLE: dict[int, tuple[int, ...]] = {
 }
 
 # Per card: buckets of the tables above that a card replaces, where the engine's decode graph measured
-# faster on that card (the tables above came from H100 sweeps). Keyed by a substring of the device's
-# name (`card_of`); a card not listed takes the tables above. H200 (bench/RESULTS.md run 72, `python3
+# faster on that card (the tables above came from H100 sweeps). Keyed by a word of the device's name
+# (`card_of`); a card not listed takes the tables above. H200 (bench/RESULTS.md run 72, `python3
 # bench/decode_profile.py --tp 1 --quantize fp8 [--batch N]`, the 8B decode graph alone, us a step):
 # - FP8 at M = 1: the same tiles with K split to reach 2 programs per SM (at 8B TP=1 o and down split in
 #   two): 2,714 -> 2,592. 3 and 4 per SM 2,655 / 2,825; 3 stages without the split 2,739; 1-stage
@@ -281,10 +281,16 @@ _CARD_TABLE: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {
 CARDS = tuple(dict.fromkeys([*_CARD_GEMV_TABLE, *_CARD_TABLE]))
 
 
+def card_of_name(name: str) -> str:
+    """The `CARDS` key a device name carries as a word ("NVIDIA H200", "NVIDIA H200 NVL" -> "H200"; "NVIDIA
+    GH200 480GB", "NVIDIA H100 80GB HBM3" -> ''): only the cards measured take their buckets."""
+    words = set(name.split())
+    return next((card for card in CARDS if card in words), "")
+
+
 @functools.cache
 def _card_of_index(device_index: int) -> str:
-    name = torch.cuda.get_device_name(device_index)
-    return next((card for card in CARDS if card in name), "")
+    return card_of_name(torch.cuda.get_device_name(device_index))
 
 
 def card_of(device: torch.device) -> str:

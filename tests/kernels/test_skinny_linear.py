@@ -19,6 +19,7 @@ from kernels.skinny_linear import (
     MODE_FMA_REDUCE,
     SkinnyConfig,
     card_of,
+    card_of_name,
     cublas_wins,
     m_bucket,
     pick_skinny_config,
@@ -179,9 +180,10 @@ def test_per_card_tilings():
     with pytest.raises(ValueError, match="card 'B200'"):
         pick_skinny_config(1, 4096, 4096, FP8, 132, "B200")
     assert card_of(torch.device("cpu")) == ""
+    assert [card_of_name(n) for n in ("NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA GH200 480GB", "NVIDIA H100 80GB HBM3",
+                                      "NVIDIA A100-SXM4-80GB")] == ["H200", "H200", "", "", ""]
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        assert card_of(torch.device("cuda", 0)) == ("H200" if "H200" in name else "")
+        assert card_of(torch.device("cuda", 0)) == card_of_name(torch.cuda.get_device_name(0))
 
 
 def test_bench_tile_variants(monkeypatch):
