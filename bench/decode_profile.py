@@ -245,7 +245,8 @@ def main() -> None:
     ap.add_argument("--model-root", default="/tmp/open-lmi-bench-models")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/decode_profile"))
     ap.add_argument("--out", default="", help="also write every summary to this JSON file")
-    ap.add_argument("--tiles", default="card", help="';'-separated decode-tile variants (bench/tiles.py), each profiled")
+    ap.add_argument("--tiles", default="card",
+                    help="';'-separated decode-tile variants (bench/tiles.py), each profiled")
     args = ap.parse_args()
     variants = [v.strip() for v in args.tiles.split(";") if v.strip()]
     for v in variants:

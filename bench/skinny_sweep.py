@@ -43,9 +43,9 @@ from kernels.skinny_linear import (  # noqa: E402
     MODE_FMA,
     MODE_FMA_REDUCE,
     SkinnyConfig,
+    card_of,
     config_for,
     m_bucket,
-    card_of,
     pick_skinny_config,
     skinny_linear_impl,
     use_skinny,
@@ -440,7 +440,8 @@ def main() -> None:
             itemsize = 2 if dtype == "bf16" else 1
             wdtype = BF16 if itemsize == 2 else torch.float8_e4m3fn
             for m in ms:
-                for cfg in candidates(m, n, k, itemsize, num_sms) + [pick_skinny_config(m, n, k, wdtype, num_sms, card_of(torch.device(DEVICE)))]:
+                pick = pick_skinny_config(m, n, k, wdtype, num_sms, card_of(torch.device(DEVICE)))
+                for cfg in candidates(m, n, k, itemsize, num_sms) + [pick]:
                     k_warm = 4096 if k % cfg.block_k == 0 else k
                     jobs.append((m_bucket(m), itemsize, k_warm, cfg._replace(split_k=min(cfg.split_k, 2))))
         prewarm(jobs, args.jobs)
