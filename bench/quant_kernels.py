@@ -25,7 +25,8 @@ from bench.ceilings import copy_bandwidth_gbs  # noqa: E402
 from kernels.int4_matmul import MatmulConfig, _split_for, pick_config, quant_linear_impl  # noqa: E402
 
 BF16 = torch.bfloat16
-SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N): qkv, o, gate_up, down
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N) of the linears in SHAPE_NAMES
+SHAPE_NAMES = ("qkv", "o", "gate_up", "down")
 NUM_LAYERS = 32
 ROTATE_BYTES = 256 << 20  # several times the H200's L2
 

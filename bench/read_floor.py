@@ -24,9 +24,8 @@ sys.path.insert(0, ROOT)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench.quant_kernels import NUM_LAYERS, SHAPES, _copies, int4_bytes, time_us  # noqa: E402
+from bench.quant_kernels import NUM_LAYERS, SHAPE_NAMES, SHAPES, _copies, int4_bytes, time_us  # noqa: E402
 
-NAMES = ("qkv", "o", "gate_up", "down")  # SHAPES' order: (K, N) of the 8B layer's linears
 # Bytes a linear's weights take: int4 g128 with its bf16 scales and zero points, FP8 with fp32 per-channel
 # scales, bf16.
 WEIGHT_BYTES = {
@@ -72,7 +71,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: a read-only kernel per linear of the 8B layer, us (TB/s)")
     for fmt, weight_bytes in WEIGHT_BYTES.items():
         total = 0.0
-        for name, (k, n) in zip(NAMES, SHAPES):
+        for name, (k, n) in zip(SHAPE_NAMES, SHAPES):
             nbytes = weight_bytes(k, n)
             t, cfg = read_floor_us(nbytes, num_sms)
             total += t

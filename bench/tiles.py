@@ -45,11 +45,11 @@ def parse(variant: str) -> dict[tuple[str, int], tuple]:
 def apply(variant: str) -> None:
     """Set this process's skinny-linear tables to `variant` (call before any decode graph is captured)."""
     settings = parse(variant)
+    if variant.strip() == "card":
+        return
     import kernels.skinny_linear  # noqa: F401 - the submodule (the package exports a function of that name)
 
     tables = sys.modules["kernels.skinny_linear"]
-    if variant.strip() == "card":
-        return
     tables._CARD_GEMV_TABLE.clear()
     tables._CARD_TABLE.clear()
     target = {"gemv": tables._GEMV_TABLE, "bf16gemv": tables._BF16_GEMV_TABLE}
