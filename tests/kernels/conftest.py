@@ -34,6 +34,7 @@ _TRITON_MODULES = (
     "kernels.fp8_gemv",  # before skinny_linear, which imports its GemvConfig
     "kernels.skinny_linear",
     "kernels.fp8_gemm",  # before fp8_matmul, which imports it
+    "kernels.fp8_gemm_tma",  # likewise
     "kernels.fp8_matmul",
     "kernels.all_reduce_norm",
     "kernels.stage_inputs",

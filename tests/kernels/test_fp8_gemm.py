@@ -11,20 +11,8 @@ import torch
 
 from kernels import quant_reference
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, pick_fp8_gemm_config, use_fp8_gemm
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
-
-
-def _operands(M: int, N: int, K: int, device: str, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=gen)
-    w = torch.randn(N, K, generator=gen) * 0.02
-    x_q, x_scale = quant_reference.quantize_fp8(x)  # per row (per token)
-    w_q, w_scale = quant_reference.quantize_fp8(w)  # per output channel
-    bias = torch.randn(N, generator=gen)
-    return [t.to(device) for t in (x_q, x_scale, w_q, w_scale, bias)]
+from quant_helpers import fp8_gemm_operands as _operands
+from quant_helpers import rel_err as _rel
 
 
 CASES = [

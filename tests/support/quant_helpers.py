@@ -52,3 +52,21 @@ def make_int_weight(
         pack_codes(q, bits).to(device), scales.to(device), zeros.to(device),
         None if g_idx is None else g_idx.to(device), bits, group_size, dense.float().to(device),
     )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """|out - ref| / |ref| (Frobenius), in float64."""
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def fp8_gemm_operands(M: int, N: int, K: int, device: str, seed: int = 0) -> list[torch.Tensor]:
+    """The FP8 GEMMs' operands, seeded: (x_q, x_scale) per token, (w_q, w_scale) per output channel, and a bias."""
+    from kernels import quant_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(N, K, generator=gen) * 0.02
+    x_q, x_scale = quant_reference.quantize_fp8(x)
+    w_q, w_scale = quant_reference.quantize_fp8(w)
+    bias = torch.randn(N, generator=gen)
+    return [t.to(device) for t in (x_q, x_scale, w_q, w_scale, bias)]
