@@ -17,8 +17,9 @@ sum in K order.
 
 Where it runs (`kernels/fp8_matmul.scaled_mm_linear`): Hopper, 129-2048 rows. `_scaled_mm`'s time is a sawtooth
 in the rows (cuBLAS's heuristic: on the 8B step's linears 4.01 ms at 256 rows, 6.82 at 272, 5.20 at 384, 8.29
-at 400), this kernel's a staircase of waves that `pick_fp8_tma_config` predicts: with the tiling it picks the 8B
-step's linears take 0.68-1.00x `_scaled_mm`'s time at every 16 rows from 129 to 640 and 0.94x at 2048 (run 76).
+at 400), this kernel's a staircase of waves that `pick_fp8_tma_config` predicts: with the tilings it picks the 8B
+step's linears take 0.71-0.97x `_scaled_mm`'s time at every 16 rows from 129 to 512, 0.92-0.94x at 640, 1024 and
+2048 (run 76).
 """
 
 from __future__ import annotations
