@@ -22,7 +22,8 @@
 - SIGTERM: `on_drain(deadline)` is called so every open request ends with a final record before
   gunicorn's graceful_timeout runs out, and once the worker stops accepting, its listening sockets
   are closed (the arbiter closed its copies already): new connections are refused at once instead
-  of waiting in the backlog until the process exits.
+  of waiting in the backlog until the process exits; idle kept-alive connections are closed after
+  gunicorn's short linger, so they do not hold the exit until graceful_timeout.
 """
 
 from __future__ import annotations
@@ -173,6 +174,15 @@ class LMIWorker(ThreadWorker):
             listener.close()
         self.log.info("stopping: new connections are refused; open requests end within %.1f s of SIGTERM",
                       drain_seconds(self.cfg.graceful_timeout))
+
+    def _cap_keepalive(self, deadline: float) -> None:
+        # Stopping: gunicorn closes its kept-alive connections by `deadline` (a short linger); ours wait
+        # for their next request in `_readers` (read on the poller), so they are capped too: one idle
+        # kept-alive client (a connection pool) held every stop for the whole graceful_timeout.
+        super()._cap_keepalive(deadline)
+        for reader in self._readers.values():
+            if reader.phase == "idle":
+                reader.deadline = min(reader.deadline, deadline)
 
     def _keepalive_after(self, conn, keepalive: bool) -> bool:  # noqa: ANN001
         # Stopping: a connection closes after its response, so the worker exits as soon as the last

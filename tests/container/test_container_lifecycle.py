@@ -87,9 +87,11 @@ def test_each_broken_checkpoint_stops_the_server_within_seconds(tmp_path, tiny_m
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("limited")
-    (cwd / "serving.properties").write_text("# the file wins over the environment\noption.predict_timeout=8\n")
+    # predict_timeout 5 s: the tests below wait it out three times, so it is short, yet far above the
+    # 3-token requests (< 0.5 s) and the full queue's set-up (< 1 s) that must not meet it.
+    (cwd / "serving.properties").write_text("# the file wins over the environment\noption.predict_timeout=5\n")
     # chunked_read_timeout 4: the opt-in plain heartbeat (off here) would commit 200 after 1 s, well
-    # before the 8 s predict_timeout; a plain request past that deadline must still be a 5xx.
+    # before the 5 s predict_timeout; a plain request past that deadline must still be a 5xx.
     srv = LMIServer({"OPTION_PREDICT_TIMEOUT": "100", "SERVING_JOB_QUEUE_SIZE": str(QUEUE),
                      "OPTION_TGI_COMPAT": "true", "SERVING_CHUNKED_READ_TIMEOUT": "4"}, cwd, cwd / "serve.log")
     try:
@@ -170,7 +172,7 @@ def test_plain_requests_past_predict_timeout_fail_visibly_on_every_route_and_are
         except openai.APIStatusError as exc:
             return exc
 
-    with ThreadPoolExecutor(len(calls)) as pool:  # all four at once: one 8 s deadline, not four
+    with ThreadPoolExecutor(len(calls)) as pool:  # all four at once: one deadline, not four
         answers = dict(zip(calls, pool.map(call, calls.values())))
     for path, answer in answers.items():
         if isinstance(answer, requests.Response):
@@ -214,3 +216,21 @@ def test_full_queue_answers_503_ping_stays_fast_and_disconnects_clean_up(limited
     m = limited.wait_idle(timeout=30)
     assert m["lmi_kv_blocks_free"] == m["lmi_kv_blocks_total"]
     assert 'lmi_requests_total{route="/invocations",status="503"}' in m
+
+
+def test_an_idle_kept_alive_connection_does_not_hold_the_stop(limited):
+    """Last test of the module: it stops the server. A client that keeps its connection open between
+    requests (any connection pool) is closed a moment after SIGTERM, as gunicorn closes its own kept-alive
+    connections, instead of holding the stop for the whole graceful_timeout (25 s here)."""
+    conn = http.client.HTTPConnection("127.0.0.1", limited.port, timeout=30)
+    conn.request("GET", "/ping")
+    resp = conn.getresponse()
+    assert resp.status == 200 and not resp.will_close  # kept alive
+    resp.read()
+    time.sleep(0.5)  # idle on the server, waiting for a next request
+    try:
+        took = limited.stop()
+        assert limited.proc.returncode == 0 and took < 10, (took, limited.log()[-2000:])
+        assert conn.sock.recv(1) == b""  # the server closed it
+    finally:
+        conn.close()

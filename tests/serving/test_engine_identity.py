@@ -47,10 +47,12 @@ def tokenizer(smol_dir: str):  # noqa: ANN201
     return load_tokenizer(smol_dir)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def expected(smol_dir: str, tokenizer):  # noqa: ANN001, ANN201
     """prompt -> transformers' greedy tokens, computed in another process (one thread, as here)
-    while the engine runs its prompts on this one; a test's check waits for the prompt it needs."""
+    while the engine runs its prompts on this one; a test's check waits for the prompt it needs.
+    Autouse: started with the module's first test, before the runner loads, so that the oracle-free
+    tests below (placed first) run while it decodes rather than the first identity check waiting on it."""
     oracle = HFGreedyInBackground(smol_dir, {p: tuple(tokenizer.encode(p)) for p in PROMPTS}, MAX_NEW)
     yield oracle
     oracle.close()
@@ -77,6 +79,51 @@ def test_prompts_cover_the_brief(tokenizer) -> None:  # noqa: ANN001
     lengths = [len(tokenizer.encode(p)) for p in PROMPTS]
     assert len(PROMPTS) >= 8 and max(lengths) > 300 and min(lengths) < 10
     assert any("\u4e00" <= ch <= "\u9fff" for p in PROMPTS for ch in p)
+
+
+# The tests that need no oracle run first: the oracle's ~30 s of decoding overlaps them.
+
+@BOTH_LOOPS
+def test_seeded_sampling_alone_equals_in_batch(make_llm, async_scheduling) -> None:  # noqa: ANN001
+    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False)
+    prompts = [f"Write a short poem about the number {i}:" for i in range(16)]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=12) for i in range(16)]
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    for i in (0, 7, 15):
+        alone = llm.generate([prompts[i]], params[i], use_tqdm=False)
+        assert alone[0].outputs[0].token_ids == batch[i].outputs[0].token_ids
+        assert alone[0].outputs[0].text == batch[i].outputs[0].text
+    assert len({tuple(o.outputs[0].token_ids) for o in batch}) > 8  # actually random
+
+
+def test_request_that_cannot_fit_is_rejected(make_llm) -> None:  # noqa: ANN001
+    llm = make_llm(enable_prefix_caching=False, num_gpu_blocks_override=60)
+    with pytest.raises(ValueError, match="KV cache"):
+        llm.generate([LONG_A], SamplingParams(max_tokens=200), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([LONG_A], SamplingParams(max_tokens=10_000), use_tqdm=False)
+    # The engine stays usable.
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@BOTH_LOOPS
+def test_stop_strings_text_and_logprobs(make_llm, async_scheduling, tokenizer) -> None:  # noqa: ANN001
+    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False)
+    prompt = PROMPTS[0]
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, logprobs=3), use_tqdm=False)[0]
+    out = full.outputs[0]
+    # The streamed deltas (concatenated by LLM) equal a plain decode of the ids.
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert entry[token_id].rank == 1 and len(entry) == 3  # greedy: chosen is the top-1
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    word = out.text.split()[1]  # stop on the second word of the continuation
+    cut = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[word]), use_tqdm=False)[0]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == word
+    assert cut.outputs[0].text == out.text[: out.text.index(word)]
+    kept = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[word],
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.outputs[0].text == out.text[: out.text.index(word) + len(word)]
 
 
 def test_one_at_a_time(make_llm, expected) -> None:  # noqa: ANN001
@@ -138,46 +185,3 @@ def test_forced_preemption(make_llm, async_scheduling, expected) -> None:  # noq
     prompts = [PROMPTS[0], LONG_A, PROMPTS[5], LONG_B]
     _check(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, expected)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-
-
-@BOTH_LOOPS
-def test_seeded_sampling_alone_equals_in_batch(make_llm, async_scheduling) -> None:  # noqa: ANN001
-    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False)
-    prompts = [f"Write a short poem about the number {i}:" for i in range(16)]
-    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=12) for i in range(16)]
-    batch = llm.generate(prompts, params, use_tqdm=False)
-    for i in (0, 7, 15):
-        alone = llm.generate([prompts[i]], params[i], use_tqdm=False)
-        assert alone[0].outputs[0].token_ids == batch[i].outputs[0].token_ids
-        assert alone[0].outputs[0].text == batch[i].outputs[0].text
-    assert len({tuple(o.outputs[0].token_ids) for o in batch}) > 8  # actually random
-
-
-def test_request_that_cannot_fit_is_rejected(make_llm) -> None:  # noqa: ANN001
-    llm = make_llm(enable_prefix_caching=False, num_gpu_blocks_override=60)
-    with pytest.raises(ValueError, match="KV cache"):
-        llm.generate([LONG_A], SamplingParams(max_tokens=200), use_tqdm=False)
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([LONG_A], SamplingParams(max_tokens=10_000), use_tqdm=False)
-    # The engine stays usable.
-    assert llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
-
-
-@BOTH_LOOPS
-def test_stop_strings_text_and_logprobs(make_llm, async_scheduling, tokenizer) -> None:  # noqa: ANN001
-    llm = make_llm(async_scheduling=async_scheduling, enable_prefix_caching=False)
-    prompt = PROMPTS[0]
-    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, logprobs=3), use_tqdm=False)[0]
-    out = full.outputs[0]
-    # The streamed deltas (concatenated by LLM) equal a plain decode of the ids.
-    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
-    for token_id, entry in zip(out.token_ids, out.logprobs):
-        assert entry[token_id].rank == 1 and len(entry) == 3  # greedy: chosen is the top-1
-    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
-    word = out.text.split()[1]  # stop on the second word of the continuation
-    cut = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[word]), use_tqdm=False)[0]
-    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == word
-    assert cut.outputs[0].text == out.text[: out.text.index(word)]
-    kept = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[word],
-                                                 include_stop_str_in_output=True), use_tqdm=False)[0]
-    assert kept.outputs[0].text == out.text[: out.text.index(word) + len(word)]

@@ -278,15 +278,28 @@ def test_tiny_llama_greedy_identity(tiny_models) -> None:  # noqa: ANN001
     assert _spec(llm)["spec_decode_num_drafts"] > 0
 
 
+TP2_OPTIONS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05)
+
+
+@pytest.fixture(scope="module")
+def plain_tp1_greedy(smollm2_path) -> list[tuple[int, ...]]:  # noqa: ANN001
+    """Plain single-process greedy tokens of GROUNDED: the same for both TP=2 methods, so computed once
+    (an engine load and its decoding per method before)."""
+    llm = LLM(str(smollm2_path), **TP2_OPTIONS)
+    try:
+        return _tokens(llm, GROUNDED, GREEDY)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_tp2_greedy_identity(smollm2_path, method) -> None:  # noqa: ANN001
+def test_tp2_greedy_identity(smollm2_path, plain_tp1_greedy, method) -> None:  # noqa: ANN001
     """Under TP=2 (worker processes); a draft model runs in the engine's process on rank 0's device,
     and the q of a sampled row's drafts crosses to the workers with the plan."""
-    options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, kv_cache_memory_gb=0.05)
-    expected = _tokens(LLM(str(smollm2_path), **options), GROUNDED, GREEDY)
+    expected = plain_tp1_greedy
     spec = NGRAM if method == "ngram" else {"model": str(smollm2_path), "num_speculative_tokens": 3}
-    llm = LLM(str(smollm2_path), tensor_parallel_size=2, speculative_config=spec, **options)
+    llm = LLM(str(smollm2_path), tensor_parallel_size=2, speculative_config=spec, **TP2_OPTIONS)
     try:
         assert _tokens(llm, GROUNDED, GREEDY) == expected
         assert _spec(llm)["spec_decode_num_accepted_tokens"] > 0
