@@ -19,12 +19,11 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.fp8_gemm_sweep import SHAPES, _weights  # noqa: E402
+from bench.fp8_gemm_sweep import SHAPES, _weights, time_baselines  # noqa: E402
 from bench.quant_kernels import start_report, time_us  # noqa: E402
 from bench.quant_speed import _rel  # noqa: E402
 from kernels import quant_reference  # noqa: E402
@@ -73,9 +72,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=BF16)
             xq, xs = quantize_rows_fp8(x)
             ref = quant_reference.fp8_scaled_matmul(xq, xs, *w8[0])
-            t16 = time_us([lambda w=w: F.linear(x, w) for w in w16])
-            tmm = time_us([lambda w=w: torch._scaled_mm(xq, w[0].t(), scale_a=xs, scale_b=w[1].reshape(1, -1),
-                                                        out_dtype=BF16) for w in w8])
+            t16, tmm = time_baselines(x, xq, xs, w16, w8)
             row = {"name": name, "M": m, "bf16_us": t16, "scaled_mm_us": tmm}
             for label, cfg in tilings.items():
                 err = _rel(fp8_gemm_tma(xq, xs, *w8[0], None, BF16, cfg), ref)

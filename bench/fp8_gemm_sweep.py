@@ -42,7 +42,7 @@ from bench.quant_kernels import _copies, start_report, time_us, write_report  # 
 from bench.quant_speed import _rel, _try  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, pick_fp8_gemm_config  # noqa: E402
-from kernels.fp8_gemm_tma import Fp8TmaConfig, fp8_gemm_tma  # noqa: E402
+from kernels.fp8_gemm_tma import Fp8TmaConfig, fp8_gemm_tma, pick_fp8_tma_config  # noqa: E402
 from kernels.fp8_rows import quantize_rows_fp8  # noqa: E402
 from kernels.int4_matmul import _split_for  # noqa: E402
 
@@ -90,6 +90,15 @@ def _weights(k: int, n: int) -> tuple[list, list]:
     return w16, [kernels.quantize_fp8(w16[i % len(w16)]) for i in range(_copies(k * n))]
 
 
+def time_baselines(x: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, w16: list, w8: list) -> tuple[float, float]:
+    """(bf16 `F.linear` us, `torch._scaled_mm` us as `kernels/fp8_matmul.scaled_mm_linear` calls it) over the
+    rotating weight copies `_weights` returns."""
+    t16 = time_us([lambda w=w: F.linear(x, w) for w in w16])
+    tmm = time_us([lambda w=w: torch._scaled_mm(xq, w[0].t(), scale_a=xs, scale_b=w[1].reshape(1, -1),
+                                                out_dtype=BF16) for w in w8])
+    return t16, tmm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="")
@@ -108,15 +117,14 @@ def main() -> None:
             xq, xs = quantize_rows_fp8(x)
             ref = quant_reference.fp8_scaled_matmul(xq, xs, *w8[0])
             nbytes, flops = n * k + m * k + 2 * m * n, 2 * m * k * n
-            t16 = time_us([lambda w=w: F.linear(x, w) for w in w16])
-            tmm = time_us([lambda w=w: torch._scaled_mm(xq, w[0].t(), scale_a=xs, scale_b=w[1].reshape(1, -1),
-                                                        out_dtype=BF16) for w in w8])
-            picked = pick_fp8_gemm_config(m, n, k, num_sms)
-            cands = [picked] + [c for base in candidates(m) for c in with_splits(base, m, n, k, num_sms)]
-            run = fp8_gemm
+            t16, tmm = time_baselines(x, xq, xs, w16, w8)
             if args.tma:
-                cands = tma_candidates()
-                run = fp8_gemm_tma
+                picked = pick_fp8_tma_config(m, n, k, num_sms)
+                cands, run = [picked] + tma_candidates(), fp8_gemm_tma
+            else:
+                picked = pick_fp8_gemm_config(m, n, k, num_sms)
+                cands = [picked] + [c for base in candidates(m) for c in with_splits(base, m, n, k, num_sms)]
+                run = fp8_gemm
             results = []
             row = {"name": name, "K": k, "N": n, "M": m, "bf16_us": t16, "scaled_mm_us": tmm, "configs": []}
             print(f"\n## {name} K={k} N={n} M={m}: bf16 {t16:.1f} us; _scaled_mm {tmm:.1f} us "

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels.int4_common import finish_tile
 from kernels.int4_matmul import _num_sms
 
 
@@ -83,10 +84,9 @@ def _fp8_gemm_tma_kernel(
         a_s = tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)
         b_s = tl.load(b_scale_ptr + offs_n, mask=mask_n, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        # the int4 / FP8 GEMMs' epilogue without its split K (+ bias, rounded once to out's dtype)
+        finish_tile(acc, offs_m, offs_n, mask_m, mask_n, 0, 1, u, M, N, bias_ptr, out_ptr, out_ptr, out_ptr, stride_om,
+                    HAS_BIAS, False)
 
 
 class _Tiling(NamedTuple):
@@ -127,13 +127,14 @@ def pick_fp8_tma_config(M: int, N: int, K: int, num_sms: int) -> Fp8TmaConfig:
 
 def use_fp8_gemm_tma(M: int, N: int, K: int) -> bool:
     """Whether `kernels/fp8_matmul.scaled_mm_linear` sends these shapes here on Hopper (the caller checks the
-    device and the operands' alignment, `fits`)."""
+    device, and `tma_ready` the operands)."""
     return MIN_ROWS <= M <= MAX_ROWS and N >= 16 and K % 16 == 0
 
 
-def fits(M: int, N: int, K: int) -> bool:
-    """Shapes the TMA boxes take: K a multiple of 16 (the row pitch in bytes, 16-aligned); rows >= 1."""
-    return M >= 1 and N >= 1 and K % 16 == 0
+def tma_ready(*operands: torch.Tensor) -> bool:
+    """Whether each 2-D operand can be a TMA box source: rows contiguous, base and row pitch 16-byte aligned
+    (FP8 rows handed over by the op before may be views of a larger buffer)."""
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in operands)
 
 
 def fp8_gemm_tma(
@@ -149,7 +150,7 @@ def fp8_gemm_tma(
     M, K = x_q.shape
     N, K2 = weight.shape
     assert K == K2 and x_q.dtype == weight.dtype == torch.float8_e4m3fn, (x_q.shape, weight.shape, x_q.dtype)
-    assert x_q.stride(1) == 1 and weight.stride(1) == 1 and fits(max(M, 1), N, K), (x_q.stride(), weight.stride(), K)
+    assert x_q.stride(1) == 1 and weight.stride(1) == 1 and K % 16 == 0, (x_q.stride(), weight.stride(), K)
     assert x_scale.numel() == M and w_scale.numel() == N and x_scale.dtype == w_scale.dtype == torch.float32
     out = torch.empty((M, N), device=x_q.device, dtype=out_dtype)
     if M == 0:

@@ -27,7 +27,7 @@ import torch
 from kernels import quant_reference
 from kernels.activation import silu_and_mul
 from kernels.fp8_gemm import fp8_gemm, use_fp8_gemm
-from kernels.fp8_gemm_tma import fp8_gemm_tma, pick_fp8_tma_config, use_fp8_gemm_tma
+from kernels.fp8_gemm_tma import fp8_gemm_tma, pick_fp8_tma_config, tma_ready, use_fp8_gemm_tma
 from kernels.int4_matmul import _num_sms
 from kernels.fp8_rows import attached, quantize_rows_fp8, wanted
 from kernels.skinny_linear import skinny_linear, use_skinny
@@ -57,12 +57,6 @@ def fp8_linear(
     return silu_and_mul(y, fp8_rows=fp8_rows and wanted(y)) if gated else y
 
 
-def _tma_ready(x_q: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether both operands can be TMA boxes' sources: rows contiguous, base and row pitch 16-byte aligned
-    (FP8 rows handed over by the op before may be views of a larger buffer)."""
-    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (x_q, weight))
-
-
 def scaled_mm_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
     own_tiles: bool = True,
@@ -86,7 +80,7 @@ def scaled_mm_linear(
         if own_tiles and cap[0] == 9 and use_fp8_gemm(x.shape[0], N, K) and weight.stride(1) == 1:
             # Hopper, 17-128 rows: the weight stream sets the time; our tiles beat `_scaled_mm` there
             return fp8_gemm(x_q, x_scale, weight, w_scale.reshape(N), bias, x.dtype)
-        if own_tiles and cap[0] == 9 and use_fp8_gemm_tma(x.shape[0], N, K) and _tma_ready(x_q, weight):
+        if own_tiles and cap[0] == 9 and use_fp8_gemm_tma(x.shape[0], N, K) and tma_ready(x_q, weight):
             # Hopper, 129-2048 rows: TMA tiles the wave model picks (never slower than `_scaled_mm` there, run 76)
             config = pick_fp8_tma_config(x.shape[0], N, K, _num_sms(x.device.index or 0))
             return fp8_gemm_tma(x_q, x_scale, weight, w_scale.reshape(N), bias, x.dtype, config)
