@@ -70,3 +70,20 @@ def fp8_gemm_operands(M: int, N: int, K: int, device: str, seed: int = 0) -> lis
     w_q, w_scale = quant_reference.quantize_fp8(w)
     bias = torch.randn(N, generator=gen)
     return [t.to(device) for t in (x_q, x_scale, w_q, w_scale, bias)]
+
+
+def check_fp8_gemm(run, M: int, N: int, K: int, device: str, calls: int = 1) -> None:
+    """An FP8 GEMM launcher `run(x_q, x_scale, w_q, w_scale, bias, out_dtype)` against
+    `quant_reference.fp8_scaled_matmul` with fp32 out: `calls` times with the bias (a split's counters reset
+    themselves between calls), once without, and with no rows."""
+    from kernels import quant_reference
+
+    x_q, x_scale, w_q, w_scale, bias = fp8_gemm_operands(M, N, K, device, seed=M)
+    ref = quant_reference.fp8_scaled_matmul(x_q, x_scale, w_q, w_scale, bias, torch.float32)
+    for _ in range(calls):
+        out = run(x_q, x_scale, w_q, w_scale, bias, torch.float32)
+        assert out.shape == (M, N) and out.dtype == torch.float32
+        assert rel_err(out, ref) < 1e-5
+    no_bias = run(x_q, x_scale, w_q, w_scale, None, torch.float32)
+    assert rel_err(no_bias, ref - bias) < 1e-5
+    assert run(x_q[:0], x_scale[:0], w_q, w_scale, None, torch.float32).shape == (0, N)
