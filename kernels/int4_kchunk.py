@@ -2,7 +2,7 @@
 
 In: `x [M, K]`, `packed` int32 `[K // 32, N, 4]` (the 32 rows 32c.. of column n in the 16-byte
 vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zeros [G, N]` (group
-`k // group_size`, or one group). Out: `[M, N]` in x's dtype. Six paths, picked by `KChunkConfig`:
+`k // group_size`, or one group). Out: `[M, N]` in x's dtype. Seven paths, picked by `KChunkConfig`:
 
 - `block_m` 1, 2 or 4: `_kchunk_gemv_kernel` (CUDA cores). A `[BLOCK_K // 32, BLOCK_N, 4]` word tile
   keeps each column's words in one thread (one 16-byte load per 32 weights; `COLS` columns a thread,
@@ -20,6 +20,9 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
 - `gemm` GEMM_WGMMA (sm_90, bf16/fp16 x, K and the group multiples of 128): `kernels/int4_kchunk_wgmma.py`
   (Gluon), Hopper's wgmma with the dequantised weights as its register operand and x's rows in shared
   memory; the picker takes it at 9-128 rows where `wgmma` says it can run (before GEMM_MMA).
+- `gemm` GEMM_WS (sm_90, bf16/fp16 x with scales of its type, TMA-aligned operands): `kernels/int4_kchunk_ws.py`
+  (Gluon), warp-specialised: TMA loader warps, dequantising partitions writing each weight tile to shared memory,
+  a wgmma warp group; the picker takes it at 33-512 rows on wide weights (the packed gate|up) where it can run.
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV and GEMM_MMA write silu(gate) * up from
@@ -39,7 +42,7 @@ import triton.language as tl
 from kernels.activation import silu_and_mul
 from kernels.int4_common import (finish_gemv_tile, finish_tile, gemv_rows, grouped_tile, nibble_float,
                                  nibble_pair_floats, stack_rows)
-from kernels import int4_kchunk_mma, int4_kchunk_wgmma
+from kernels import int4_kchunk_mma, int4_kchunk_wgmma, int4_kchunk_ws
 from kernels.int4_kchunk_gemm import _kchunk_gemm_kernel
 from kernels.int4_matmul import _num_sms, _split_for, gated_workspace, split_k_workspace
 from kernels.pdl import launch_options, release_dependents, wait_upstream
@@ -49,6 +52,7 @@ GEMM_JOIN = 1  # `int4_kchunk_gemm`: one dot per K tile on the weights put back 
 GEMM_NIBBLES = 2  # `int4_kchunk_gemm`: one dot per nibble, each on an elementwise function of the words
 GEMM_MMA = 3  # `int4_kchunk_mma` (<= 64 rows, CUDA, bf16/fp16): mma.sync on words loaded in the operand's layout
 GEMM_WGMMA = 4  # `int4_kchunk_wgmma` (sm_90, bf16/fp16): wgmma on weights dequantised in registers, x in smem
+GEMM_WS = 5  # `int4_kchunk_ws` (sm_90, bf16/fp16): dequantising warps feed a wgmma warp group through smem
 
 
 class KChunkConfig(NamedTuple):
@@ -66,7 +70,8 @@ class KChunkConfig(NamedTuple):
     reduce_each: bool = False  # GEMV: sum each nibble's products at once instead of an FMA tile
     group_m: int = 1  # tensor cores: row tiles per band of the program order (L2 reuse of weight tiles)
     gemm: int = 0  # tensor cores: `int4_kchunk_gemm` (W^T x^T) with GEMM_JOIN or GEMM_NIBBLES; GEMM_MMA; GEMM_WGMMA
-    # (block_m rows of x a program, num_stages K tiles of x in shared memory); else 0
+    # (block_m rows of x a program, num_stages K tiles of x in shared memory); GEMM_WS; else 0
+    dq_parts: int = 0  # GEMM_WS: dequantising partitions (of num_warps warps each)
 
 
 @triton.jit
@@ -412,6 +417,24 @@ def _wgmma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChu
     return KChunkConfig(bm, bn, int4_kchunk_wgmma.BLOCK_K, split, 4, 4, gemm=GEMM_WGMMA)
 
 
+def _ws_config(M: int, N: int, K: int, group_size: int) -> KChunkConfig | None:
+    """`int4_kchunk_ws` where it beat every other path on an H200 (bench/RESULTS.md run 81, `bench/int4_ws_scan.py
+    --shapes gate_up`, the 8B shapes, group 128, us, the pick before it -> this, bf16 cuBLAS): the wide gate|up
+    weight (N >= 16384) at 33-512 rows, whose 128-column tiles fill the SMs without a K split. 64-row programs with
+    two dequantising partitions up to 64 rows: M = 40 67.3 -> 53.6 (bf16 70.2), 48 68.0 -> 54.9 (65.9), 64 70.3 ->
+    55.8 (65.4); 128-row programs with three above: 96 102.6 -> 69.7 (65.5), 128 103.8 -> 70.0 (69.5), 192 156.1 ->
+    141.2 (79.7), 256 171.1 -> 136.4 (92.6), 384 209.6 -> 200.9 (122.0), 512 245.9 -> 235.5 (154.8). On the
+    narrower weights the other paths stay ahead (an earlier call of the scan: o at 128 rows 24.1 against 28.3, qkv
+    at 512 51.4 against 68.1, down within 5 % either way)."""
+    if not (33 <= M <= 512 and N >= 16384) or K % int4_kchunk_ws.BLOCK_K:
+        return None
+    if group_size < K and group_size % int4_kchunk_ws.BLOCK_K:
+        return None
+    block_m, parts = (64, 2) if M <= 64 else (128, 3)
+    return KChunkConfig(block_m, int4_kchunk_ws.BLOCK_N, int4_kchunk_ws.BLOCK_K, 1, 4, 4, gemm=GEMM_WS,
+                        dq_parts=parts)
+
+
 @functools.cache
 def _has_mma_sync(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 8
@@ -437,7 +460,7 @@ def wgmma_runs_on(x: torch.Tensor) -> bool:
 
 
 def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mma: bool = False,
-                       wgmma: bool = False, gated: bool = False) -> KChunkConfig:
+                       wgmma: bool = False, gated: bool = False, ws: bool = False) -> KChunkConfig:
     """The tiling for one call, from shapes alone (fixed per M bucket: no recompiles as M varies).
 
     From `bench/int4_sweep.py` on an H100 (bench/RESULTS.md run 36, the 8B shapes, group 128): M <= 2
@@ -449,8 +472,13 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mm
     k-chunk GEMM up to 64 rows, to 128 rows on weights larger than the 8B qkv, else the weight
     dequantised once for cuBLAS (there, prefill, that cost is amortised over the rows). With `mma` (the
     caller's x can take it: `mma_runs_on`), `_mma_config` first, up to 24 rows; with `wgmma` (sm_90:
-    `wgmma_runs_on`) `_wgmma_config` before it, at 9-128 rows. `gated`: the call writes silu(gate) * up (one
-    row keeps the GEMV, whose epilogue does it)."""
+    `wgmma_runs_on`) `_wgmma_config` before it, at 9-128 rows; with `ws` (sm_90 and operands TMA can copy:
+    `int4_kchunk_ws.fits`) `_ws_config` before both. `gated`: the call writes silu(gate) * up (one row keeps the
+    GEMV, whose epilogue does it)."""
+    if ws:
+        cfg = _ws_config(M, N, K, group_size)
+        if cfg is not None:
+            return cfg
     if wgmma:
         cfg = _wgmma_config(M, N, K, group_size, num_sms)
         if cfg is not None:
@@ -495,11 +523,21 @@ def int4_kchunk_linear_impl(
     assert x.stride(1) == 1 and scales.shape == zeros.shape and scales.shape[1] == N
     assert scales.stride(1) == 1 and zeros.stride() == scales.stride()
     assert scales.shape[0] == triton.cdiv(K, group_size), (scales.shape, K, group_size)
+    if x.dtype in (torch.bfloat16, torch.float16) and scales.dtype != x.dtype:
+        # The Gluon paths read scales and zero points as x's type (the inline PTX multiplies bf16x2 / f16x2 pairs;
+        # GEMM_WS copies them by TMA). Serving casts them at load; a direct call with other types gets the cast here.
+        scales, zeros = scales.to(x.dtype), zeros.to(x.dtype)
     mma_ok = mma_runs_on(x)
     wgmma_ok = mma_ok and _has_wgmma(_device_index(x))  # `wgmma_runs_on`, mma_runs_on read once
+    ws_ok = wgmma_ok and int4_kchunk_ws.fits(x, packed, scales, zeros, group_size)
     if config is None:
         config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132,
-                                    mma=mma_ok, wgmma=wgmma_ok, gated=gated)
+                                    mma=mma_ok, wgmma=wgmma_ok, gated=gated, ws=ws_ok)
+    if config.gemm == GEMM_WS and not ws_ok:
+        raise ValueError(f"GEMM_WS takes bf16/fp16 CUDA x on sm_90 with scales and zero points of its type, every "
+                         f"operand 16-byte aligned (N a multiple of 8), K a multiple of 64 and groups of a multiple "
+                         f"of 64 rows; got {M} x {K} {x.dtype} on {x.device}, scales {scales.dtype}, N {N}, "
+                         f"group {group_size}")
     wgmma = config.gemm == GEMM_WGMMA
     if wgmma and not (wgmma_ok and int4_kchunk_wgmma.fits(K, group_size)):
         raise ValueError(f"GEMM_WGMMA takes bf16/fp16 CUDA x on sm_90, K and the group multiples of "
@@ -527,6 +565,11 @@ def int4_kchunk_linear_impl(
         assert config.block_m == 16 and config.block_n % (16 * config.num_warps) == 0, config
         int4_kchunk_mma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.split_k,
                                config.num_warps, gated)
+        return out
+    if config.gemm == GEMM_WS:  # a gated call ran the activation above, on this path's result
+        wbuf, raw = int4_kchunk_ws.buffers(config.dq_parts)
+        int4_kchunk_ws.int4_kchunk_ws(x, packed, scales, zeros, group_size, bias, config.block_m, config.num_stages,
+                                      wbuf, config.num_warps, config.split_k, raw, config.dq_parts, out=out)
         return out
     if wgmma:  # block_m >= 16: a gated call ran the activation above, on this path's result
         int4_kchunk_wgmma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.block_m,

@@ -13,7 +13,7 @@ from sm90_compile import run_script
 
 from kernels import int4_kchunk_mma, quant_reference
 from kernels.activation import silu_and_mul
-from kernels.int4_kchunk import (GEMM_MMA, GEMM_WGMMA, KChunkConfig, int4_kchunk_linear, int4_kchunk_linear_impl,
+from kernels.int4_kchunk import (GEMM_MMA, GEMM_WGMMA, GEMM_WS, KChunkConfig, int4_kchunk_linear, int4_kchunk_linear_impl,
                                  pick_kchunk_config)
 
 CASES = [
@@ -178,6 +178,26 @@ def test_wgmma_picked_at_9_to_128_rows_where_it_won():
         w = make_int_weight(128, 64, 4, 128, False, torch.float16, seed=4)
         int4_kchunk_linear_impl(torch.randn(40, 128).half(), quant_reference.repack_int4_kchunk(w.qweight), w.scales,
                                 w.zeros, 128, config=pick(40, 64, 128))
+
+
+def test_ws_picked_on_wide_weights_at_33_to_512_rows():
+    def pick(m, n=28672, k=4096, group=128, ws=True):
+        return pick_kchunk_config(m, n, k, group, 132, mma=True, wgmma=True, ws=ws)
+
+    assert pick(64) == KChunkConfig(64, 128, 64, 1, 4, 4, gemm=GEMM_WS, dq_parts=2)
+    assert pick(65) == pick(512) == KChunkConfig(128, 128, 64, 1, 4, 4, gemm=GEMM_WS, dq_parts=3)
+    assert pick(33).gemm == GEMM_WS and pick(32).gemm == GEMM_WGMMA and pick(513).gemm != GEMM_WS
+    assert pick(256, ws=False).gemm != GEMM_WS  # only where the caller says it runs
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):  # the narrower weights keep their paths
+        assert all(pick(m, n, k).gemm != GEMM_WS for m in (40, 64, 128, 256, 512)), (n, k)
+    assert pick(128, group=32).gemm != GEMM_WS  # a 64-row K tile across two groups
+    assert pick(128, group=4096).gemm == GEMM_WS and pick(128, k=4128, group=4128).gemm != GEMM_WS  # K % 64
+    for lo, hi in ((33, 64), (65, 512)):  # one compiled variant per bucket
+        assert len({pick(m) for m in range(lo, hi + 1)}) == 1
+    with pytest.raises(ValueError, match="GEMM_WS"):  # CPU x: not the kernel's
+        w = make_int_weight(128, 64, 4, 128, False, torch.bfloat16, seed=4)
+        int4_kchunk_linear_impl(torch.randn(40, 128).bfloat16(), quant_reference.repack_int4_kchunk(w.qweight),
+                                w.scales, w.zeros, 128, config=pick(40))
 
 
 def test_group_tiles_is_the_k_tiles_a_scale_group_spans():

@@ -49,14 +49,15 @@ def checkpoints(tmp_path_factory):
 
 
 @torch.inference_mode()
-def _prefill_logits(model_dir: Path, option: str | None = None) -> torch.Tensor:
-    """Logits [T, vocab] of one 24-token prefill on CUDA in bf16."""
+def _prefill_logits(model_dir: Path, option: str | None = None, tokens: int = 24) -> torch.Tensor:
+    """Logits [T, vocab] of one `tokens`-token prefill (at most 64) on CUDA in bf16."""
     device = torch.device("cuda")
     config = json.loads((model_dir / "config.json").read_text())
     args = ModelArgs.from_dict(config)
     model = build_model(args, torch.bfloat16, device, quant=resolve_quantization(model_dir, config, option))
     load_weights(model, model_dir)
-    block, tokens = 16, 24
+    block = 16
+    assert tokens <= 4 * block
     kv = torch.zeros(2, args.num_hidden_layers, 4, block, model.num_kv_heads_per_rank, args.head_dim,
                      dtype=torch.bfloat16, device=device)
     for i, layer in enumerate(model.attention_layers):
@@ -97,6 +98,26 @@ def packed_rows_are_contiguous(model_dir: Path) -> bool:
     load_weights(model, model_dir)
     words = [p for n, p in model.named_parameters() if n.endswith(("qweight", ".packed", ".kchunk"))]
     return bool(words) and all(p.is_contiguous() for p in words)
+
+
+def test_wide_mlp_gptq_takes_the_warp_specialised_kernel(tmp_path, monkeypatch):
+    """A gate|up of 16,384 columns (intermediate 8,192) at a 48-token prefill: `kernels/int4_kchunk_ws.py` on
+    Hopper; the logits still match the dequantised model's."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised int4 kernel is sm_90's")
+    from kernels import int4_kchunk_ws
+
+    (tmp_path / "no_tokenizer").mkdir()
+    base = build_tiny_model("llama", tmp_path / "base", tokenizer_dir=tmp_path / "no_tokenizer",
+                            overrides={"intermediate_size": 8192})
+    model_dir = write_quantized(base, tmp_path / "gptq", Format("gptq", 4, 128))
+    calls = []
+    real = int4_kchunk_ws.int4_kchunk_ws
+    monkeypatch.setattr(int4_kchunk_ws, "int4_kchunk_ws", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    got = _prefill_logits(model_dir, tokens=48)
+    assert calls and all(shape == (48, 256) for shape in calls), calls  # each layer's gate|up
+    want = _prefill_logits(model_dir / "oracle", tokens=48)
+    assert _rel_err(got, want) < 3e-2
 
 
 def test_fp8_at_load_is_close_to_bf16(checkpoints):
