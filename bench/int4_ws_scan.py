@@ -7,8 +7,9 @@ For the 8B projections (qkv 4096 x 6144, o 4096 x 4096, gate_up 4096 x 28672, do
 group 128 in the k-chunk layout, bf16 x, and each M: bf16 `F.linear`, today's pick
 (`kernels.int4_kchunk.int4_kchunk_linear`), the pick without this kernel (`prev`: above 64 rows mostly a bf16 copy
 of the weight per call, then cuBLAS), dequantise + cuBLAS forced, and each TILINGS entry of the kernel: us per
-call (each checked against the torch reference first; a wrong one is printed, WRONG). Then the step's linears (32 layers) per M, ms: bf16, today's pick, the best ws tiling
-per shape, and the best of today's pick and the ws tilings. Timings replay a CUDA graph rotating over >= 256 MB
+call (each checked against the torch reference first; a wrong one is printed, WRONG). Then the step's linears
+(32 layers) per M, ms: bf16, today's pick, the best ws tiling per shape, and the best of today's pick and the ws
+tilings. Timings replay a CUDA graph rotating over >= 256 MB
 of weight copies (`bench/quant_kernels.time_us`).
 """
 
@@ -96,8 +97,8 @@ def main() -> None:
             report["rows"].append(row)
             print(f"M={m:5d} {row['bf16']:7.1f} {row['today']:7.1f} {row['prev']:7.1f} {row['dense']:7.1f} "
                   + " ".join(f"{row[lb]:7.1f}" for lb in tilings)
-                  + f"   best {best_label} x{row[best_label] / row['today']:.2f} today, x{row[best_label] / row['bf16']:.2f} bf16",
-                  flush=True)
+                  + f"   best {best_label} x{row[best_label] / row['today']:.2f} today, "
+                  f"x{row[best_label] / row['bf16']:.2f} bf16", flush=True)
         del w4, w16
         torch.cuda.empty_cache()
     print("\n# linear layers of one 8B step (32 layers), ms: bf16, today's pick, the best ws tiling per shape, "

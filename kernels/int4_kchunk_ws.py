@@ -1,4 +1,4 @@
-"""Int4 GEMM for many rows on Hopper, warp-specialised: dequantising warps feed a `wgmma` warp group through shared memory.
+"""Int4 GEMM for many rows on Hopper, warp-specialised: dequantising warps feed a `wgmma` warp group via shared memory.
 
 Same operands as `kernels/int4_kchunk.py` (`packed` int32 `[K // 32, N, 4]`: nibble j of word w of `packed[c, n]`
 is row 32c + 4j + w; `scales`/`zeros [G, N]`), torch reference `quant_reference.int4_kchunk_linear`; CUDA sm_90,
@@ -91,9 +91,7 @@ def _mma_partition(x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_til
 
 
 @gluon.jit
-def _x_partition(x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty,
-                 w_ready, w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES: gl.constexpr,
-                 BLOCK_M: gl.constexpr):
+def _x_partition(x_desc, x_bufs, x_ready, x_empty, pid_m, num_k_tiles, t0, BLOCK_M: gl.constexpr):
     # One warp: x's K tiles by TMA into the free stages.
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     for t in range(num_k_tiles):
@@ -104,9 +102,8 @@ def _x_partition(x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_buf
 
 
 @gluon.jit
-def _raw_partition(x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty,
-                   w_ready, w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES: gl.constexpr,
-                   BLOCK_M: gl.constexpr):
+def _raw_partition(w_desc, s_desc, z_desc, raw_bufs, s_bufs, z_bufs, raw_ready, raw_empty, pid_n, num_k_tiles, t0,
+                   GROUP_TILES: gl.constexpr):
     # One warp: each K tile's packed words and its group's scales and zero points by TMA into the free buffers.
     RAW: gl.constexpr = raw_bufs.type.shape[0]
     for t in range(num_k_tiles):
@@ -120,9 +117,8 @@ def _raw_partition(x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_b
 
 
 @gluon.jit
-def _dequant_partition(x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty,
-                       w_ready, w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0,
-                       GROUP_TILES: gl.constexpr, BLOCK_M: gl.constexpr, PART: gl.constexpr, PARTS: gl.constexpr):
+def _dequant_partition(w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty, num_k_tiles,
+                       PART: gl.constexpr, PARTS: gl.constexpr):
     # One of PARTS dequantising partitions (4 or 8 warps, one weight column a thread), taking K tiles PART, PART +
     # PARTS, ...: each tile's words -> (q - z) s -> the free weight buffer. Independent partitions overlap one's
     # loads, stores and barriers with another's arithmetic (one partition alone spends ~1,000 cycles a tile).
@@ -147,10 +143,11 @@ def _dequant_partition(x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs,
             w = _weight_tile(words, neg_zero, scale, _FP16_0, _FP16_1, _FP16_2, _FP16_3)
         else:
             w = _weight_tile(words, neg_zero, scale, _BF16_0, _BF16_1, _BF16_2, _BF16_3)
-        # Release the raw buffer only once the arithmetic has consumed what was read from it: a shared load is not
-        # complete when issued, and the TMA refilling the buffer (async proxy) is not ordered after it by the
-        # mbarrier alone. Released right after the loads, the next tile's words overwrote ~1 % of the tiles being
-        # read once two dequantising partitions ran (bench/RESULTS.md run 81).
+        # Release the raw buffer behind a proxy fence: the TMA refilling it writes through the async proxy, which the
+        # mbarrier alone does not order after these generic shared loads (in flight when issued). Released behind
+        # only the compiler's bar.sync, the next tile's words overwrote ~1 % of the tiles being read once two
+        # dequantising partitions ran (bench/RESULTS.md run 81); the fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in
+        # the SASS) waits for the loads.
         fence_async_shared()
         mbarrier.arrive(raw_empty.index(r), count=1)
         b = t % WBUF
@@ -209,43 +206,40 @@ def _kchunk_ws_kernel(
     for i in gl.static_range(RAW):
         mbarrier.init(raw_ready.index(i), count=1)
         mbarrier.init(raw_empty.index(i), count=1)
-    # (argument tuples written out: a tuple held in a variable loses its constexprs)
+    # (the argument tuples written out in each call: a tuple held in a variable loses its constexprs)
     if DQ_PARTS == 1:
         res = gl.warp_specialize([
             (_mma_partition, (x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, BLOCK_M, num_warps)),
-            (_dequant_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M, 0, 1)),
-            (_x_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M)),
-            (_raw_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M)),
+            (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
+                                  num_k_tiles, 0, 1)),
+            (_x_partition, (x_desc, x_bufs, x_ready, x_empty, pid_m, num_k_tiles, t0, BLOCK_M)),
+            (_raw_partition, (w_desc, s_desc, z_desc, raw_bufs, s_bufs, z_bufs, raw_ready, raw_empty, pid_n,
+                              num_k_tiles, t0, GROUP_TILES)),
         ], [DQ_WARPS, 1, 1], [DQ_REGS, 24, 24])
     elif DQ_PARTS == 2:
         res = gl.warp_specialize([
             (_mma_partition, (x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, BLOCK_M, num_warps)),
-            (_dequant_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M, 0, 2)),
-            (_dequant_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M, 1, 2)),
-            (_x_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M)),
-            (_raw_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M)),
+            (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
+                                  num_k_tiles, 0, 2)),
+            (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
+                                  num_k_tiles, 1, 2)),
+            (_x_partition, (x_desc, x_bufs, x_ready, x_empty, pid_m, num_k_tiles, t0, BLOCK_M)),
+            (_raw_partition, (w_desc, s_desc, z_desc, raw_bufs, s_bufs, z_bufs, raw_ready, raw_empty, pid_n,
+                              num_k_tiles, t0, GROUP_TILES)),
         ], [DQ_WARPS, DQ_WARPS, 1, 1], [DQ_REGS, DQ_REGS, 24, 24])
     else:
         gl.static_assert(DQ_PARTS == 3)
         res = gl.warp_specialize([
             (_mma_partition, (x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, BLOCK_M, num_warps)),
-            (_dequant_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M, 0, 3)),
-            (_dequant_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M, 1, 3)),
-            (_dequant_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M, 2, 3)),
-            (_x_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M)),
-            (_raw_partition, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, raw_bufs, s_bufs, z_bufs, x_ready, x_empty, w_ready,
-                  w_empty, raw_ready, raw_empty, pid_m, pid_n, num_k_tiles, t0, GROUP_TILES, BLOCK_M)),
+            (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
+                                  num_k_tiles, 0, 3)),
+            (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
+                                  num_k_tiles, 1, 3)),
+            (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
+                                  num_k_tiles, 2, 3)),
+            (_x_partition, (x_desc, x_bufs, x_ready, x_empty, pid_m, num_k_tiles, t0, BLOCK_M)),
+            (_raw_partition, (w_desc, s_desc, z_desc, raw_bufs, s_bufs, z_bufs, raw_ready, raw_empty, pid_n,
+                              num_k_tiles, t0, GROUP_TILES)),
         ], [DQ_WARPS, DQ_WARPS, DQ_WARPS, 1, 1], [DQ_REGS, DQ_REGS, DQ_REGS, 24, 24])
     acc = res[0]
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -256,10 +250,7 @@ def _kchunk_ws_kernel(
     if USE_SPLIT:
         part = partial_ptr + (offs_m * N)[:, None] + offs_n[None, :]
         gl.store(part + split * M * N, acc, mask=mask)
-        if num_warps == 8:  # the warp groups' partials are stored before the release below
-            _ptx("bar.sync 9, 256; // $0")
-        else:
-            _ptx("bar.sync 9, 128; // $0")
+        _ptx("bar.sync 9, 128; // $0")  # the warp group's partial is stored before the release below
         arrived = gl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
         if arrived == split_k - 1:
             acc = gl.zeros_like(acc)
@@ -302,14 +293,13 @@ def buffers(dq_parts: int) -> tuple[int, int]:
     return dq_parts, 6 if dq_parts == 3 else 8
 
 
-def registers(block_m: int, dq_warps: int, dq_parts: int) -> tuple[int, int, int]:
-    """(MMA warps, registers a thread at launch, registers a dequantising thread): the warp groups' accumulators
-    ([block_m, 128] fp32, 128 rows a warp group) get what the loaders (24 each) and dequantising warps leave."""
-    mma_warps = 8 if block_m == 256 else 4
-    warps = mma_warps + dq_warps * dq_parts + 2
-    launch = min(168, 65536 // (32 * -(-warps // 4) * 4) // 8 * 8)
+def registers(dq_warps: int, dq_parts: int) -> tuple[int, int]:
+    """(registers a thread at launch, registers a dequantising thread): the MMA warp group's [block_m, 128] fp32
+    accumulator gets what the loaders (24 each) and the dequantising warps leave (`setmaxnreg`)."""
+    warp_groups = -(-(4 + dq_warps * dq_parts + 2) // 4)
+    launch = min(168, 65536 // (128 * warp_groups) // 8 * 8)
     dq_regs = 128 if dq_parts * dq_warps <= 4 else 96 if dq_parts * dq_warps <= 8 else 80
-    return mma_warps, launch, dq_regs
+    return launch, dq_regs
 
 
 def int4_kchunk_ws(x, packed, scales, zeros, group_size, bias, block_m: int = 128, stages: int = 4,
@@ -336,7 +326,7 @@ def int4_kchunk_ws(x, packed, scales, zeros, group_size, bias, block_m: int = 12
     per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per_split)  # no empty split
     partial, counters = split_k_workspace(out, split, tiles)
-    mma_warps, maxnreg, dq_regs = registers(block_m, dq_warps, dq_parts)
+    maxnreg, dq_regs = registers(dq_warps, dq_parts)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K], SMEM)
     w_desc = TensorDescriptor.from_tensor(packed, [2, BLOCK_N, 4], WORDS_SMEM)
     s_desc = TensorDescriptor.from_tensor(scales, [1, BLOCK_N], ROW_SMEM)
@@ -346,6 +336,6 @@ def int4_kchunk_ws(x, packed, scales, zeros, group_size, bias, block_m: int = 12
         M, N, K, per_split, split, out.stride(0),
         GROUP_TILES=0 if group_size >= K else group_size // BLOCK_K, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         STAGES=stages, RAW=raw, WBUF=wbuf, DQ_WARPS=dq_warps, DQ_PARTS=dq_parts, USE_SPLIT=split > 1,
-        DQ_REGS=dq_regs, num_warps=mma_warps, maxnreg=maxnreg,
+        DQ_REGS=dq_regs, num_warps=4, maxnreg=maxnreg,
     )
     return out

@@ -22,26 +22,26 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from sm90_compile import report, resources  # noqa: E402
 
-from kernels.int4_kchunk_ws import ROW_SMEM, SMEM, WORDS_SMEM, _kchunk_ws_kernel, registers  # noqa: E402
+from kernels.int4_kchunk_ws import ROW_SMEM, SMEM, WORDS_SMEM, _kchunk_ws_kernel, buffers, registers  # noqa: E402
 
 _DIVISIBLE = ("bias_ptr", "out_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_om")
 
 
 def _one(block_m: int, dtype: str, has_bias: bool, dq_warps: int, split: bool, parts: int) -> str:
-    mma_warps, maxnreg, dq_regs = registers(block_m, dq_warps, parts)
-    types = {"x_desc": f"tensordesc<{dtype}[{block_m}, 64],{SMEM!r}>",
-             "w_desc": f"tensordesc<i32[2, 128, 4],{WORDS_SMEM!r}>", "s_desc": f"tensordesc<{dtype}[1, 128],{ROW_SMEM!r}>",
-             "z_desc": f"tensordesc<{dtype}[1, 128],{ROW_SMEM!r}>", "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "partial_ptr": "*fp32",
+    maxnreg, dq_regs = registers(dq_warps, parts)
+    row = f"tensordesc<{dtype}[1, 128],{ROW_SMEM!r}>"
+    types = {"x_desc": f"tensordesc<{dtype}[{block_m}, 64],{SMEM!r}>", "w_desc": f"tensordesc<i32[2, 128, 4],{WORDS_SMEM!r}>",
+             "s_desc": row, "z_desc": row, "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "partial_ptr": "*fp32",
              "counter_ptr": "*i32"}
-    const = dict(GROUP_TILES=2, HAS_BIAS=has_bias, BLOCK_M=block_m, STAGES=4 if block_m < 256 else 3, RAW=6,
-                 WBUF=parts * 2 if block_m < 256 else parts, DQ_WARPS=dq_warps, DQ_PARTS=parts, USE_SPLIT=split,
-                 DQ_REGS=dq_regs, num_warps=mma_warps)
+    wbuf, raw = buffers(parts)  # the picker's (one weight buffer a partition; two for a lone partition)
+    const = dict(GROUP_TILES=2, HAS_BIAS=has_bias, BLOCK_M=block_m, STAGES=4, RAW=raw, WBUF=max(wbuf, 2),
+                 DQ_WARPS=dq_warps, DQ_PARTS=parts, USE_SPLIT=split, DQ_REGS=dq_regs, num_warps=4)
     names = _kchunk_ws_kernel.arg_names
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     src = GluonASTSource(_kchunk_ws_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=mma_warps, num_stages=1, maxnreg=maxnreg))
+                            options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
     regs, stack = resources(kernel)
     ptx = kernel.asm["ptx"]
     if stack:
