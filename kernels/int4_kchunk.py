@@ -529,11 +529,13 @@ def int4_kchunk_linear_impl(
         scales, zeros = scales.to(x.dtype), zeros.to(x.dtype)
     mma_ok = mma_runs_on(x)
     wgmma_ok = mma_ok and _has_wgmma(_device_index(x))  # `wgmma_runs_on`, mma_runs_on read once
-    ws_ok = wgmma_ok and int4_kchunk_ws.fits(x, packed, scales, zeros, group_size)
     if config is None:
+        # GEMM_WS's operand checks only where the shape could take it (they cost microseconds a call)
+        ws_ok = (wgmma_ok and _ws_config(M, N, K, group_size) is not None
+                 and int4_kchunk_ws.fits(x, packed, scales, zeros, group_size))
         config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132,
                                     mma=mma_ok, wgmma=wgmma_ok, gated=gated, ws=ws_ok)
-    if config.gemm == GEMM_WS and not ws_ok:
+    elif config.gemm == GEMM_WS and not (wgmma_ok and int4_kchunk_ws.fits(x, packed, scales, zeros, group_size)):
         raise ValueError(f"GEMM_WS takes bf16/fp16 CUDA x on sm_90 with scales and zero points of its type, every "
                          f"operand 16-byte aligned (N a multiple of 8), K a multiple of 64 and groups of a multiple "
                          f"of 64 rows; got {M} x {K} {x.dtype} on {x.device}, scales {scales.dtype}, N {N}, "
