@@ -14,7 +14,6 @@ graph rotating over >= 256 MB of weight copies (`bench/quant_kernels.time_us`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.fp8_gemm_sweep import SHAPES, _weights, time_baselines  # noqa: E402
-from bench.quant_kernels import start_report, time_us  # noqa: E402
+from bench.quant_kernels import add_to_step, start_report, time_us, write_report  # noqa: E402
 from bench.quant_speed import _rel  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.fp8_gemm_tma import _TILINGS, Fp8TmaConfig, fp8_gemm_tma, pick_fp8_tma_config  # noqa: E402
@@ -82,8 +81,7 @@ def main() -> None:
             best = min(tmm, row[best_label])
             picked = pick_fp8_tma_config(m, n, k, num_sms)
             row["picked"] = next(row[lb] for lb, c in tilings.items() if c == picked)
-            for key, v in (("bf16", t16), ("scaled_mm", tmm), ("picked", row["picked"]), ("best", best)):
-                steps[m][key] += v * 32 / 1e3
+            add_to_step(steps[m], bf16=t16, scaled_mm=tmm, picked=row["picked"], best=best)
             report["rows"].append(row)
             print(f"M={m:5d} {t16:7.1f} {tmm:7.1f} " + " ".join(f"{row[lb]:7.1f}" for lb in tilings)
                   + f"   picked x{row['picked'] / tmm:.2f} _scaled_mm; best {best_label} x{row[best_label] / tmm:.2f}",
@@ -97,9 +95,7 @@ def main() -> None:
         print(f"M={m:5d} {s['bf16']:7.3f} {s['scaled_mm']:7.3f} {s['picked']:7.3f} {s['best']:7.3f}  picked "
               f"x{s['picked'] / s['scaled_mm']:.2f} _scaled_mm, x{s['bf16'] / s['picked']:.2f} faster than bf16", flush=True)
     report["steps_ms"] = steps
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ of weight copies (`bench/quant_kernels.time_us`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.fp8_gemm_scan import parse_ms  # noqa: E402
-from bench.quant_kernels import _copies, start_report, time_us  # noqa: E402
+from bench.quant_kernels import (SHAPE_NAMES, SHAPES, _copies, add_to_step, int4_weights, start_report,  # noqa: E402
+                                 time_us, write_report)
 from bench.quant_speed import _rel  # noqa: E402
 from kernels import quant_reference  # noqa: E402
 from kernels.int4_kchunk import DENSE, int4_kchunk_linear, int4_kchunk_linear_impl, pick_kchunk_config  # noqa: E402
@@ -36,7 +36,6 @@ from kernels.int4_kchunk_ws import int4_kchunk_ws  # noqa: E402
 
 BF16 = torch.bfloat16
 GROUP = 128
-SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 TILINGS = {  # (rows a program, x stages, weight buffers, dequantising warps a partition, K split: None = to fill
     # the SMs, K tiles of packed words in flight, dequantising partitions)
     "ws128s": (128, 4, 2, 4, None, 8, 1),
@@ -51,13 +50,9 @@ TILINGS = {  # (rows a program, x stages, weight buffers, dequantising warps a p
 
 
 def _weights(k: int, n: int) -> list[tuple]:
-    out = []
-    for _ in range(_copies(k * n // 2)):
-        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device="cuda", dtype=torch.int32)
-        scales = (torch.rand(k // GROUP, n, device="cuda") / 16).to(BF16)
-        zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda").to(BF16)
-        out.append((quant_reference.repack_int4_kchunk(qweight).contiguous(), scales, zeros))
-    return out
+    """`int4_weights`' random GPTQ copies, their words in the k-chunk layout."""
+    return [(quant_reference.repack_int4_kchunk(q).contiguous(), s, z)
+            for q, s, z in int4_weights(k, n, GROUP, _copies(k * n // 2))]
 
 
 def main() -> None:
@@ -71,7 +66,8 @@ def main() -> None:
     ms = parse_ms(args.ms)
     _, report = start_report()
     steps = {m: {"bf16": 0.0, "today": 0.0, "ws": 0.0, "best": 0.0} for m in ms}
-    shapes = [sh for sh in SHAPES if not args.shapes or sh[0] in args.shapes.split(",")]
+    shapes = [(name, k, n) for name, (k, n) in zip(SHAPE_NAMES, SHAPES)
+              if not args.shapes or name in args.shapes.split(",")]
     for name, k, n in shapes:
         w4 = _weights(k, n)
         w16 = [torch.randn(n, k, device="cuda", dtype=BF16) / 64 for _ in range(_copies(k * n * 2))]
@@ -91,9 +87,8 @@ def main() -> None:
                     print(f"WRONG {name} M={m} {label}: relative error {err:.4f}", flush=True)
                 row[label] = time_us([lambda w=w, c=cfg: int4_kchunk_ws(x, *w, GROUP, None, *c) for w in w4])
             best_label = min(tilings, key=lambda lb: row[lb])
-            for key, v in (("bf16", row["bf16"]), ("today", row["today"]), ("ws", row[best_label]),
-                           ("best", min(row["today"], row[best_label]))):
-                steps[m][key] += v * 32 / 1e3
+            add_to_step(steps[m], bf16=row["bf16"], today=row["today"], ws=row[best_label],
+                        best=min(row["today"], row[best_label]))
             report["rows"].append(row)
             print(f"M={m:5d} {row['bf16']:7.1f} {row['today']:7.1f} {row['prev']:7.1f} {row['dense']:7.1f} "
                   + " ".join(f"{row[lb]:7.1f}" for lb in tilings)
@@ -108,9 +103,7 @@ def main() -> None:
         print(f"M={m:5d} {s['bf16']:7.3f} {s['today']:7.3f} {s['ws']:7.3f} {s['best']:7.3f}  best ws "
               f"x{s['ws'] / s['today']:.2f} today, x{s['ws'] / s['bf16']:.2f} bf16", flush=True)
     report["steps_ms"] = steps
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

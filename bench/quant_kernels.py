@@ -81,6 +81,12 @@ def write_report(path: str, report: dict) -> None:
             json.dump(report, fh, indent=1)
 
 
+def add_to_step(step: dict, **us: float) -> None:
+    """Add one projection's µs a call, key by key, to the step's linears in ms (NUM_LAYERS layers of it)."""
+    for key, v in us.items():
+        step[key] += v * NUM_LAYERS / 1e3
+
+
 def int4_weights(k: int, n: int, group_size: int, copies: int):
     out = []
     for _ in range(copies):

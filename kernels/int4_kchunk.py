@@ -570,8 +570,8 @@ def int4_kchunk_linear_impl(
         return out
     if config.gemm == GEMM_WS:  # a gated call ran the activation above, on this path's result
         wbuf, raw = int4_kchunk_ws.buffers(config.dq_parts)
-        int4_kchunk_ws.int4_kchunk_ws(x, packed, scales, zeros, group_size, bias, config.block_m, config.num_stages,
-                                      wbuf, config.num_warps, config.split_k, raw, config.dq_parts, out=out)
+        int4_kchunk_ws.launch(x, packed, scales, zeros, group_size, bias, out, config.block_m, config.num_stages, wbuf,
+                              config.num_warps, config.split_k, raw, config.dq_parts)
         return out
     if wgmma:  # block_m >= 16: a gated call ran the activation above, on this path's result
         int4_kchunk_wgmma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.block_m,

@@ -303,22 +303,29 @@ def registers(dq_warps: int, dq_parts: int) -> tuple[int, int]:
 
 
 def int4_kchunk_ws(x, packed, scales, zeros, group_size, bias, block_m: int = 128, stages: int = 4,
-                   wbuf: int = 2, dq_warps: int = 4, split: int | None = None, raw: int = 8, dq_parts: int = 1,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ dequantised W + bias -> `[M, N]` in x's dtype (into `out` if given); programs of block_m rows x 128
-    columns, K split in `split` (None: enough splits for ~one program an SM), dq_parts dequantising partitions of
-    dq_warps warps, `stages` x tiles, `wbuf` weight tiles and `raw` packed-word tiles in shared memory."""
+                   wbuf: int = 2, dq_warps: int = 4, split: int | None = None, raw: int = 8,
+                   dq_parts: int = 1) -> torch.Tensor:
+    """y = x @ dequantised W + bias -> `[M, N]` in x's dtype; programs of block_m rows x 128 columns, K split in
+    `split` (None: enough splits for ~one program an SM), dq_parts dequantising partitions of dq_warps warps,
+    `stages` x tiles, `wbuf` weight tiles and `raw` packed-word tiles in shared memory. Checks `fits` first."""
+    assert fits(x, packed, scales, zeros, group_size), (x.shape, x.stride(), x.dtype, scales.dtype, group_size)
+    out = torch.empty((x.shape[0], packed.shape[1]), device=x.device, dtype=x.dtype)
+    launch(x, packed, scales, zeros, group_size, bias, out, block_m, stages, wbuf, dq_warps, split, raw, dq_parts)
+    return out
+
+
+def launch(x, packed, scales, zeros, group_size, bias, out, block_m, stages, wbuf, dq_warps, split, raw,
+           dq_parts) -> None:
+    """`int4_kchunk_ws` into `out` ([M, N], x's dtype), for a caller that checked `fits` (`kernels/int4_kchunk.py`
+    does, once a call, before it picks this kernel)."""
     M, K = x.shape
     chunks, N, four = packed.shape
     assert four == 4 and scales.shape == zeros.shape and scales.shape[1] == N, (packed.shape, scales.shape)
-    assert fits(x, packed, scales, zeros, group_size), (x.shape, x.stride(), x.dtype, scales.dtype, group_size)
     assert block_m in (64, 128) and dq_warps in (4, 8) and dq_parts in (1, 2, 3), (block_m, dq_warps, dq_parts)
     assert raw % dq_parts == 0 and wbuf % dq_parts == 0, (raw, wbuf, dq_parts)
-    if out is None:
-        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     assert out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1, (out.shape, out.dtype)
     if M == 0:
-        return out
+        return
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, BLOCK_N)
     k_tiles = K // BLOCK_K
     if split is None:
@@ -338,4 +345,3 @@ def int4_kchunk_ws(x, packed, scales, zeros, group_size, bias, block_m: int = 12
         STAGES=stages, RAW=raw, WBUF=wbuf, DQ_WARPS=dq_warps, DQ_PARTS=dq_parts, USE_SPLIT=split > 1,
         DQ_REGS=dq_regs, num_warps=4, maxnreg=maxnreg,
     )
-    return out

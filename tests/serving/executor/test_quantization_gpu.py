@@ -112,8 +112,8 @@ def test_wide_mlp_gptq_takes_the_warp_specialised_kernel(tmp_path, monkeypatch):
                             overrides={"intermediate_size": 8192})
     model_dir = write_quantized(base, tmp_path / "gptq", Format("gptq", 4, 128))
     calls = []
-    real = int4_kchunk_ws.int4_kchunk_ws
-    monkeypatch.setattr(int4_kchunk_ws, "int4_kchunk_ws", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real = int4_kchunk_ws.launch
+    monkeypatch.setattr(int4_kchunk_ws, "launch", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     got = _prefill_logits(model_dir, tokens=48)
     assert calls and all(shape == (48, 256) for shape in calls), calls  # each layer's gate|up
     want = _prefill_logits(model_dir / "oracle", tokens=48)
