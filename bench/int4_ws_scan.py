@@ -46,6 +46,10 @@ TILINGS = {  # (rows a program, x stages, weight buffers, dequantising warps a p
     "ws64p2s": (64, 4, 2, 4, None, 8, 2),
     "ws64p3s": (64, 4, 3, 4, None, 6, 3),
     "ws64p2w4s": (64, 4, 4, 4, None, 8, 2),
+    "ws256s": (256, 4, 2, 4, None, 8, 1),
+    "ws256d8s": (256, 4, 2, 8, None, 8, 1),
+    "ws256d8w3s": (256, 3, 3, 8, None, 8, 1),
+    "ws256d8": (256, 4, 2, 8, 1, 8, 1),
 }
 
 

@@ -22,7 +22,8 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
   memory; the picker takes it at 9-128 rows where `wgmma` says it can run (before GEMM_MMA).
 - `gemm` GEMM_WS (sm_90, bf16/fp16 x with scales of its type, TMA-aligned operands): `kernels/int4_kchunk_ws.py`
   (Gluon), warp-specialised: TMA loader warps, dequantising partitions writing each weight tile to shared memory,
-  a wgmma warp group; the picker takes it at 33-512 rows on wide weights (the packed gate|up) where it can run.
+  a wgmma warp group; the picker takes it at 33-512 rows on wide weights (the packed gate|up), and at 129-256 and
+  321-512 rows on long K (the down projection), where it can run.
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV and GEMM_MMA write silu(gate) * up from
@@ -72,6 +73,7 @@ class KChunkConfig(NamedTuple):
     gemm: int = 0  # tensor cores: `int4_kchunk_gemm` (W^T x^T) with GEMM_JOIN or GEMM_NIBBLES; GEMM_MMA; GEMM_WGMMA
     # (block_m rows of x a program, num_stages K tiles of x in shared memory); GEMM_WS; else 0
     dq_parts: int = 0  # GEMM_WS: dequantising partitions (of num_warps warps each)
+    row_chunk: int = 0  # GEMM_WS: rows a launch (0: all); the rows left after whole chunks take `_ws_config`'s pick
 
 
 @triton.jit
@@ -417,22 +419,55 @@ def _wgmma_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChu
     return KChunkConfig(bm, bn, int4_kchunk_wgmma.BLOCK_K, split, 4, 4, gemm=GEMM_WGMMA)
 
 
-def _ws_config(M: int, N: int, K: int, group_size: int) -> KChunkConfig | None:
-    """`int4_kchunk_ws` where it beat every other path on an H200 (bench/RESULTS.md run 81, `bench/int4_ws_scan.py
-    --shapes gate_up`, the 8B shapes, group 128, us, the pick before it -> this, bf16 cuBLAS): the wide gate|up
-    weight (N >= 16384) at 33-512 rows, whose 128-column tiles fill the SMs without a K split. 64-row programs with
-    two dequantising partitions up to 64 rows: M = 40 67.3 -> 53.6 (bf16 70.2), 48 68.0 -> 54.9 (65.9), 64 70.3 ->
-    55.8 (65.4); 128-row programs with three above: 96 102.6 -> 69.7 (65.5), 128 103.8 -> 70.0 (69.5), 192 156.1 ->
-    141.2 (79.7), 256 171.1 -> 136.4 (92.6), 384 209.6 -> 200.9 (122.0), 512 245.9 -> 235.5 (154.8). On the
-    narrower weights the other paths stay ahead (an earlier call of the scan: o at 128 rows 24.1 against 28.3, qkv
-    at 512 51.4 against 68.1, down within 5 % either way)."""
-    if not (33 <= M <= 512 and N >= 16384) or K % int4_kchunk_ws.BLOCK_K:
+def _ws_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkConfig | None:
+    """`int4_kchunk_ws` where it beat every other path on an H200 (`bench/int4_ws_scan.py`, the 8B shapes, group 128,
+    us; bench/RESULTS.md runs 81, 84), K split to fill one wave (`int4_kchunk_ws.one_wave_split`):
+    - the wide gate|up weight (N >= 16384) at 33-512 rows, whose 128-column tiles fill the SMs without a K split:
+      64-row programs with two dequantising partitions up to 64 rows (M = 40 67.3 -> 53.6, bf16 70.2; 64 70.3 ->
+      55.8, bf16 65.4), 128-row programs with three to 128 rows (96 102.6 -> 69.7, bf16 65.5; 128 103.8 -> 70.0,
+      bf16 69.5), then 256-row programs (two MMA warp groups, one dequantising partition: each weight tile
+      dequantised once for twice the rows; 129 177.2 -> 146.2, 192 140.1 -> 113.0, 256 135.1 -> 113.2, bf16 95.1),
+      above 256 rows a launch per 256 rows and one for the rest, picked for its own count (320 rows as one launch of
+      128- or 256-row programs: 202 / 270 us, where a second wave of programs runs mostly idle);
+    - long K (>= 8192, the 8B down) at 129-256 and 321-512 rows (run 84, dequantise + cuBLAS -> this: 129 82.8 ->
+      68.5, 192 88.0 -> 63.9, 256 89.4 -> 63.9, 384 118.7 -> 103.1, 512 114.6 -> 106.4; at 320 97.1 against 104.5,
+      kept).
+    qkv and o stay with dequantise + cuBLAS above 128 rows (run 84: this kernel 10 % faster at 192-256 rows, 15-40 %
+    slower at 129 and 320-512)."""
+    if not 33 <= M <= 512 or K % int4_kchunk_ws.BLOCK_K or (group_size < K and group_size % int4_kchunk_ws.BLOCK_K):
         return None
-    if group_size < K and group_size % int4_kchunk_ws.BLOCK_K:
+    chunk = 0
+    if N >= 16384:
+        block_m, parts = _ws_rows(M)
+        chunk = 256 if M > 256 else 0
+    elif K >= 8192 and (129 <= M <= 256 or 321 <= M):
+        block_m, parts = (128, 3) if 192 < M <= 256 else (256, 1)
+    else:
         return None
-    block_m, parts = (64, 2) if M <= 64 else (128, 3)
-    return KChunkConfig(block_m, int4_kchunk_ws.BLOCK_N, int4_kchunk_ws.BLOCK_K, 1, 4, 4, gemm=GEMM_WS,
-                        dq_parts=parts)
+    tiles = triton.cdiv(min(M, chunk or M), block_m) * triton.cdiv(N, int4_kchunk_ws.BLOCK_N)
+    split = int4_kchunk_ws.one_wave_split(tiles, K // int4_kchunk_ws.BLOCK_K, num_sms)
+    return KChunkConfig(block_m, int4_kchunk_ws.BLOCK_N, int4_kchunk_ws.BLOCK_K, split, 4, 4, gemm=GEMM_WS,
+                        dq_parts=parts, row_chunk=chunk)
+
+
+def _ws_rows(M: int) -> tuple[int, int]:
+    """(rows a program, dequantising partitions) of `int4_kchunk_ws` for M rows of a wide weight (any M >= 1)."""
+    return (64, 2) if M <= 64 else (128, 3) if M <= 128 else (256, 1)
+
+
+def _ws_launch(x, packed, scales, zeros, group_size, bias, out, config: KChunkConfig) -> None:
+    # GEMM_WS into out, in launches of config.row_chunk rows (the rows left after the whole chunks: their own tiling)
+    start, M = 0, x.shape[0]
+    while start < M:
+        rows = min(M - start, config.row_chunk or M)
+        cfg = config
+        if rows < config.row_chunk:  # the rest after the whole chunks (of a wide weight: K splits stay 1)
+            block_m, parts = _ws_rows(rows)
+            cfg = config._replace(block_m=block_m, dq_parts=parts)
+        wbuf, raw = int4_kchunk_ws.buffers(cfg.dq_parts)
+        int4_kchunk_ws.launch(x[start:start + rows], packed, scales, zeros, group_size, bias, out[start:start + rows],
+                              cfg.block_m, cfg.num_stages, wbuf, cfg.num_warps, cfg.split_k, raw, cfg.dq_parts)
+        start += rows
 
 
 @functools.cache
@@ -476,7 +511,7 @@ def pick_kchunk_config(M: int, N: int, K: int, group_size: int, num_sms: int, mm
     `int4_kchunk_ws.fits`) `_ws_config` before both. `gated`: the call writes silu(gate) * up (one row keeps the
     GEMV, whose epilogue does it)."""
     if ws:
-        cfg = _ws_config(M, N, K, group_size)
+        cfg = _ws_config(M, N, K, group_size, num_sms)
         if cfg is not None:
             return cfg
     if wgmma:
@@ -531,10 +566,10 @@ def int4_kchunk_linear_impl(
     wgmma_ok = mma_ok and _has_wgmma(_device_index(x))  # `wgmma_runs_on`, mma_runs_on read once
     if config is None:
         # GEMM_WS's operand checks only where the shape could take it (they cost microseconds a call)
-        ws_ok = (wgmma_ok and _ws_config(M, N, K, group_size) is not None
+        num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
+        ws_ok = (wgmma_ok and _ws_config(M, N, K, group_size, num_sms) is not None
                  and int4_kchunk_ws.fits(x, packed, scales, zeros, group_size))
-        config = pick_kchunk_config(M, N, K, group_size, _num_sms(x.device.index or 0) if x.is_cuda else 132,
-                                    mma=mma_ok, wgmma=wgmma_ok, gated=gated, ws=ws_ok)
+        config = pick_kchunk_config(M, N, K, group_size, num_sms, mma=mma_ok, wgmma=wgmma_ok, gated=gated, ws=ws_ok)
     elif config.gemm == GEMM_WS and not (wgmma_ok and int4_kchunk_ws.fits(x, packed, scales, zeros, group_size)):
         raise ValueError(f"GEMM_WS takes bf16/fp16 CUDA x on sm_90 with scales and zero points of its type, every "
                          f"operand 16-byte aligned (N a multiple of 8), K a multiple of 64 and groups of a multiple "
@@ -569,9 +604,7 @@ def int4_kchunk_linear_impl(
                                config.num_warps, gated)
         return out
     if config.gemm == GEMM_WS:  # a gated call ran the activation above, on this path's result
-        wbuf, raw = int4_kchunk_ws.buffers(config.dq_parts)
-        int4_kchunk_ws.launch(x, packed, scales, zeros, group_size, bias, out, config.block_m, config.num_stages, wbuf,
-                              config.num_warps, config.split_k, raw, config.dq_parts)
+        _ws_launch(x, packed, scales, zeros, group_size, bias, out, config)
         return out
     if wgmma:  # block_m >= 16: a gated call ran the activation above, on this path's result
         int4_kchunk_wgmma.launch(x, packed, scales, zeros, group_size, bias, out, config.block_n, config.block_m,

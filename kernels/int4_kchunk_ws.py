@@ -37,7 +37,7 @@ from kernels.int4_kchunk_mma import _ptx
 # pair_ptx with the scale, and its call: per pair of words and byte, two pairs of (q - z) * s
 from kernels.int4_kchunk_wgmma import (_BF16_0, _BF16_1, _BF16_2, _BF16_3, _FP16_0, _FP16_1, _FP16_2, _FP16_3,
                                        _weights as _pairs)
-from kernels.int4_matmul import _num_sms, _split_for, split_k_workspace
+from kernels.int4_matmul import _num_sms, split_k_workspace
 
 BLOCK_K = 64  # rows of a K tile: two 32-row chunks
 BLOCK_N = 128  # weight columns a program: one a dequantising thread (4 warps)
@@ -70,10 +70,13 @@ def _group_of(t, GROUP_TILES: gl.constexpr):
 
 
 @gluon.jit
-def _mma_partition(x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, BLOCK_M: gl.constexpr,
-                   WARPS: gl.constexpr):
+def _mma_partition(x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, pid, pid_m, pid_n, split,
+                   split_k, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om, BLOCK_M: gl.constexpr,
+                   WARPS: gl.constexpr, HAS_BIAS: gl.constexpr, USE_SPLIT: gl.constexpr):
     # num_k_tiles: this program's K tiles (its split's)
-    # The default warp group: MMA on each ready pair of tiles, then release the pair before it (whose MMA is done).
+    # The default warp group(s): MMA on each ready pair of tiles, then release the pair before it (whose MMA is done);
+    # then the epilogue, here rather than after the partitions join: there the accumulator would have only the
+    # registers a thread gets at launch (96 with two MMA warp groups and two dequantising partitions: spills).
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     WBUF: gl.constexpr = w_bufs.type.shape[0]
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 128, 16])
@@ -87,7 +90,27 @@ def _mma_partition(x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_til
         acc = warpgroup_mma_wait(1, deps=[acc])  # MMA t - 1 is done: its buffers are free
         mbarrier.arrive(x_empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
         mbarrier.arrive(w_empty.index((t + WBUF - 1) % WBUF), count=1, pred=t > 0)
-    return (warpgroup_mma_wait(0, deps=[acc]),)  # a tuple: warp_specialize flattens the default's results
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    DTYPE: gl.constexpr = x_bufs.dtype
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
+    offs_n = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if USE_SPLIT:
+        part = partial_ptr + (offs_m * N)[:, None] + offs_n[None, :]
+        gl.store(part + split * M * N, acc, mask=mask)
+        if WARPS == 8:  # the MMA warp groups' partial is stored before the release below
+            _ptx("bar.sync 9, 256; // $0")
+        else:
+            _ptx("bar.sync 9, 128; // $0")
+        arrived = gl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            acc = gl.zeros_like(acc)
+            for si in range(split_k):
+                acc += gl.load(part + si * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.store(counter_ptr + pid, 0)  # ready for the next launch
+            _store_out(acc, offs_m, offs_n, mask, N, bias_ptr, out_ptr, stride_om, HAS_BIAS, DTYPE)
+    else:
+        _store_out(acc, offs_m, offs_n, mask, N, bias_ptr, out_ptr, stride_om, HAS_BIAS, DTYPE)
 
 
 @gluon.jit
@@ -168,7 +191,7 @@ def _kchunk_ws_kernel(
     M, N, K, tiles_per_split, split_k, stride_om,
     GROUP_TILES: gl.constexpr,  # 64-row K tiles a scale group spans (0: one group for all of K)
     HAS_BIAS: gl.constexpr,
-    BLOCK_M: gl.constexpr,  # rows of x a program: 64 or 128 (the MMA's M)
+    BLOCK_M: gl.constexpr,  # rows of x a program: 64 or 128 (one MMA warp group), 256 (two: num_warps 8)
     STAGES: gl.constexpr,  # x tiles in shared memory
     RAW: gl.constexpr,  # K tiles of packed words (and their scales, zero points) in shared memory
     WBUF: gl.constexpr,  # weight tiles in shared memory
@@ -208,8 +231,10 @@ def _kchunk_ws_kernel(
         mbarrier.init(raw_empty.index(i), count=1)
     # (the argument tuples written out in each call: a tuple held in a variable loses its constexprs)
     if DQ_PARTS == 1:
-        res = gl.warp_specialize([
-            (_mma_partition, (x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, BLOCK_M, num_warps)),
+        gl.warp_specialize([
+            (_mma_partition, (x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, pid, pid_m, pid_n,
+                              split, split_k, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om, BLOCK_M,
+                              num_warps, HAS_BIAS, USE_SPLIT)),
             (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
                                   num_k_tiles, 0, 1)),
             (_x_partition, (x_desc, x_bufs, x_ready, x_empty, pid_m, num_k_tiles, t0, BLOCK_M)),
@@ -217,8 +242,10 @@ def _kchunk_ws_kernel(
                               num_k_tiles, t0, GROUP_TILES)),
         ], [DQ_WARPS, 1, 1], [DQ_REGS, 24, 24])
     elif DQ_PARTS == 2:
-        res = gl.warp_specialize([
-            (_mma_partition, (x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, BLOCK_M, num_warps)),
+        gl.warp_specialize([
+            (_mma_partition, (x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, pid, pid_m, pid_n,
+                              split, split_k, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om, BLOCK_M,
+                              num_warps, HAS_BIAS, USE_SPLIT)),
             (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
                                   num_k_tiles, 0, 2)),
             (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
@@ -229,8 +256,10 @@ def _kchunk_ws_kernel(
         ], [DQ_WARPS, DQ_WARPS, 1, 1], [DQ_REGS, DQ_REGS, 24, 24])
     else:
         gl.static_assert(DQ_PARTS == 3)
-        res = gl.warp_specialize([
-            (_mma_partition, (x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, BLOCK_M, num_warps)),
+        gl.warp_specialize([
+            (_mma_partition, (x_bufs, w_bufs, x_ready, x_empty, w_ready, w_empty, num_k_tiles, pid, pid_m, pid_n,
+                              split, split_k, M, N, bias_ptr, out_ptr, partial_ptr, counter_ptr, stride_om, BLOCK_M,
+                              num_warps, HAS_BIAS, USE_SPLIT)),
             (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
                                   num_k_tiles, 0, 3)),
             (_dequant_partition, (w_bufs, raw_bufs, s_bufs, z_bufs, w_ready, w_empty, raw_ready, raw_empty,
@@ -241,25 +270,6 @@ def _kchunk_ws_kernel(
             (_raw_partition, (w_desc, s_desc, z_desc, raw_bufs, s_bufs, z_bufs, raw_ready, raw_empty, pid_n,
                               num_k_tiles, t0, GROUP_TILES)),
         ], [DQ_WARPS, DQ_WARPS, DQ_WARPS, 1, 1], [DQ_REGS, DQ_REGS, DQ_REGS, 24, 24])
-    acc = res[0]
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                   instr_shape=[16, 128, 16])
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
-    offs_n = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if USE_SPLIT:
-        part = partial_ptr + (offs_m * N)[:, None] + offs_n[None, :]
-        gl.store(part + split * M * N, acc, mask=mask)
-        _ptx("bar.sync 9, 128; // $0")  # the warp group's partial is stored before the release below
-        arrived = gl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            acc = gl.zeros_like(acc)
-            for si in range(split_k):
-                acc += gl.load(part + si * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            gl.store(counter_ptr + pid, 0)  # ready for the next launch
-            _store_out(acc, offs_m, offs_n, mask, N, bias_ptr, out_ptr, stride_om, HAS_BIAS, DTYPE)
-    else:
-        _store_out(acc, offs_m, offs_n, mask, N, bias_ptr, out_ptr, stride_om, HAS_BIAS, DTYPE)
 
 
 @gluon.jit
@@ -288,17 +298,37 @@ def fits(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: tor
 
 def buffers(dq_parts: int) -> tuple[int, int]:
     """(weight tiles, packed-word tiles) in shared memory for dq_parts dequantising partitions: one weight tile a
-    partition, 8 (6 for three partitions) word tiles in flight: the ones bench/int4_ws_scan.py measured fastest
-    (bench/RESULTS.md run 81)."""
-    return dq_parts, 6 if dq_parts == 3 else 8
+    partition (two for a lone one, so that it dequantises a tile while the MMA reads the last), 8 (6 for three
+    partitions) word tiles in flight: the ones bench/int4_ws_scan.py measured fastest (bench/RESULTS.md runs 81,
+    84)."""
+    return max(dq_parts, 2), 6 if dq_parts == 3 else 8
 
 
-def registers(dq_warps: int, dq_parts: int) -> tuple[int, int]:
-    """(registers a thread at launch, registers a dequantising thread): the MMA warp group's [block_m, 128] fp32
+def mma_warps(block_m: int) -> int:
+    """Warps of the MMA partition (the kernel's num_warps): one warp group up to 128 rows, two for 256 (each holds a
+    [128, 128] fp32 accumulator, 128 registers a thread)."""
+    return 8 if block_m == 256 else 4
+
+
+def one_wave_split(tiles: int, k_tiles: int, num_sms: int) -> int:
+    """K split for `tiles` output tiles: as many parts as still fit one wave (a program fills an SM: its shared
+    memory), none empty. Splitting past one wave only adds a second, partly idle one (bench/RESULTS.md run 84: down
+    at 256 rows, 32 tiles split to 160 programs, 106.8 us)."""
+    if tiles >= num_sms:
+        return 1
+    split = max(1, min(k_tiles, num_sms // tiles))
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
+
+
+def registers(dq_warps: int, dq_parts: int, block_m: int = 128) -> tuple[int, int]:
+    """(registers a thread at launch, registers a dequantising thread): the MMA warp groups' [block_m, 128] fp32
     accumulator gets what the loaders (24 each) and the dequantising warps leave (`setmaxnreg`)."""
-    warp_groups = -(-(4 + dq_warps * dq_parts + 2) // 4)
+    # the loaders take one warp each; partitions are padded to whole warp groups at launch
+    warp_groups = -(-(mma_warps(block_m) + dq_warps * dq_parts + 2) // 4)
     launch = min(168, 65536 // (128 * warp_groups) // 8 * 8)
     dq_regs = 128 if dq_parts * dq_warps <= 4 else 96 if dq_parts * dq_warps <= 8 else 80
+    if block_m == 256 and dq_warps == 8:  # two MMA warp groups of 168 registers a thread beside it (5 warp groups)
+        dq_regs = 56
     return launch, dq_regs
 
 
@@ -306,7 +336,7 @@ def int4_kchunk_ws(x, packed, scales, zeros, group_size, bias, block_m: int = 12
                    wbuf: int = 2, dq_warps: int = 4, split: int | None = None, raw: int = 8,
                    dq_parts: int = 1) -> torch.Tensor:
     """y = x @ dequantised W + bias -> `[M, N]` in x's dtype; programs of block_m rows x 128 columns, K split in
-    `split` (None: enough splits for ~one program an SM), dq_parts dequantising partitions of dq_warps warps,
+    `split` (None: `one_wave_split`), dq_parts dequantising partitions of dq_warps warps,
     `stages` x tiles, `wbuf` weight tiles and `raw` packed-word tiles in shared memory. Checks `fits` first."""
     assert fits(x, packed, scales, zeros, group_size), (x.shape, x.stride(), x.dtype, scales.dtype, group_size)
     out = torch.empty((x.shape[0], packed.shape[1]), device=x.device, dtype=x.dtype)
@@ -321,7 +351,8 @@ def launch(x, packed, scales, zeros, group_size, bias, out, block_m, stages, wbu
     M, K = x.shape
     chunks, N, four = packed.shape
     assert four == 4 and scales.shape == zeros.shape and scales.shape[1] == N, (packed.shape, scales.shape)
-    assert block_m in (64, 128) and dq_warps in (4, 8) and dq_parts in (1, 2, 3), (block_m, dq_warps, dq_parts)
+    assert block_m in (64, 128, 256) and dq_warps in (4, 8) and dq_parts in (1, 2, 3), (block_m, dq_warps, dq_parts)
+    assert block_m < 256 or dq_parts == 1, "256-row programs leave registers for one dequantising partition"
     assert raw % dq_parts == 0 and wbuf % dq_parts == 0, (raw, wbuf, dq_parts)
     assert out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1, (out.shape, out.dtype)
     if M == 0:
@@ -329,11 +360,11 @@ def launch(x, packed, scales, zeros, group_size, bias, out, block_m, stages, wbu
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, BLOCK_N)
     k_tiles = K // BLOCK_K
     if split is None:
-        split = _split_for(tiles, k_tiles, _num_sms(x.device.index or 0))
+        split = one_wave_split(tiles, k_tiles, _num_sms(x.device.index or 0))
     per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per_split)  # no empty split
     partial, counters = split_k_workspace(out, split, tiles)
-    maxnreg, dq_regs = registers(dq_warps, dq_parts)
+    maxnreg, dq_regs = registers(dq_warps, dq_parts, block_m)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K], SMEM)
     w_desc = TensorDescriptor.from_tensor(packed, [2, BLOCK_N, 4], WORDS_SMEM)
     s_desc = TensorDescriptor.from_tensor(scales, [1, BLOCK_N], ROW_SMEM)
@@ -343,5 +374,5 @@ def launch(x, packed, scales, zeros, group_size, bias, out, block_m, stages, wbu
         M, N, K, per_split, split, out.stride(0),
         GROUP_TILES=0 if group_size >= K else group_size // BLOCK_K, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         STAGES=stages, RAW=raw, WBUF=wbuf, DQ_WARPS=dq_warps, DQ_PARTS=dq_parts, USE_SPLIT=split > 1,
-        DQ_REGS=dq_regs, num_warps=4, maxnreg=maxnreg,
+        DQ_REGS=dq_regs, num_warps=mma_warps(block_m), maxnreg=maxnreg,
     )

@@ -184,16 +184,26 @@ def test_ws_picked_on_wide_weights_at_33_to_512_rows():
     def pick(m, n=28672, k=4096, group=128, ws=True):
         return pick_kchunk_config(m, n, k, group, 132, mma=True, wgmma=True, ws=ws)
 
-    assert pick(64) == KChunkConfig(64, 128, 64, 1, 4, 4, gemm=GEMM_WS, dq_parts=2)
-    assert pick(65) == pick(512) == KChunkConfig(128, 128, 64, 1, 4, 4, gemm=GEMM_WS, dq_parts=3)
-    assert pick(33).gemm == GEMM_WS and pick(32).gemm == GEMM_WGMMA and pick(513).gemm != GEMM_WS
+    def ws(block_m, parts, split=1, chunk=0):
+        return KChunkConfig(block_m, 128, 64, split, 4, 4, gemm=GEMM_WS, dq_parts=parts, row_chunk=chunk)
+
+    assert pick(33) == pick(64) == ws(64, 2)
+    assert pick(65) == pick(128) == ws(128, 3)
+    assert pick(129) == pick(256) == ws(256, 1)  # two MMA warp groups
+    assert pick(257) == pick(512) == ws(256, 1, chunk=256)  # a launch per 256 rows, then one for the rest
+    assert pick(32).gemm == GEMM_WGMMA and pick(513).gemm != GEMM_WS
     assert pick(256, ws=False).gemm != GEMM_WS  # only where the caller says it runs
-    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):  # the narrower weights keep their paths
+    # long K (the 8B down, 14,336 x 4,096): 129-256 and 321-512 rows, K split to fill one wave of 132 programs
+    assert pick(129, 4096, 14336) == pick(192, 4096, 14336) == ws(256, 1, split=4)  # 32 tiles
+    assert pick(193, 4096, 14336) == pick(256, 4096, 14336) == ws(128, 3, split=2)  # 64 tiles
+    assert pick(384, 4096, 14336) == ws(256, 1, split=2) and pick(512, 4096, 14336) == ws(256, 1, split=2)
+    assert all(pick(m, 4096, 14336).gemm != GEMM_WS for m in (40, 128, 257, 320, 513))
+    for n, k in ((6144, 4096), (4096, 4096)):  # qkv and o keep their paths
         assert all(pick(m, n, k).gemm != GEMM_WS for m in (40, 64, 128, 256, 512)), (n, k)
     assert pick(128, group=32).gemm != GEMM_WS  # a 64-row K tile across two groups
     assert pick(128, group=4096).gemm == GEMM_WS and pick(128, k=4128, group=4128).gemm != GEMM_WS  # K % 64
-    for lo, hi in ((33, 64), (65, 512)):  # one compiled variant per bucket
-        assert len({pick(m) for m in range(lo, hi + 1)}) == 1
+    for lo, hi, variants in ((33, 64, 1), (65, 128, 1), (129, 256, 1), (257, 512, 1)):  # one compiled variant each
+        assert len({pick(m) for m in range(lo, hi + 1)}) == variants
     with pytest.raises(ValueError, match="GEMM_WS"):  # CPU x: not the kernel's
         w = make_int_weight(128, 64, 4, 128, False, torch.bfloat16, seed=4)
         int4_kchunk_linear_impl(torch.randn(40, 128).bfloat16(), quant_reference.repack_int4_kchunk(w.qweight),

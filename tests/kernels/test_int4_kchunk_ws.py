@@ -46,7 +46,7 @@ def test_variants_compile_for_sm90():
     from sm90_compile import run_script
 
     out = run_script("int4_ws_sm90_compile.py")
-    assert out.count("ok ") == 12 and "FAIL" not in out, out  # 2 row tilings x 2 dtypes x 3 variants
+    assert out.count("ok ") == 18 and "FAIL" not in out, out  # 3 row tilings x 2 dtypes x 3 variants
 
 
 @hopper
@@ -59,6 +59,9 @@ def test_variants_compile_for_sm90():
     (100, 256, 640, 128, 64, 4, 8, 4, 1),  # 10 K tiles in splits of 3, 3, 3, 1 (a group across a split's edge)
     (70, 264, 1408, 128, 128, 4, 4, 2, 3),  # 22 K tiles split 11 + 11 over three partitions, a 528-byte pitch
     (129, 128, 448, 64, 64, 3, 4, 1, 2),  # 7 K tiles over two partitions (an odd count)
+    (300, 200, 384, 128, 256, 4, 8, 1, 1),  # two MMA warp groups: 256-row programs, a row tail of 44, a column tail
+    (257, 136, 640, 64, 256, 3, 4, 2, 1),  # 256 rows and one more, split in two, three stages reused
+    (200, 128, 256, 256, 256, 4, 4, 1, 1),  # 256-row programs fed by one 4-warp partition, one group
 ])
 def test_int4_ws_matches_reference(dtype, M, N, K, group, block_m, stages, dq_warps, split, parts):
     x, packed, scales, zeros, bias = _operands(M, N, K, group, dtype, seed=M + N)
@@ -77,7 +80,8 @@ def test_int4_ws_matches_reference(dtype, M, N, K, group, block_m, stages, dq_wa
 
 @hopper
 @pytest.mark.parametrize("K, N", [(4096, 6144), (4096, 28672), (14336, 4096)])
-@pytest.mark.parametrize("block_m, stages, dq_warps, parts", [(128, 4, 4, 2), (128, 4, 8, 1), (64, 4, 4, 3)])
+@pytest.mark.parametrize("block_m, stages, dq_warps, parts", [(128, 4, 4, 2), (128, 4, 8, 1), (64, 4, 4, 3),
+                                                              (256, 4, 8, 1)])
 def test_int4_ws_8b_shapes_and_graph_replay(K, N, block_m, stages, dq_warps, parts):
     for m in (65, 128, 200, 256, 300):
         x, packed, scales, zeros, bias = _operands(m, N, K, 128, torch.bfloat16, seed=m)
@@ -97,10 +101,11 @@ def test_int4_ws_8b_shapes_and_graph_replay(K, N, block_m, stages, dq_warps, par
 
 
 @hopper
-@pytest.mark.parametrize("M", [40, 64, 65, 300])
+@pytest.mark.parametrize("M", [40, 64, 65, 300, 400])
 @pytest.mark.parametrize("gated", [False, True])
 def test_the_op_takes_it_on_wide_weights(M, gated):
-    # int4_kchunk_linear (what serving calls) on a wide gate|up-like weight: the picker sends 33-512 rows here
+    # int4_kchunk_linear (what serving calls) on a wide gate|up-like weight: the picker sends 33-512 rows here (300
+    # and 400: a launch of 256 rows, then 44 rows in 64-row programs / 144 in 256-row ones)
     N, K = 16384, 256
     assert pick_kchunk_config(M, N, K, 128, 132, mma=True, wgmma=True, ws=True).gemm == GEMM_WS
     x, packed, scales, zeros, bias = _operands(M, N, K, 128, torch.bfloat16, seed=M)
@@ -115,3 +120,19 @@ def test_the_op_takes_it_on_wide_weights(M, gated):
     assert _rel(int4_kchunk_linear_impl(x, packed, scales, zeros, 128, bias, prev, gated=gated), ref) < 1e-2
     # scales and zero points of another type than x's: the op casts them to x's (fp16 -> bf16 rounding only)
     assert _rel(int4_kchunk_linear(x, packed, scales.half(), zeros.half(), 128, bias, gated=gated), ref) < 1e-2
+
+
+@hopper
+@pytest.mark.parametrize("M", [129, 200, 400])
+def test_the_op_takes_it_on_long_k(M):
+    # a down-like weight (K >= 8192, 512 columns: 4 column tiles): 256- or 128-row programs, K split to fill a wave
+    N, K = 512, 8192
+    config = pick_kchunk_config(M, N, K, 128, torch.cuda.get_device_properties(0).multi_processor_count, mma=True,
+                                wgmma=True, ws=True)
+    assert config.gemm == GEMM_WS and config.split_k > 1, config
+    x, packed, scales, zeros, bias = _operands(M, N, K, 128, torch.bfloat16, seed=M)
+    ref = quant_reference.int4_kchunk_linear(x.float(), packed, scales.float(), zeros.float(), 128, bias.float())
+    out = int4_kchunk_linear(x, packed, scales, zeros, 128, bias)
+    assert _rel(out, ref) < 1e-2, _rel(out, ref)
+    again = int4_kchunk_linear(x, packed, scales, zeros, 128, bias)  # the split's counters were left at zero
+    assert torch.equal(out, again)

@@ -1,6 +1,6 @@
 """Compile `kernels/int4_kchunk_ws.py`'s variants for sm_90, without a GPU (Gluon has no interpreter).
 
-`tests/kernels/test_int4_kchunk_ws.py` runs this in a subprocess: 64- and 128-row programs, bf16 and fp16, with and
+`tests/kernels/test_int4_kchunk_ws.py` runs this in a subprocess: 64-, 128- and 256-row programs, bf16 and fp16, with and
 without bias, must compile to a warp-specialised kernel (register budgets moved with `setmaxnreg`) whose loader
 copies x by TMA, whose MMA partition runs `wgmma`, and whose dequantising warps store the weight tile in 16-byte
 pieces (no scalar `st.shared.b16`), without spilling. Prints `ok <variant> regs=<n> smem=<bytes>` or `FAIL <variant>
@@ -22,26 +22,26 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from sm90_compile import report, resources  # noqa: E402
 
-from kernels.int4_kchunk_ws import ROW_SMEM, SMEM, WORDS_SMEM, _kchunk_ws_kernel, buffers, registers  # noqa: E402
+from kernels.int4_kchunk_ws import ROW_SMEM, SMEM, WORDS_SMEM, _kchunk_ws_kernel, buffers, mma_warps, registers  # noqa: E402
 
 _DIVISIBLE = ("bias_ptr", "out_ptr", "partial_ptr", "counter_ptr", "N", "K", "stride_om")
 
 
 def _one(block_m: int, dtype: str, has_bias: bool, dq_warps: int, split: bool, parts: int) -> str:
-    maxnreg, dq_regs = registers(dq_warps, parts)
+    maxnreg, dq_regs = registers(dq_warps, parts, block_m)
     row = f"tensordesc<{dtype}[1, 128],{ROW_SMEM!r}>"
     types = {"x_desc": f"tensordesc<{dtype}[{block_m}, 64],{SMEM!r}>", "w_desc": f"tensordesc<i32[2, 128, 4],{WORDS_SMEM!r}>",
              "s_desc": row, "z_desc": row, "bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "partial_ptr": "*fp32",
              "counter_ptr": "*i32"}
-    wbuf, raw = buffers(parts)  # the picker's (one weight buffer a partition; two for a lone partition)
-    const = dict(GROUP_TILES=2, HAS_BIAS=has_bias, BLOCK_M=block_m, STAGES=4, RAW=raw, WBUF=max(wbuf, 2),
-                 DQ_WARPS=dq_warps, DQ_PARTS=parts, USE_SPLIT=split, DQ_REGS=dq_regs, num_warps=4)
+    wbuf, raw = buffers(parts)  # the picker's
+    const = dict(GROUP_TILES=2, HAS_BIAS=has_bias, BLOCK_M=block_m, STAGES=4, RAW=raw, WBUF=wbuf,
+                 DQ_WARPS=dq_warps, DQ_PARTS=parts, USE_SPLIT=split, DQ_REGS=dq_regs, num_warps=mma_warps(block_m))
     names = _kchunk_ws_kernel.arg_names
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     src = GluonASTSource(_kchunk_ws_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
+                            options=dict(num_warps=mma_warps(block_m), num_stages=1, maxnreg=maxnreg))
     regs, stack = resources(kernel)
     ptx = kernel.asm["ptx"]
     if stack:
@@ -56,9 +56,12 @@ def _one(block_m: int, dtype: str, has_bias: bool, dq_warps: int, split: bool, p
 
 def main() -> int:
     ok = True
-    for block_m in (64, 128):
+    for block_m in (64, 128, 256):
         for dtype in ("bf16", "fp16"):
-            for has_bias, dq_warps, split, parts in ((False, 4, False, 2), (True, 4, True, 3), (False, 8, True, 1)):
+            # 256-row programs (two MMA warp groups) leave registers for one dequantising partition
+            variants = (((False, 4, False, 1), (True, 4, True, 1), (False, 8, True, 1)) if block_m == 256 else
+                        ((False, 4, False, 2), (True, 4, True, 3), (False, 8, True, 1)))
+            for has_bias, dq_warps, split, parts in variants:
                 label = f"block_m={block_m} {dtype} bias={has_bias} dq_warps={dq_warps} split={split} parts={parts}"
                 ok &= report(label, lambda b=block_m, d=dtype, h=has_bias, q=dq_warps, s=split, p=parts:
                              _one(b, d, h, q, s, p))

@@ -50,15 +50,15 @@ def checkpoints(tmp_path_factory):
 
 @torch.inference_mode()
 def _prefill_logits(model_dir: Path, option: str | None = None, tokens: int = 24) -> torch.Tensor:
-    """Logits [T, vocab] of one `tokens`-token prefill (at most 64) on CUDA in bf16."""
+    """Logits [T, vocab] of one `tokens`-token prefill on CUDA in bf16."""
     device = torch.device("cuda")
     config = json.loads((model_dir / "config.json").read_text())
     args = ModelArgs.from_dict(config)
     model = build_model(args, torch.bfloat16, device, quant=resolve_quantization(model_dir, config, option))
     load_weights(model, model_dir)
     block = 16
-    assert tokens <= 4 * block
-    kv = torch.zeros(2, args.num_hidden_layers, 4, block, model.num_kv_heads_per_rank, args.head_dim,
+    blocks = -(-tokens // block)
+    kv = torch.zeros(2, args.num_hidden_layers, blocks, block, model.num_kv_heads_per_rank, args.head_dim,
                      dtype=torch.bfloat16, device=device)
     for i, layer in enumerate(model.attention_layers):
         layer.bind_kv_cache(kv[0, i], kv[1, i])
@@ -67,7 +67,7 @@ def _prefill_logits(model_dir: Path, option: str | None = None, tokens: int = 24
         slot_mapping=torch.arange(tokens, device=device), query_start_loc=torch.tensor([0, tokens], dtype=torch.int32,
                                                                                        device=device),
         seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(4, dtype=torch.int32, device=device).view(1, 4), num_decodes=0,
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device).view(1, blocks), num_decodes=0,
         num_decode_tokens=0, max_query_len=tokens, max_seq_len=tokens)
     with forward_context(meta):
         return model.compute_logits(model(ids, torch.arange(tokens, device=device))).float()
@@ -100,9 +100,11 @@ def packed_rows_are_contiguous(model_dir: Path) -> bool:
     return bool(words) and all(p.is_contiguous() for p in words)
 
 
-def test_wide_mlp_gptq_takes_the_warp_specialised_kernel(tmp_path, monkeypatch):
-    """A gate|up of 16,384 columns (intermediate 8,192) at a 48-token prefill: `kernels/int4_kchunk_ws.py` on
-    Hopper; the logits still match the dequantised model's."""
+@pytest.mark.parametrize("tokens, programs", [(48, {256: 64}), (200, {256: 256, 8192: 128})])
+def test_wide_mlp_gptq_takes_the_warp_specialised_kernel(tmp_path, monkeypatch, tokens, programs):
+    """A gate|up of 16,384 columns (intermediate 8,192) at a 48- or 200-token prefill: `kernels/int4_kchunk_ws.py`
+    on Hopper, in 64-row programs or 256-row ones (two MMA warp groups); at 200 tokens the down projection (K 8,192)
+    too, in 128-row programs; the logits still match the dequantised model's."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised int4 kernel is sm_90's")
     from kernels import int4_kchunk_ws
@@ -113,10 +115,11 @@ def test_wide_mlp_gptq_takes_the_warp_specialised_kernel(tmp_path, monkeypatch):
     model_dir = write_quantized(base, tmp_path / "gptq", Format("gptq", 4, 128))
     calls = []
     real = int4_kchunk_ws.launch
-    monkeypatch.setattr(int4_kchunk_ws, "launch", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    got = _prefill_logits(model_dir, tokens=48)
-    assert calls and all(shape == (48, 256) for shape in calls), calls  # each layer's gate|up
-    want = _prefill_logits(model_dir / "oracle", tokens=48)
+    monkeypatch.setattr(int4_kchunk_ws, "launch", lambda *a, **k: calls.append((a[0].shape, a[7])) or real(*a, **k))
+    got = _prefill_logits(model_dir, tokens=tokens)
+    # each layer's gate|up (K 256), and down (K 8192) where programs names it: {K: rows a program}
+    assert sorted(calls) == sorted(((tokens, k), rows) for k, rows in programs.items() for _ in range(2)), calls
+    want = _prefill_logits(model_dir / "oracle", tokens=tokens)
     assert _rel_err(got, want) < 3e-2
 
 
