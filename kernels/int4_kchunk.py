@@ -22,8 +22,9 @@ vector `packed[c, n, :]`, nibble j of word w = row 32c + 4j + w), `scales`/`zero
   memory; the picker takes it at 9-128 rows where `wgmma` says it can run (before GEMM_MMA).
 - `gemm` GEMM_WS (sm_90, bf16/fp16 x with scales of its type, TMA-aligned operands): `kernels/int4_kchunk_ws.py`
   (Gluon), warp-specialised: TMA loader warps, dequantising partitions writing each weight tile to shared memory,
-  a wgmma warp group; the picker takes it at 33-512 rows on wide weights (the packed gate|up), and at 129-256 and
-  321-512 rows on long K (the down projection), where it can run.
+  a wgmma warp group; the picker takes it at 33-512 rows on wide weights (the packed gate|up), at 33-128 rows on
+  the other weights of at least 4096 x 4096, and at 129-256 and 321-512 rows on long K (the down projection), where
+  it can run.
 - `block_m` 0 (`DENSE`, prefill): `dequantize_kchunk` writes the dense weight once and cuBLAS multiplies.
 The GEMV and the tiles split K when the column tiles alone cannot fill the GPU (`kernels/int4_common.finish_tile`).
 With `gated` (a SwiGLU MLP's packed [gate | up] columns) the GEMV and GEMM_MMA write silu(gate) * up from
@@ -432,6 +433,10 @@ def _ws_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkC
     - long K (>= 8192, the 8B down) at 129-256 and 321-512 rows (run 84, dequantise + cuBLAS -> this: 129 82.8 ->
       68.5, 192 88.0 -> 63.9, 256 89.4 -> 63.9, 384 118.7 -> 103.1, 512 114.6 -> 106.4; at 320 97.1 against 104.5,
       kept).
+    - other weights of at least 4096 x 4096 (qkv, o, down) at 33-128 rows: 64-row programs, 128-row ones on long K
+      above 64 rows (run 84, the pick before -> this: qkv 40 rows 24.3 -> 18.4, 64 24.2 -> 20.0, 96 32.2 -> 25.5,
+      128 34.3 -> 27.6; o 17.8 -> 15.0, 17.9 -> 16.9, 25.6 -> 20.8, 24.5 -> 20.7; down 45.8 -> 29.0, 46.6 -> 31.3,
+      68.1 -> 40.5, 65.9 -> 43.3; bf16 down 34.9-39.5).
     qkv and o stay with dequantise + cuBLAS above 128 rows (run 84: this kernel 10 % faster at 192-256 rows, 15-40 %
     slower at 129 and 320-512)."""
     if not 33 <= M <= 512 or K % int4_kchunk_ws.BLOCK_K or (group_size < K and group_size % int4_kchunk_ws.BLOCK_K):
@@ -440,6 +445,8 @@ def _ws_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> KChunkC
     if N >= 16384:
         block_m, parts = _ws_rows(M)
         chunk = 256 if M > 256 else 0
+    elif M <= 128 and N * K >= 4096 * 4096:  # 128-row programs on long K above 64 rows, else 64-row ones
+        block_m, parts = (128, 3) if M > 64 and K >= 8192 else (64, 2)
     elif K >= 8192 and (129 <= M <= 256 or 321 <= M):
         block_m, parts = (128, 3) if 192 < M <= 256 else (256, 1)
     else:

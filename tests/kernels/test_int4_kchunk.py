@@ -197,9 +197,15 @@ def test_ws_picked_on_wide_weights_at_33_to_512_rows():
     assert pick(129, 4096, 14336) == pick(192, 4096, 14336) == ws(256, 1, split=4)  # 32 tiles
     assert pick(193, 4096, 14336) == pick(256, 4096, 14336) == ws(128, 3, split=2)  # 64 tiles
     assert pick(384, 4096, 14336) == ws(256, 1, split=2) and pick(512, 4096, 14336) == ws(256, 1, split=2)
-    assert all(pick(m, 4096, 14336).gemm != GEMM_WS for m in (40, 128, 257, 320, 513))
-    for n, k in ((6144, 4096), (4096, 4096)):  # qkv and o keep their paths
-        assert all(pick(m, n, k).gemm != GEMM_WS for m in (40, 64, 128, 256, 512)), (n, k)
+    assert all(pick(m, 4096, 14336).gemm != GEMM_WS for m in (32, 257, 320, 513))
+    # qkv, o and down at 33-128 rows: 64-row programs (128-row ones on long K above 64 rows), K split to one wave
+    assert pick(33, 6144, 4096) == pick(64, 6144, 4096) == ws(64, 2, split=2)  # 48 tiles
+    assert pick(65, 6144, 4096) == pick(128, 6144, 4096) == ws(64, 2, split=1)  # 96 tiles
+    assert pick(40, 4096, 4096) == ws(64, 2, split=4) and pick(128, 4096, 4096) == ws(64, 2, split=2)
+    assert pick(64, 4096, 14336) == ws(64, 2, split=4) and pick(65, 4096, 14336) == ws(128, 3, split=4)
+    for n, k in ((6144, 4096), (4096, 4096)):  # qkv and o keep dequantise + cuBLAS above 128 rows
+        assert all(pick(m, n, k).gemm != GEMM_WS for m in (129, 256, 512)), (n, k)
+    assert all(pick(m, 2048, 4096).gemm != GEMM_WS for m in (40, 128, 256))  # smaller weights keep their paths
     assert pick(128, group=32).gemm != GEMM_WS  # a 64-row K tile across two groups
     assert pick(128, group=4096).gemm == GEMM_WS and pick(128, k=4128, group=4128).gemm != GEMM_WS  # K % 64
     for lo, hi, variants in ((33, 64, 1), (65, 128, 1), (129, 256, 1), (257, 512, 1)):  # one compiled variant each

@@ -123,10 +123,11 @@ def test_the_op_takes_it_on_wide_weights(M, gated):
 
 
 @hopper
-@pytest.mark.parametrize("M", [129, 200, 400])
-def test_the_op_takes_it_on_long_k(M):
-    # a down-like weight (K >= 8192, 512 columns: 4 column tiles): 256- or 128-row programs, K split to fill a wave
-    N, K = 512, 8192
+@pytest.mark.parametrize("M, N", [(129, 512), (200, 512), (400, 512), (40, 2048), (100, 2048)])
+def test_the_op_takes_it_on_long_k(M, N):
+    # a down-like weight (K 8192; 512 columns: 4 column tiles, or 2048): 64-, 128- or 256-row programs, K split to
+    # fill a wave
+    K = 8192
     config = pick_kchunk_config(M, N, K, 128, torch.cuda.get_device_properties(0).multi_processor_count, mma=True,
                                 wgmma=True, ws=True)
     assert config.gemm == GEMM_WS and config.split_k > 1, config
