@@ -572,11 +572,12 @@ def int4_kchunk_linear_impl(
     mma_ok = mma_runs_on(x)
     wgmma_ok = mma_ok and _has_wgmma(_device_index(x))  # `wgmma_runs_on`, mma_runs_on read once
     if config is None:
-        # GEMM_WS's operand checks only where the shape could take it (they cost microseconds a call)
+        # `pick_kchunk_config` with ws: GEMM_WS first where the shape takes it; its operand checks only there (they
+        # cost microseconds a call)
         num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
-        ws_ok = (wgmma_ok and _ws_config(M, N, K, group_size, num_sms) is not None
-                 and int4_kchunk_ws.fits(x, packed, scales, zeros, group_size))
-        config = pick_kchunk_config(M, N, K, group_size, num_sms, mma=mma_ok, wgmma=wgmma_ok, gated=gated, ws=ws_ok)
+        config = _ws_config(M, N, K, group_size, num_sms) if wgmma_ok else None
+        if config is None or not int4_kchunk_ws.fits(x, packed, scales, zeros, group_size):
+            config = pick_kchunk_config(M, N, K, group_size, num_sms, mma=mma_ok, wgmma=wgmma_ok, gated=gated)
     elif config.gemm == GEMM_WS and not (wgmma_ok and int4_kchunk_ws.fits(x, packed, scales, zeros, group_size)):
         raise ValueError(f"GEMM_WS takes bf16/fp16 CUDA x on sm_90 with scales and zero points of its type, every "
                          f"operand 16-byte aligned (N a multiple of 8), K a multiple of 64 and groups of a multiple "

@@ -83,16 +83,16 @@ def test_int4_ws_matches_reference(dtype, M, N, K, group, block_m, stages, dq_wa
 @pytest.mark.parametrize("block_m, stages, dq_warps, parts", [(128, 4, 4, 2), (128, 4, 8, 1), (64, 4, 4, 3),
                                                               (256, 4, 8, 1)])
 def test_int4_ws_8b_shapes_and_graph_replay(K, N, block_m, stages, dq_warps, parts):
+    run = functools.partial(int4_kchunk_ws, block_m=block_m, stages=stages, wbuf=6 if parts == 3 else 2,
+                            dq_warps=dq_warps, raw=6 if parts == 3 else 8, dq_parts=parts)
     for m in (65, 128, 200, 256, 300):
         x, packed, scales, zeros, bias = _operands(m, N, K, 128, torch.bfloat16, seed=m)
         ref = quant_reference.int4_kchunk_linear(x, packed, scales, zeros, 128, bias)
-        out = int4_kchunk_ws(x, packed, scales, zeros, 128, bias, block_m, stages, 6 if parts == 3 else 2, dq_warps,
-                             raw=6 if parts == 3 else 8, dq_parts=parts)
+        out = run(x, packed, scales, zeros, 128, bias)
         assert _rel(out, ref) < 1e-2, (m, _rel(out, ref))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = int4_kchunk_ws(x, packed, scales, zeros, 128, bias, block_m, stages, 6 if parts == 3 else 2, dq_warps,
-                             raw=6 if parts == 3 else 8, dq_parts=parts)
+        out = run(x, packed, scales, zeros, 128, bias)
     for _ in range(2):
         out.zero_()
         graph.replay()

@@ -16,11 +16,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
-
-from sm90_compile import report, resources  # noqa: E402
+from sm90_compile import compile_variant, report, resources  # noqa: E402
 
 from kernels.int4_kchunk_ws import ROW_SMEM, SMEM, WORDS_SMEM, _kchunk_ws_kernel, buffers, mma_warps, registers  # noqa: E402
 
@@ -36,12 +32,8 @@ def _one(block_m: int, dtype: str, has_bias: bool, dq_warps: int, split: bool, p
     wbuf, raw = buffers(parts)  # the picker's
     const = dict(GROUP_TILES=2, HAS_BIAS=has_bias, BLOCK_M=block_m, STAGES=4, RAW=raw, WBUF=wbuf,
                  DQ_WARPS=dq_warps, DQ_PARTS=parts, USE_SPLIT=split, DQ_REGS=dq_regs, num_warps=mma_warps(block_m))
-    names = _kchunk_ws_kernel.arg_names
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-    src = GluonASTSource(_kchunk_ws_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=mma_warps(block_m), num_stages=1, maxnreg=maxnreg))
+    kernel = compile_variant(_kchunk_ws_kernel, const, types, _DIVISIBLE, mma_warps(block_m), 1, gluon=True,
+                             maxnreg=maxnreg)
     regs, stack = resources(kernel)
     ptx = kernel.asm["ptx"]
     if stack:

@@ -32,9 +32,10 @@ _DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "partial_ptr
 
 
 def compile_variant(fn, const: dict, types: dict, divisible: tuple, num_warps: int, num_stages: int,
-                    gluon: bool = False):
+                    gluon: bool = False, maxnreg: int | None = None):
     """Compile the Triton kernel `fn` (a Gluon one with `gluon`) for sm_90 with these constexprs, argument
-    types (default i32) and arguments assumed divisible by 16, as a launch at real shapes would specialise it."""
+    types (default i32) and arguments assumed divisible by 16, as a launch at real shapes would specialise it
+    (`maxnreg`: the launch's registers a thread, as a warp-specialised kernel's launcher passes them)."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     source = ASTSource
@@ -42,7 +43,10 @@ def compile_variant(fn, const: dict, types: dict, divisible: tuple, num_warps: i
         from triton.experimental.gluon._runtime import GluonASTSource as source
     src = source(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
                  attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in names})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def resources(kernel) -> tuple[int, int]:
